@@ -1,0 +1,42 @@
+//! meshgate's API types.
+//!
+//! * [`NodeGate`] (cluster-scoped CRD): which nodes are held back until which mesh agents are
+//!   Ready, and how (startup taint, extended resource).
+//! * [`MutationPolicy`] (cluster-scoped CRD): mutations applied to pods and pod templates, at
+//!   admission and to existing workloads.
+//! * [`GateConfig`]: the init-gate configuration the webhook reads from a file; it is also the
+//!   single source of the generated `MutatingWebhookConfiguration`.
+//!
+//! This crate holds types, defaults and validation only: no client, no I/O.
+
+pub mod config;
+pub mod mutation_policy;
+pub mod node_gate;
+mod selector;
+
+pub use config::{GateCheck, GateConfig, Profile};
+pub use mutation_policy::{MutationPolicy, MutationPolicySpec, MutationPolicyStatus};
+pub use node_gate::{NodeGate, NodeGateSpec, NodeGateStatus};
+pub use selector::{LabelSelector, LabelSelectorRequirement, SelectorOperator};
+
+/// The API group of meshgate's CRDs, and the prefix of its labels, annotations, taints and
+/// resources.
+pub const DOMAIN: &str = "meshgate.dev";
+
+/// Well-known names: labels, annotations, the default taint and the extended resource.
+pub mod names {
+    /// Pod label or annotation `"false"` opts a pod out of every meshgate mutation.
+    pub const OPT_OUT: &str = "meshgate.dev/inject";
+    /// Name of the injected init container.
+    pub const GATE_CONTAINER: &str = "meshgate-wait";
+    /// Default startup taint key.
+    pub const DEFAULT_TAINT_KEY: &str = "node.meshgate.dev/agent-not-ready";
+    /// Default extended resource advertised on ready nodes.
+    pub const DEFAULT_RESOURCE: &str = "meshgate.dev/mesh-ready";
+    /// Node annotation: RFC 3339 time the agents of a gate were first seen Ready (bootstrap done).
+    pub const NODE_READY_SINCE: &str = "meshgate.dev/agents-ready-since";
+    /// Label on every object meshgate renders.
+    pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+    /// Field manager used for every write.
+    pub const FIELD_MANAGER: &str = "meshgate";
+}

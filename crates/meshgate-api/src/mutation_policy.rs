@@ -1,0 +1,218 @@
+//! `MutationPolicy`: mutations applied to pods and pod templates.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::selector::LabelSelector;
+
+/// Mutations applied at admission to matching objects and, when `existing.enabled`, to the pod
+/// templates of workloads that exist already.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "meshgate.dev",
+    version = "v1alpha1",
+    kind = "MutationPolicy",
+    plural = "mutationpolicies",
+    shortname = "mpol",
+    status = "MutationPolicyStatus",
+    category = "meshgate",
+    printcolumn = r#"{"name":"Kinds","type":"string","jsonPath":".spec.match.kinds"}"#,
+    printcolumn = r#"{"name":"Existing","type":"integer","jsonPath":".status.existing.mutated"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct MutationPolicySpec {
+    /// What the policy applies to.
+    #[serde(rename = "match")]
+    pub match_: MatchResources,
+    /// What it never applies to, even when matched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exclude: Option<MatchResources>,
+    /// Apply the mutations of a Pod-matching policy to the pod templates of Deployments,
+    /// StatefulSets, DaemonSets, ReplicaSets, Jobs and CronJobs as well (Kyverno's default).
+    #[serde(default)]
+    pub pod_templates: bool,
+    /// Mutations, applied in order.
+    #[schemars(length(min = 1))]
+    pub mutations: Vec<Mutation>,
+    /// Shown as an admission warning whenever the policy changes an object: name the trade-off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
+    /// Apply to workloads that exist already.
+    #[serde(default)]
+    pub existing: ExistingResources,
+}
+
+/// A resource filter. Every field that is set must match.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MatchResources {
+    /// Kinds: Pod, Deployment, StatefulSet, DaemonSet, ReplicaSet, Job, CronJob. Empty: Pod.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kinds: Vec<String>,
+    /// Namespace names (`*` and `?` wildcards allowed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub namespaces: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<LabelSelector>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub object_selector: Option<LabelSelector>,
+    /// CREATE and/or UPDATE. Empty: CREATE.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub operations: Vec<Operation>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Operation {
+    Create,
+    Update,
+}
+
+/// One mutation. Exactly one field is set.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "[has(self.annotations), has(self.labels), has(self.strategicMerge), has(self.jsonPatch)].filter(x, x).size() == 1",
+    "message": "set exactly one of annotations, labels, strategicMerge, jsonPatch"
+}]))]
+pub struct Mutation {
+    /// Set pod (or pod template) annotations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub annotations: Option<MetadataMutation>,
+    /// Set pod (or pod template) labels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<MetadataMutation>,
+    /// A strategic-merge patch of the pod, with Kyverno's anchors: `+(key)` adds when absent,
+    /// `(key)` is a condition on the object, `<(key)` a condition on the whole element.
+    /// Lists of objects are merged by `name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "any_object")]
+    pub strategic_merge: Option<serde_json::Value>,
+    /// RFC 6902 operations on the pod (paths relative to the Pod object).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub json_patch: Option<Vec<JsonPatchOperation>>,
+}
+
+/// Set metadata keys.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MetadataMutation {
+    pub values: BTreeMap<String, String>,
+    /// What to do when the key has another value already.
+    #[serde(default)]
+    pub on_conflict: OnConflict,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum OnConflict {
+    /// Replace the existing value.
+    #[default]
+    Overwrite,
+    /// Leave the existing value.
+    Keep,
+}
+
+/// One RFC 6902 operation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JsonPatchOperation {
+    pub op: JsonPatchOp,
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "any_value")]
+    pub value: Option<serde_json::Value>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum JsonPatchOp {
+    Add,
+    Remove,
+    Replace,
+    Move,
+    Copy,
+    Test,
+}
+
+/// Backfill of existing workloads.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExistingResources {
+    #[serde(default)]
+    pub enabled: bool,
+    /// Report what would change; change nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// Writes per second at most.
+    #[serde(default = "default_rate")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub rate_per_second: u32,
+}
+
+fn default_rate() -> u32 {
+    10
+}
+
+impl Default for ExistingResources {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            dry_run: false,
+            rate_per_second: default_rate(),
+        }
+    }
+}
+
+/// What the controller did for existing workloads, and the policy's conditions.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MutationPolicyStatus {
+    #[serde(default)]
+    pub observed_generation: i64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub existing: Option<ExistingReport>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// Result of the last pass over existing workloads.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ExistingReport {
+    /// Workloads that matched.
+    pub matched: u32,
+    /// Workloads changed (or, in dry run, that would change).
+    pub mutated: u32,
+    /// Workloads that already carried the mutation.
+    pub unchanged: u32,
+    /// Bare pods that match: reported, never changed or deleted.
+    pub bare_pods: u32,
+    pub failed: u32,
+    pub dry_run: bool,
+    /// `Kind namespace/name` of the changed workloads (at most 50).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub changed: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_applied: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+}
+
+fn any_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": true
+    })
+}
+
+fn any_value(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "x-kubernetes-preserve-unknown-fields": true
+    })
+}

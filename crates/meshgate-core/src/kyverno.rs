@@ -1,0 +1,1 @@
+//! Kyverno ClusterPolicy import (being written).

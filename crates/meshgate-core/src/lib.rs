@@ -1,0 +1,8 @@
+//! meshgate's pure core: every decision meshgate makes, as functions of plain data.
+//!
+//! No Kubernetes client, no I/O, no clock: the webhook and the controller feed these functions
+//! what they observed and carry out what comes back. That is what makes every rule here testable
+//! on fixtures.
+
+pub mod policy;
+pub mod kyverno;

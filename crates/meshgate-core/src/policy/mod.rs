@@ -1,0 +1,1 @@
+//! The MutationPolicy engine (being written).
