@@ -12,7 +12,7 @@
 pub mod config;
 pub mod mutation_policy;
 pub mod node_gate;
-mod selector;
+pub mod selector;
 
 pub use config::{GateCheck, GateConfig, Profile};
 pub use mutation_policy::{MutationPolicy, MutationPolicySpec, MutationPolicyStatus};

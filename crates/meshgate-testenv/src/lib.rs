@@ -1,1 +1,528 @@
+//! A real Kubernetes control plane on loopback: etcd, kube-apiserver and, on request,
+//! kube-scheduler, built from source by `tools/controlplane/build.sh`.
+//!
+//! * [`ControlPlane::start`] starts a private one (free ports, a temporary directory).
+//! * [`shared`] gives every test of a test binary the same one; tests isolate themselves with
+//!   [`ControlPlane::namespace`].
+//!
+//! The API server authenticates an admin by a client certificate in `system:masters`, authorizes
+//! with RBAC, signs service-account tokens with a generated key, and runs without the
+//! `ServiceAccount` admission plugin (there is no controller manager to create tokens).
+//!
+//! No process outlives the test binary: every child is started through `setpriv --pdeathsig KILL`
+//! from one supervisor thread that lives as long as the process, so the kernel kills the children
+//! when the process ends, whether the tests passed, panicked or were interrupted. [`Drop`] stops a
+//! private control plane early.
 
+mod process;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+use tokio::sync::OnceCell;
+
+pub use process::Process;
+
+/// Errors of the test environment, each naming what failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("building the control plane failed ({script}): {message}")]
+    Build { script: String, message: String },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("certificates: {0}")]
+    Pki(#[from] meshgate_pki::PkiError),
+    #[error("{name} did not become ready within {waited:?}; last lines of its log:\n{log}")]
+    NotReady {
+        name: &'static str,
+        waited: Duration,
+        log: String,
+    },
+    #[error("{name} exited early ({status}); last lines of its log:\n{log}")]
+    Exited {
+        name: &'static str,
+        status: String,
+        log: String,
+    },
+    #[error("kube client: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("kubeconfig: {0}")]
+    Kubeconfig(String),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Io { what, source }
+}
+
+/// Where the control-plane binaries are: `MESHGATE_CONTROLPLANE_BIN`, else what
+/// `tools/controlplane/build.sh` prints (it builds once and caches outside the repository).
+pub fn binaries() -> Result<PathBuf, Error> {
+    if let Some(dir) = std::env::var_os("MESHGATE_CONTROLPLANE_BIN") {
+        return Ok(PathBuf::from(dir));
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/controlplane/build.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(io(format!("running {}", script.display())))?;
+    if !out.status.success() {
+        return Err(Error::Build {
+            script: script.display().to_string(),
+            message: format!("exit {}", out.status),
+        });
+    }
+    let dir = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    Ok(PathBuf::from(dir))
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; good enough on a test machine).
+pub fn free_port() -> Result<u16, Error> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(io("binding a free port"))?;
+    Ok(l.local_addr().map_err(io("reading the bound port"))?.port())
+}
+
+/// Options for [`ControlPlane::start`].
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// Also start kube-scheduler.
+    pub scheduler: bool,
+    /// Extra kube-apiserver flags (`--name=value`).
+    pub apiserver_flags: Vec<String>,
+}
+
+/// A running control plane. Dropping it stops its processes and removes its directory.
+pub struct ControlPlane {
+    bin: PathBuf,
+    dir: tempfile::TempDir,
+    etcd: Process,
+    apiserver: Process,
+    scheduler: tokio::sync::Mutex<Option<Process>>,
+    /// `https://127.0.0.1:PORT`.
+    pub server: String,
+    /// The admin kubeconfig (client certificate in `system:masters`).
+    pub kubeconfig_path: PathBuf,
+    /// PEM of the CA that signed the API server's serving certificate.
+    pub ca_pem: String,
+    etcd_url: String,
+    apiserver_args: Vec<String>,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("server", &self.server)
+            .field("dir", &self.dir.path())
+            .finish_non_exhaustive()
+    }
+}
+
+const CERT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
+
+impl ControlPlane {
+    /// Starts etcd and kube-apiserver (and kube-scheduler if asked) and waits until the API
+    /// server is ready.
+    pub async fn start(options: Options) -> Result<Self, Error> {
+        let bin = tokio::task::spawn_blocking(binaries)
+            .await
+            .map_err(|e| Error::Kubeconfig(e.to_string()))??;
+        // etcd's data is throw-away: keep it in memory when the machine has /dev/shm.
+        let parent = if Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        remove_stale_dirs(&parent);
+        let dir = match Path::new("/dev/shm").is_dir() {
+            true => tempfile::Builder::new().prefix("meshgate-cp-").tempdir_in("/dev/shm"),
+            false => tempfile::Builder::new().prefix("meshgate-cp-").tempdir(),
+        }
+        .map_err(io("creating the control plane's directory"))?;
+        let d = dir.path();
+        std::fs::write(d.join("owner.pid"), std::process::id().to_string())
+            .map_err(io("writing owner.pid"))?;
+        let write = |name: &str, text: &str| -> Result<PathBuf, Error> {
+            let p = d.join(name);
+            std::fs::write(&p, text).map_err(io(format!("writing {}", p.display())))?;
+            Ok(p)
+        };
+
+        let ca = meshgate_pki::Ca::new("meshgate-test-ca", CERT_LIFETIME)?;
+        let serving = ca.issue_server(
+            &["127.0.0.1", "localhost", "kubernetes", "kubernetes.default.svc"],
+            CERT_LIFETIME,
+        )?;
+        let admin = ca.issue_client("meshgate-test-admin", &["system:masters"], CERT_LIFETIME)?;
+        let sa_key = meshgate_pki::generate_key_pem()?;
+        let ca_file = write("ca.crt", &ca.certificate().cert_pem)?;
+        let tls_cert = write("apiserver.crt", &serving.cert_pem)?;
+        let tls_key = write("apiserver.key", &serving.key_pem)?;
+        let admin_cert = write("admin.crt", &admin.cert_pem)?;
+        let admin_key = write("admin.key", &admin.key_pem)?;
+        let sa_key_file = write("sa.key", &sa_key)?;
+        let sa_pub_file = write("sa.pub", &meshgate_pki::public_key_pem(&sa_key)?)?;
+
+        // etcd
+        let (client_port, peer_port) = (free_port()?, free_port()?);
+        let etcd_url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let etcd = Process::spawn(
+            "etcd",
+            &bin.join("etcd"),
+            &[
+                format!("--data-dir={}", d.join("etcd").display()),
+                format!("--listen-client-urls={etcd_url}"),
+                format!("--advertise-client-urls={etcd_url}"),
+                format!("--listen-peer-urls={peer_url}"),
+                format!("--initial-advertise-peer-urls={peer_url}"),
+                format!("--initial-cluster=default={peer_url}"),
+                "--unsafe-no-fsync=true".into(),
+                "--log-level=warn".into(),
+            ],
+            &d.join("etcd.log"),
+        )?;
+        wait_http(&etcd, &format!("{etcd_url}/health"), Duration::from_secs(30)).await?;
+
+        // kube-apiserver
+        let port = free_port()?;
+        let server = format!("https://127.0.0.1:{port}");
+        let mut apiserver_args = vec![
+            format!("--etcd-servers={etcd_url}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--secure-port={port}"),
+            format!("--cert-dir={}", d.join("certs").display()),
+            format!("--tls-cert-file={}", tls_cert.display()),
+            format!("--tls-private-key-file={}", tls_key.display()),
+            format!("--client-ca-file={}", ca_file.display()),
+            "--authorization-mode=RBAC".into(),
+            format!("--service-account-key-file={}", sa_pub_file.display()),
+            format!("--service-account-signing-key-file={}", sa_key_file.display()),
+            "--service-account-issuer=https://kubernetes.default.svc".into(),
+            "--disable-admission-plugins=ServiceAccount".into(),
+            "--service-cluster-ip-range=10.96.0.0/16".into(),
+            "--allow-privileged=true".into(),
+            "--endpoint-reconciler-type=none".into(),
+            "--profiling=false".into(),
+            "--v=1".into(),
+        ];
+        apiserver_args.extend(options.apiserver_flags.iter().cloned());
+        let apiserver = Process::spawn(
+            "kube-apiserver",
+            &bin.join("kube-apiserver"),
+            &apiserver_args,
+            &d.join("kube-apiserver.log"),
+        )?;
+
+        let kubeconfig_path = d.join("kubeconfig");
+        std::fs::write(
+            &kubeconfig_path,
+            kubeconfig_yaml(&server, &ca_file, &admin_cert, &admin_key),
+        )
+        .map_err(io("writing the kubeconfig"))?;
+
+        let cp = Self {
+            bin,
+            dir,
+            etcd,
+            apiserver,
+            scheduler: tokio::sync::Mutex::new(None),
+            server,
+            kubeconfig_path,
+            ca_pem: ca.certificate().cert_pem.clone(),
+            etcd_url,
+            apiserver_args,
+        };
+        cp.wait_ready(Duration::from_secs(90)).await?;
+        if options.scheduler {
+            cp.ensure_scheduler().await?;
+        }
+        Ok(cp)
+    }
+
+    /// A client with the admin identity.
+    pub async fn client(&self) -> Result<Client, Error> {
+        let kubeconfig = Kubeconfig::read_from(&self.kubeconfig_path)
+            .map_err(|e| Error::Kubeconfig(e.to_string()))?;
+        let mut config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .map_err(|e| Error::Kubeconfig(e.to_string()))?;
+        config.read_timeout = Some(Duration::from_secs(60));
+        Ok(Client::try_from(config)?)
+    }
+
+    /// The directory holding the logs (`etcd.log`, `kube-apiserver.log`, `kube-scheduler.log`).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The etcd client URL.
+    pub fn etcd_url(&self) -> &str {
+        &self.etcd_url
+    }
+
+    /// Starts kube-scheduler if it is not running yet and waits until it serves.
+    pub async fn ensure_scheduler(&self) -> Result<(), Error> {
+        let mut slot = self.scheduler.lock().await;
+        if slot.as_ref().is_some_and(|p| p.is_running()) {
+            return Ok(());
+        }
+        let port = free_port()?;
+        let p = Process::spawn(
+            "kube-scheduler",
+            &self.bin.join("kube-scheduler"),
+            &[
+                format!("--kubeconfig={}", self.kubeconfig_path.display()),
+                format!("--authentication-kubeconfig={}", self.kubeconfig_path.display()),
+                format!("--authorization-kubeconfig={}", self.kubeconfig_path.display()),
+                "--bind-address=127.0.0.1".into(),
+                format!("--secure-port={port}"),
+                format!("--cert-dir={}", self.dir().join("scheduler-certs").display()),
+                "--leader-elect=false".into(),
+                "--v=2".into(),
+            ],
+            &self.dir().join("kube-scheduler.log"),
+        )?;
+        wait_http(&p, &format!("https://127.0.0.1:{port}/healthz"), Duration::from_secs(60))
+            .await?;
+        *slot = Some(p);
+        Ok(())
+    }
+
+    /// Stops kube-apiserver and starts it again with the same flags (fault tests).
+    pub async fn restart_apiserver(&mut self) -> Result<(), Error> {
+        self.apiserver.stop();
+        self.apiserver = Process::spawn(
+            "kube-apiserver",
+            &self.bin.join("kube-apiserver"),
+            &self.apiserver_args,
+            &self.dir().join("kube-apiserver.log"),
+        )?;
+        self.wait_ready(Duration::from_secs(90)).await
+    }
+
+    /// Process ids of the running control-plane processes.
+    pub fn pids(&self) -> Vec<u32> {
+        let mut pids = vec![self.etcd.pid(), self.apiserver.pid()];
+        if let Ok(slot) = self.scheduler.try_lock()
+            && let Some(p) = slot.as_ref()
+        {
+            pids.push(p.pid());
+        }
+        pids
+    }
+
+    async fn wait_ready(&self, timeout: Duration) -> Result<(), Error> {
+        let start = Instant::now();
+        let client = self.client().await?;
+        loop {
+            self.apiserver.check_alive()?;
+            let req = http::Request::get("/readyz").body(Vec::new());
+            if let Ok(req) = req
+                && let Ok(text) = client.request_text(req).await
+                && text.trim() == "ok"
+            {
+                return Ok(());
+            }
+            if start.elapsed() > timeout {
+                return Err(Error::NotReady {
+                    name: "kube-apiserver",
+                    waited: timeout,
+                    log: self.apiserver.log_tail(30),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Creates a namespace with a unique name starting with `prefix`, with these labels.
+    pub async fn namespace(&self, prefix: &str, labels: &[(&str, &str)]) -> Result<String, Error> {
+        static COUNTER: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("{prefix}-{}-{n}", std::process::id());
+        let ns = Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                labels: Some(
+                    labels
+                        .iter()
+                        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                        .collect(),
+                ),
+                ..ObjectMeta::default()
+            },
+            ..Namespace::default()
+        };
+        Api::<Namespace>::all(self.client().await?)
+            .create(&PostParams::default(), &ns)
+            .await?;
+        Ok(name)
+    }
+}
+
+/// The shared control plane lives in a static, which is never dropped: its directory outlives
+/// the test binary. Each directory names its owner process; those whose owner is gone are removed
+/// by the next start.
+fn remove_stale_dirs(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let is_ours = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("meshgate-cp-"));
+        if !is_ours {
+            continue;
+        }
+        let owner = std::fs::read_to_string(path.join("owner.pid")).unwrap_or_default();
+        let alive = !owner.trim().is_empty() && Path::new("/proc").join(owner.trim()).exists();
+        if !alive {
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
+}
+
+fn kubeconfig_yaml(server: &str, ca: &Path, cert: &Path, key: &Path) -> String {
+    format!(
+        "apiVersion: v1
+kind: Config
+clusters:
+- name: meshgate-test
+  cluster:
+    server: {server}
+    certificate-authority: {ca}
+users:
+- name: admin
+  user:
+    client-certificate: {cert}
+    client-key: {key}
+contexts:
+- name: meshgate-test
+  context:
+    cluster: meshgate-test
+    user: admin
+current-context: meshgate-test
+",
+        ca = ca.display(),
+        cert = cert.display(),
+        key = key.display()
+    )
+}
+
+/// Polls an HTTP(S) health endpoint with a plain TCP + TLS-less probe: for etcd (HTTP) a GET, for
+/// TLS endpoints a TCP connect (the process is then serving).
+async fn wait_http(p: &Process, url: &str, timeout: Duration) -> Result<(), Error> {
+    let start = Instant::now();
+    let hostport = url
+        .split("://")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_default()
+        .to_owned();
+    let plain = url.starts_with("http://");
+    loop {
+        p.check_alive()?;
+        if let Ok(mut s) = tokio::net::TcpStream::connect(&hostport).await {
+            if !plain {
+                return Ok(());
+            }
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let path = url.splitn(4, '/').nth(3).unwrap_or_default();
+            let req = format!("GET /{path} HTTP/1.0\r\nHost: {hostport}\r\n\r\n");
+            let mut buf = Vec::new();
+            if s.write_all(req.as_bytes()).await.is_ok()
+                && s.read_to_end(&mut buf).await.is_ok()
+                && buf.starts_with(b"HTTP/1.0 200")
+                || buf.starts_with(b"HTTP/1.1 200")
+            {
+                return Ok(());
+            }
+        }
+        if start.elapsed() > timeout {
+            return Err(Error::NotReady {
+                name: p.name(),
+                waited: timeout,
+                log: p.log_tail(30),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+static SHARED: OnceCell<Arc<ControlPlane>> = OnceCell::const_new();
+
+/// The control plane shared by every test of this test binary, started on first use (with the
+/// scheduler when `options.scheduler`; a later caller asking for the scheduler gets it started).
+///
+/// Each `#[tokio::test]` has its own runtime, so the shared control plane does its own I/O
+/// through fresh clients: call [`ControlPlane::client`] in each test.
+pub async fn shared(options: Options) -> Result<Arc<ControlPlane>, Error> {
+    let want_scheduler = options.scheduler;
+    let cp = SHARED
+        .get_or_try_init(|| async { ControlPlane::start(options).await.map(Arc::new) })
+        .await?
+        .clone();
+    if want_scheduler {
+        cp.ensure_scheduler().await?;
+    }
+    Ok(cp)
+}
+
+/// Plays kubelet and the node lifecycle controller for a Node the test created: reports it
+/// Ready with some capacity and removes the `node.kubernetes.io/not-ready` taint that the API
+/// server's `TaintNodesByCondition` admission plugin put on it at creation. Other taints stay.
+pub async fn make_node_ready(client: &Client, name: &str) -> Result<(), Error> {
+    use k8s_openapi::api::core::v1::Node;
+    use kube::api::{Patch, PatchParams};
+    let nodes: Api<Node> = Api::all(client.clone());
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let status = serde_json::json!({"status": {
+        "capacity": {"cpu": "4", "memory": "8Gi", "pods": "110"},
+        "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "110"},
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                        "message": "meshgate-testenv", "lastHeartbeatTime": now,
+                        "lastTransitionTime": now}],
+    }});
+    nodes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    // Remove the condition taint with an optimistic lock on the list, like the real controller.
+    loop {
+        let node = nodes.get(name).await?;
+        let taints = node.spec.and_then(|s| s.taints).unwrap_or_default();
+        if !taints.iter().any(|t| t.key == "node.kubernetes.io/not-ready") {
+            return Ok(());
+        }
+        let kept: Vec<_> = taints
+            .iter()
+            .filter(|t| t.key != "node.kubernetes.io/not-ready")
+            .collect();
+        let patch = serde_json::json!([
+            {"op": "test", "path": "/spec/taints", "value": taints},
+            {"op": "replace", "path": "/spec/taints", "value": kept},
+        ]);
+        let patch: json_patch::Patch =
+            serde_json::from_value(patch).map_err(|e| Error::Kubeconfig(e.to_string()))?;
+        match nodes
+            .patch(name, &PatchParams::default(), &Patch::<()>::Json(patch))
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 422 || e.code == 409 => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
