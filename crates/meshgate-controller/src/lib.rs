@@ -1,1 +1,33 @@
+//! meshgate's controllers.
+//!
+//! * [`nodegate`]: keeps each node's startup taint and gate resource in line with its mesh
+//!   agents' readiness (rules in `meshgate_core::nodegate`).
+//! * [`agents`]: the index of agent pods and DaemonSets by node that the node gate reads.
+//! * [`leader`]: leader election on a Lease; every replica keeps warm caches, only the leader
+//!   writes.
+//!
+//! The controllers are thin: they watch, call the pure decisions of `meshgate-core`, and write
+//! the result with optimistic locking.
 
+pub mod agents;
+pub mod leader;
+pub mod metrics;
+pub mod nodegate;
+
+pub use metrics::Metrics;
+
+/// Seconds since the Unix epoch.
+pub fn now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// Seconds since the Unix epoch, with fractions.
+pub fn now_precise() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}

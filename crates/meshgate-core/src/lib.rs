@@ -4,5 +4,10 @@
 //! what they observed and carry out what comes back. That is what makes every rule here testable
 //! on fixtures.
 
-pub mod policy;
+pub mod gate;
 pub mod kyverno;
+pub mod nodegate;
+pub mod patch;
+pub mod policy;
+pub mod registration;
+pub mod select;

@@ -109,6 +109,7 @@ impl Ca {
         for name in names {
             let san = match name.parse::<IpAddr>() {
                 Ok(ip) => SanType::IpAddress(ip),
+                Err(_) if !is_dns_name(name) => return Err(PkiError::San((*name).to_owned())),
                 Err(_) => SanType::DnsName(
                     (*name)
                         .try_into()
@@ -152,6 +153,20 @@ impl Ca {
             not_after_unix,
         })
     }
+}
+
+/// RFC 1123 host names, with an optional leading `*.` wildcard label.
+fn is_dns_name(name: &str) -> bool {
+    let name = name.strip_prefix("*.").unwrap_or(name);
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
 }
 
 /// A fresh P-256 key in PKCS#8 PEM (e.g. a service-account signing key).

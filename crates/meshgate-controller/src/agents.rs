@@ -1,0 +1,261 @@
+//! An index of mesh agent pods (and their DaemonSets) by node.
+//!
+//! Agent pods live in a few namespaces; the index watches pods and DaemonSets in exactly the
+//! namespaces that some NodeGate names, and keeps per pod only what the gate reads (labels,
+//! node, readiness), so memory grows with agent pods, not with all pods in the cluster. Every
+//! change to an agent pod triggers a reconcile of its node.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, RwLock};
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{Node, Pod, PodTemplateSpec};
+use kube::api::Api;
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::{watcher, watcher::Event};
+use kube::runtime::WatchStreamExt;
+use meshgate_api::node_gate::Agent;
+use meshgate_core::nodegate::{AgentState, daemonset_targets};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What the gate needs of one agent pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentPod {
+    pub namespace: String,
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub ready: bool,
+    /// When the Ready condition last changed (else the pod's creation), Unix seconds.
+    pub since: i64,
+}
+
+fn summarize(pod: &Pod) -> Option<(String, AgentPod)> {
+    let node = pod.spec.as_ref()?.node_name.clone()?;
+    let ready_cond = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+    let created = pod
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map_or(0, |t| t.0.as_second());
+    // A pod being deleted is not counted as Ready.
+    let ready = pod.metadata.deletion_timestamp.is_none()
+        && ready_cond.is_some_and(|c| c.status == "True");
+    let since = ready_cond
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map_or(created, |t| t.0.as_second());
+    Some((
+        node,
+        AgentPod {
+            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            labels: pod.metadata.labels.clone().unwrap_or_default(),
+            ready,
+            since,
+        },
+    ))
+}
+
+#[derive(Default)]
+struct Inner {
+    by_node: HashMap<String, Vec<AgentPod>>,
+    /// (namespace, pod) → node, to find a pod again on delete.
+    pod_node: HashMap<(String, String), String>,
+    daemonsets: HashMap<(String, String), PodTemplateSpec>,
+    watched: HashSet<String>,
+    synced: HashSet<String>,
+}
+
+/// The shared index.
+#[derive(Clone, Default)]
+pub struct AgentIndex(Arc<RwLock<Inner>>);
+
+impl std::fmt::Debug for AgentIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentIndex").finish_non_exhaustive()
+    }
+}
+
+impl AgentIndex {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
+        self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
+        self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Inserts or updates a pod; returns the nodes whose agents changed.
+    pub fn upsert(&self, pod: &Pod) -> Vec<String> {
+        let key = (
+            pod.metadata.namespace.clone().unwrap_or_default(),
+            pod.metadata.name.clone().unwrap_or_default(),
+        );
+        let mut touched = self.remove_key(&key);
+        if let Some((node, summary)) = summarize(pod) {
+            let mut inner = self.write();
+            inner.pod_node.insert(key, node.clone());
+            inner.by_node.entry(node.clone()).or_default().push(summary);
+            touched.push(node);
+        }
+        touched
+    }
+
+    /// Removes a pod; returns its node.
+    pub fn remove(&self, pod: &Pod) -> Vec<String> {
+        self.remove_key(&(
+            pod.metadata.namespace.clone().unwrap_or_default(),
+            pod.metadata.name.clone().unwrap_or_default(),
+        ))
+    }
+
+    fn remove_key(&self, key: &(String, String)) -> Vec<String> {
+        let mut inner = self.write();
+        let Some(node) = inner.pod_node.remove(key) else {
+            return Vec::new();
+        };
+        if let Some(pods) = inner.by_node.get_mut(&node) {
+            pods.retain(|p| !(p.namespace == key.0 && p.name == key.1));
+            if pods.is_empty() {
+                inner.by_node.remove(&node);
+            }
+        }
+        vec![node]
+    }
+
+    /// Replaces every pod of `namespace` (after a re-list); returns the nodes touched.
+    fn replace_namespace(&self, namespace: &str, pods: &[Pod]) -> Vec<String> {
+        let old: Vec<(String, String)> = self
+            .read()
+            .pod_node
+            .keys()
+            .filter(|(ns, _)| ns == namespace)
+            .cloned()
+            .collect();
+        let mut touched: Vec<String> = old.iter().flat_map(|k| self.remove_key(k)).collect();
+        for p in pods {
+            touched.extend(self.upsert(p));
+        }
+        self.write().synced.insert(namespace.to_owned());
+        touched.sort();
+        touched.dedup();
+        touched
+    }
+
+    /// The agent's state on a node.
+    pub fn state(&self, agent: &Agent, node: &Node, gate_taint: &str) -> AgentState {
+        let node_name = node.metadata.name.as_deref().unwrap_or_default();
+        let inner = self.read();
+        let pods: Vec<&AgentPod> = inner
+            .by_node
+            .get(node_name)
+            .into_iter()
+            .flatten()
+            .filter(|p| p.namespace == agent.namespace && agent.selector.matches(&p.labels))
+            .collect();
+        if let Some(since) = pods.iter().filter(|p| p.ready).map(|p| p.since).min() {
+            return AgentState::Ready { since };
+        }
+        if let Some(since) = pods.iter().map(|p| p.since).min() {
+            return AgentState::NotReady { since };
+        }
+        if let Some(ds) = &agent.daemon_set
+            && let Some(template) = inner.daemonsets.get(&(agent.namespace.clone(), ds.clone()))
+        {
+            let empty = BTreeMap::new();
+            let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
+            let taints = node
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_deref())
+                .unwrap_or_default();
+            if !daemonset_targets(template, node_name, labels, taints, gate_taint) {
+                return AgentState::NotTargeted;
+            }
+        }
+        AgentState::Missing
+    }
+
+    /// Whether the first list of every watched namespace has arrived.
+    pub fn synced(&self) -> bool {
+        let inner = self.read();
+        inner.watched.iter().all(|ns| inner.synced.contains(ns))
+    }
+
+    /// Starts watching pods and DaemonSets in `namespace` unless already watched. Node names
+    /// whose agents change are sent to `trigger`.
+    pub fn ensure_watch(&self, client: &kube::Client, namespace: &str, trigger: &UnboundedSender<ObjectRef<Node>>) {
+        if !self.write().watched.insert(namespace.to_owned()) {
+            return;
+        }
+        tracing::info!(namespace, "watching agent pods");
+        tokio::spawn(watch_pods(self.clone(), client.clone(), namespace.to_owned(), trigger.clone()));
+        tokio::spawn(watch_daemonsets(self.clone(), client.clone(), namespace.to_owned(), trigger.clone()));
+    }
+
+    /// Every node that has agent pods (for a resync).
+    pub fn nodes(&self) -> Vec<String> {
+        self.read().by_node.keys().cloned().collect()
+    }
+}
+
+fn send_all(trigger: &UnboundedSender<ObjectRef<Node>>, nodes: Vec<String>) {
+    for n in nodes {
+        let _ = trigger.send(ObjectRef::new(&n));
+    }
+}
+
+async fn watch_pods(index: AgentIndex, client: kube::Client, namespace: String, trigger: UnboundedSender<ObjectRef<Node>>) {
+    let api = Api::<Pod>::namespaced(client, &namespace);
+    let mut relist: Vec<Pod> = Vec::new();
+    let mut stream = watcher(api, watcher::Config::default()).default_backoff().boxed();
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(Event::Apply(pod)) => send_all(&trigger, index.upsert(&pod)),
+            Ok(Event::Delete(pod)) => send_all(&trigger, index.remove(&pod)),
+            Ok(Event::Init) => relist.clear(),
+            Ok(Event::InitApply(pod)) => relist.push(pod),
+            Ok(Event::InitDone) => {
+                send_all(&trigger, index.replace_namespace(&namespace, &relist));
+                relist = Vec::new();
+            }
+            Err(e) => tracing::warn!(namespace, error = %e, "agent pod watch failed; retrying"),
+        }
+    }
+}
+
+async fn watch_daemonsets(index: AgentIndex, client: kube::Client, namespace: String, trigger: UnboundedSender<ObjectRef<Node>>) {
+    let api = Api::<DaemonSet>::namespaced(client, &namespace);
+    let mut stream = watcher(api, watcher::Config::default()).default_backoff().boxed();
+    while let Some(event) = stream.next().await {
+        let changed = match event {
+            Ok(Event::Apply(ds) | Event::InitApply(ds)) => {
+                let key = (namespace.clone(), ds.metadata.name.clone().unwrap_or_default());
+                let template = ds.spec.map(|s| s.template).unwrap_or_default();
+                index.write().daemonsets.insert(key, template);
+                true
+            }
+            Ok(Event::Delete(ds)) => {
+                let key = (namespace.clone(), ds.metadata.name.clone().unwrap_or_default());
+                index.write().daemonsets.remove(&key);
+                true
+            }
+            Ok(_) => false,
+            Err(e) => {
+                tracing::warn!(namespace, error = %e, "DaemonSet watch failed; retrying");
+                false
+            }
+        };
+        if changed {
+            // Targeting may change for any node: the node controller resyncs all of them.
+            let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
+        }
+    }
+}
+
+/// A node name no node can have: asks the controller to reconcile every node.
+pub const RESYNC_ALL: &str = "*resync*";

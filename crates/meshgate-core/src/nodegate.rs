@@ -1,0 +1,611 @@
+//! Node gate decisions: given what a node and its agent pods look like now, what the node's
+//! startup taint and gate resource should be, and when to look again.
+//!
+//! # Rules
+//! * A node is **ready** when every agent of the gate has a pod on it whose `Ready` condition is
+//!   `True`, or cannot have one (below). Its ready time is the latest of those pods' Ready
+//!   transitions.
+//! * **Not targeted:** an agent that names its DaemonSet is not waited for on a node that
+//!   DaemonSet would never run on: the node fails the template's `nodeSelector` or required node
+//!   affinity, or has a `NoSchedule`/`NoExecute` taint the template does not tolerate (the gate's
+//!   own taint and the taints every DaemonSet pod tolerates automatically do not count). Without a
+//!   DaemonSet name an agent is always waited for: meshgate cannot know it will never come.
+//! * **Untaint:** a ready node loses the taint `removalDelaySeconds` after its ready time.
+//! * **Re-taint:** in `Continuous` mode a node whose agents have been not ready for
+//!   `gracePeriodSeconds` gets the taint back (`NoSchedule`). In `Bootstrap` mode a node that was
+//!   ready once (annotation `meshgate.dev/agents-ready-since`) never gets it back; a node never
+//!   ready that lacks the taint (registered while the webhook was down, or existing before
+//!   meshgate) gets it.
+//! * **Resource:** the gate resource is advertised while the node is ready; in `Continuous` mode
+//!   it is withdrawn together with the re-taint.
+//! * Only the taint with the gate's key is ever added or removed; the patch carries a `test` of
+//!   the whole taint list it read, so a concurrent change to any taint makes the write fail and the
+//!   controller re-reads instead of overwriting.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{NodeSelectorRequirement, PodTemplateSpec, Taint, Toleration};
+use meshgate_api::node_gate::{GateMode, NodeGateSpec};
+use serde_json::{Value, json};
+
+use crate::patch::JsonPatch;
+
+/// The state of one agent on one node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AgentState {
+    /// A pod of the agent is Ready on the node since this time (Unix seconds).
+    Ready { since: i64 },
+    /// A pod exists but is not Ready, since this time.
+    NotReady { since: i64 },
+    /// No pod of the agent is on the node.
+    Missing,
+    /// The agent's DaemonSet would never run on this node.
+    NotTargeted,
+}
+
+/// What the controller observed of one node.
+#[derive(Clone, Debug)]
+pub struct NodeObservation<'a> {
+    pub labels: &'a BTreeMap<String, String>,
+    pub annotations: &'a BTreeMap<String, String>,
+    pub taints: &'a [Taint],
+    /// Node creation time, Unix seconds.
+    pub created: i64,
+    /// Per agent of the gate, in the gate's order.
+    pub agents: &'a [AgentState],
+    /// Whether `status.capacity` carries the gate resource.
+    pub resource_advertised: bool,
+    pub now: i64,
+}
+
+/// The node's state in the gate's terms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum NodeState {
+    /// Not selected by the gate.
+    Ignored,
+    /// Agents not all Ready; node held (tainted) or about to be.
+    Waiting,
+    /// Agents Ready, taint removal pending the removal delay.
+    Releasing,
+    /// Agents Ready (or not targeted), node released.
+    Ready,
+    /// Bootstrap mode, released once; no longer watched for agent failures.
+    Released,
+    /// Continuous mode, agents not Ready, within the grace period.
+    Degraded,
+}
+
+impl NodeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeState::Ignored => "ignored",
+            NodeState::Waiting => "waiting",
+            NodeState::Releasing => "releasing",
+            NodeState::Ready => "ready",
+            NodeState::Released => "released",
+            NodeState::Degraded => "degraded",
+        }
+    }
+}
+
+/// What to change on the node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeDecision {
+    pub state: NodeState,
+    /// `Some(true)`: the taint must be present; `Some(false)`: absent; `None`: leave as is.
+    pub taint: Option<bool>,
+    /// Same for the gate resource (only when the gate has one).
+    pub resource: Option<bool>,
+    /// Record the agents' ready time on the node (bootstrap completion), Unix seconds.
+    pub mark_ready_since: Option<i64>,
+    /// Look again after this many seconds (delays and grace periods).
+    pub requeue_after: Option<i64>,
+    /// When the agents became ready (for the ready-to-untaint histogram).
+    pub ready_since: Option<i64>,
+}
+
+/// Whether the gate selects the node.
+pub fn selects(spec: &NodeGateSpec, labels: &BTreeMap<String, String>) -> bool {
+    spec.node_selector.matches(labels)
+}
+
+/// Whether the node carries the gate's taint.
+pub fn has_taint(spec: &NodeGateSpec, taints: &[Taint]) -> bool {
+    taints.iter().any(|t| t.key == spec.taint.key)
+}
+
+/// Decides the node's taint and resource.
+pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
+    let tainted = has_taint(spec, node.taints);
+    let mut d = NodeDecision {
+        state: NodeState::Ignored,
+        taint: None,
+        resource: None,
+        mark_ready_since: None,
+        requeue_after: None,
+        ready_since: None,
+    };
+    let has_resource = spec.resource.is_some();
+    if !selects(spec, node.labels) {
+        // A node the gate no longer selects is not held by it.
+        d.taint = tainted.then_some(false);
+        return d;
+    }
+    let bootstrapped = node
+        .annotations
+        .contains_key(meshgate_api::names::NODE_READY_SINCE);
+    if spec.mode == GateMode::Bootstrap && bootstrapped {
+        d.state = NodeState::Released;
+        d.taint = tainted.then_some(false);
+        d.resource = (has_resource && !node.resource_advertised).then_some(true);
+        return d;
+    }
+
+    let mut ready_since: Option<i64> = None;
+    let mut unready_since: Option<i64> = None;
+    for a in node.agents {
+        match a {
+            AgentState::Ready { since } => ready_since = Some(ready_since.map_or(*since, |r| r.max(*since))),
+            AgentState::NotTargeted => {}
+            AgentState::NotReady { since } => {
+                unready_since = Some(unready_since.map_or(*since, |u| u.min(*since)));
+            }
+            AgentState::Missing => {
+                unready_since = Some(unready_since.map_or(node.created, |u| u.min(node.created)));
+            }
+        }
+    }
+
+    match unready_since {
+        None => {
+            // Every agent Ready (or not targeted).
+            let since = ready_since.unwrap_or(node.created);
+            d.ready_since = Some(since);
+            let release_at = since + i64::from(spec.removal_delay_seconds);
+            if tainted && node.now < release_at {
+                d.state = NodeState::Releasing;
+                d.requeue_after = Some(release_at - node.now);
+                return d;
+            }
+            d.state = NodeState::Ready;
+            d.taint = tainted.then_some(false);
+            d.resource = (has_resource && !node.resource_advertised).then_some(true);
+            if !bootstrapped {
+                d.mark_ready_since = Some(since);
+            }
+        }
+        Some(since) => {
+            d.state = NodeState::Waiting;
+            let never_ready = !bootstrapped;
+            match spec.mode {
+                GateMode::Bootstrap => {
+                    d.taint = (!tainted).then_some(true);
+                    d.resource = (has_resource && node.resource_advertised).then_some(false);
+                }
+                GateMode::Continuous if tainted || never_ready => {
+                    d.taint = (!tainted).then_some(true);
+                    d.resource = (has_resource && node.resource_advertised).then_some(false);
+                }
+                GateMode::Continuous => {
+                    let due = since + i64::from(spec.grace_period_seconds);
+                    if node.now < due {
+                        d.state = NodeState::Degraded;
+                        d.requeue_after = Some(due - node.now);
+                    } else {
+                        d.taint = Some(true);
+                        d.resource = (has_resource && node.resource_advertised).then_some(false);
+                    }
+                }
+            }
+        }
+    }
+    d
+}
+
+/// The JSON patch that makes the node's taints `want_present` for the gate's taint, with a
+/// `test` of the list it was computed from (optimistic lock). `None` when nothing changes.
+pub fn taint_patch(spec: &NodeGateSpec, current: &[Taint], want_present: bool) -> Option<JsonPatch> {
+    let present = has_taint(spec, current);
+    if present == want_present {
+        return None;
+    }
+    let mut desired: Vec<Value> = current
+        .iter()
+        .filter(|t| t.key != spec.taint.key)
+        .map(|t| serde_json::to_value(t).unwrap_or(Value::Null))
+        .collect();
+    if want_present {
+        desired.push(json!({"key": spec.taint.key, "effect": spec.taint.effect.as_str()}));
+    }
+    let mut ops = Vec::new();
+    if current.is_empty() {
+        // The field may be absent or an empty list: `add` works for both.
+        ops.push(json!({"op": "add", "path": "/spec/taints", "value": desired}));
+    } else {
+        let observed: Vec<Value> = current
+            .iter()
+            .map(|t| serde_json::to_value(t).unwrap_or(Value::Null))
+            .collect();
+        ops.push(json!({"op": "test", "path": "/spec/taints", "value": observed}));
+        ops.push(json!({"op": "replace", "path": "/spec/taints", "value": desired}));
+    }
+    Some(JsonPatch(ops))
+}
+
+/// The merge patch for the Node `status` subresource that advertises (`count` units) or
+/// withdraws the gate resource in `capacity` and `allocatable`.
+pub fn resource_patch(resource: &str, count: u32, advertise: bool) -> Value {
+    let value = if advertise { json!(count.to_string()) } else { Value::Null };
+    json!({"status": {"capacity": {resource: value}, "allocatable": {resource: value}}})
+}
+
+/// Taints every DaemonSet pod tolerates (added by the DaemonSet controller).
+const DAEMONSET_TOLERATED: &[&str] = &[
+    "node.kubernetes.io/not-ready",
+    "node.kubernetes.io/unreachable",
+    "node.kubernetes.io/disk-pressure",
+    "node.kubernetes.io/memory-pressure",
+    "node.kubernetes.io/pid-pressure",
+    "node.kubernetes.io/unschedulable",
+    "node.kubernetes.io/network-unavailable",
+];
+
+/// Whether a DaemonSet with this pod template would run a pod on the node. `ignore_taint` is the
+/// gate's own taint key, which must not keep the agent off the node it gates.
+pub fn daemonset_targets(
+    template: &PodTemplateSpec,
+    node_name: &str,
+    labels: &BTreeMap<String, String>,
+    taints: &[Taint],
+    ignore_taint: &str,
+) -> bool {
+    let Some(spec) = template.spec.as_ref() else {
+        return true;
+    };
+    if let Some(sel) = &spec.node_selector
+        && !sel.iter().all(|(k, v)| labels.get(k) == Some(v))
+    {
+        return false;
+    }
+    let required = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|na| na.required_during_scheduling_ignored_during_execution.as_ref());
+    if let Some(required) = required {
+        // Terms are ORed, the requirements of a term ANDed.
+        let any = required.node_selector_terms.iter().any(|term| {
+            term.match_expressions
+                .iter()
+                .flatten()
+                .all(|r| requirement_matches(r, |k| labels.get(k).map(String::as_str)))
+                && term
+                    .match_fields
+                    .iter()
+                    .flatten()
+                    .all(|r| requirement_matches(r, |k| (k == "metadata.name").then_some(node_name)))
+        });
+        if !any {
+            return false;
+        }
+    }
+    let tolerations = spec.tolerations.as_deref().unwrap_or_default();
+    taints
+        .iter()
+        .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
+        .filter(|t| t.key != ignore_taint && !DAEMONSET_TOLERATED.contains(&t.key.as_str()))
+        .all(|t| tolerations.iter().any(|tol| tolerates(tol, t)))
+}
+
+fn requirement_matches<'v>(r: &NodeSelectorRequirement, get: impl Fn(&str) -> Option<&'v str>) -> bool {
+    let value = get(&r.key);
+    let values = r.values.as_deref().unwrap_or_default();
+    match r.operator.as_str() {
+        "In" => value.is_some_and(|v| values.iter().any(|x| x == v)),
+        "NotIn" => value.is_none_or(|v| !values.iter().any(|x| x == v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" | "Lt" => {
+            let (Some(v), Some(bound)) = (
+                value.and_then(|v| v.parse::<i64>().ok()),
+                values.first().and_then(|b| b.parse::<i64>().ok()),
+            ) else {
+                return false;
+            };
+            if r.operator == "Gt" { v > bound } else { v < bound }
+        }
+        _ => false,
+    }
+}
+
+/// Kubernetes' toleration semantics.
+pub fn tolerates(tol: &Toleration, taint: &Taint) -> bool {
+    if let Some(effect) = tol.effect.as_deref()
+        && !effect.is_empty()
+        && effect != taint.effect
+    {
+        return false;
+    }
+    let key = tol.key.as_deref().unwrap_or_default();
+    if !key.is_empty() && key != taint.key {
+        return false;
+    }
+    match tol.operator.as_deref().unwrap_or("Equal") {
+        "Exists" => true,
+        "Equal" => key == taint.key && tol.value.as_deref().unwrap_or_default() == taint.value.as_deref().unwrap_or_default(),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshgate_api::node_gate::{Agent, GateResource, GateTaint, TaintEffect};
+    use meshgate_api::LabelSelector;
+
+    fn spec(mode: GateMode) -> NodeGateSpec {
+        NodeGateSpec {
+            taint: GateTaint::default(),
+            agents: vec![Agent {
+                name: "cni".into(),
+                namespace: "kube-system".into(),
+                selector: LabelSelector::labels([("app", "cni")]),
+                daemon_set: None,
+            }],
+            node_selector: LabelSelector::default(),
+            mode,
+            grace_period_seconds: 10,
+            removal_delay_seconds: 0,
+            taint_on_create: true,
+            resource: Some(GateResource { name: "meshgate.dev/mesh-ready".into(), count: 100 }),
+        }
+    }
+
+    fn gate_taint() -> Taint {
+        Taint { key: meshgate_api::names::DEFAULT_TAINT_KEY.into(), effect: "NoSchedule".into(), ..Taint::default() }
+    }
+
+    fn foreign() -> Taint {
+        Taint { key: "example.com/dedicated".into(), value: Some("gpu".into()), effect: "NoSchedule".into(), ..Taint::default() }
+    }
+
+    struct Fixture {
+        labels: BTreeMap<String, String>,
+        annotations: BTreeMap<String, String>,
+        taints: Vec<Taint>,
+        agents: Vec<AgentState>,
+        advertised: bool,
+        now: i64,
+    }
+
+    impl Fixture {
+        fn new(taints: Vec<Taint>, agents: Vec<AgentState>) -> Self {
+            Self { labels: BTreeMap::new(), annotations: BTreeMap::new(), taints, agents, advertised: false, now: 1000 }
+        }
+        fn decide(&self, spec: &NodeGateSpec) -> NodeDecision {
+            decide(spec, &NodeObservation {
+                labels: &self.labels,
+                annotations: &self.annotations,
+                taints: &self.taints,
+                created: 900,
+                agents: &self.agents,
+                resource_advertised: self.advertised,
+                now: self.now,
+            })
+        }
+    }
+
+    #[test]
+    fn ready_agents_release_the_node() {
+        let f = Fixture::new(vec![gate_taint(), foreign()], vec![AgentState::Ready { since: 990 }]);
+        let d = f.decide(&spec(GateMode::Bootstrap));
+        assert_eq!(d.state, NodeState::Ready);
+        assert_eq!(d.taint, Some(false));
+        assert_eq!(d.resource, Some(true));
+        assert_eq!(d.mark_ready_since, Some(990));
+        assert_eq!(d.ready_since, Some(990));
+    }
+
+    #[test]
+    fn unready_agent_keeps_the_node_held() {
+        for agents in [vec![AgentState::Missing], vec![AgentState::NotReady { since: 950 }]] {
+            let f = Fixture::new(vec![gate_taint()], agents);
+            let d = f.decide(&spec(GateMode::Continuous));
+            assert_eq!(d.state, NodeState::Waiting);
+            assert_eq!(d.taint, None, "already tainted");
+        }
+        // A node registered without the taint (webhook down) gets it.
+        let f = Fixture::new(vec![], vec![AgentState::Missing]);
+        assert_eq!(f.decide(&spec(GateMode::Bootstrap)).taint, Some(true));
+    }
+
+    #[test]
+    fn removal_delay_is_honoured() {
+        let mut s = spec(GateMode::Bootstrap);
+        s.removal_delay_seconds = 30;
+        let f = Fixture::new(vec![gate_taint()], vec![AgentState::Ready { since: 990 }]);
+        let d = f.decide(&s);
+        assert_eq!(d.state, NodeState::Releasing);
+        assert_eq!(d.taint, None);
+        assert_eq!(d.requeue_after, Some(20));
+    }
+
+    #[test]
+    fn continuous_mode_retaints_after_grace() {
+        let s = spec(GateMode::Continuous);
+        let mut f = Fixture::new(vec![foreign()], vec![AgentState::NotReady { since: 995 }]);
+        f.annotations.insert(meshgate_api::names::NODE_READY_SINCE.into(), "x".into());
+        f.advertised = true;
+        let d = f.decide(&s);
+        assert_eq!(d.state, NodeState::Degraded);
+        assert_eq!(d.taint, None);
+        assert_eq!(d.requeue_after, Some(5));
+        f.now = 1005;
+        let d = f.decide(&s);
+        assert_eq!(d.taint, Some(true));
+        assert_eq!(d.resource, Some(false));
+    }
+
+    #[test]
+    fn bootstrap_mode_never_retaints() {
+        let s = spec(GateMode::Bootstrap);
+        let mut f = Fixture::new(vec![], vec![AgentState::NotReady { since: 100 }]);
+        f.annotations.insert(meshgate_api::names::NODE_READY_SINCE.into(), "x".into());
+        f.advertised = true;
+        let d = f.decide(&s);
+        assert_eq!(d.state, NodeState::Released);
+        assert_eq!(d.taint, None);
+        assert_eq!(d.resource, None);
+    }
+
+    #[test]
+    fn not_targeted_agents_do_not_hold_the_node() {
+        let f = Fixture::new(vec![gate_taint()], vec![AgentState::NotTargeted]);
+        assert_eq!(f.decide(&spec(GateMode::Bootstrap)).taint, Some(false));
+    }
+
+    #[test]
+    fn unselected_nodes_lose_only_the_gate_taint() {
+        let mut s = spec(GateMode::Bootstrap);
+        s.node_selector = LabelSelector::labels([("pool", "mesh")]);
+        let f = Fixture::new(vec![gate_taint(), foreign()], vec![AgentState::Missing]);
+        let d = f.decide(&s);
+        assert_eq!(d.state, NodeState::Ignored);
+        assert_eq!(d.taint, Some(false));
+        let p = taint_patch(&s, &f.taints, false).unwrap();
+        let node = json!({"spec": {"taints": f.taints}});
+        let out = p.apply(&node).unwrap();
+        assert_eq!(out["spec"]["taints"], json!([foreign()]));
+    }
+
+    #[test]
+    fn taint_patch_tests_the_list_it_read() {
+        let s = spec(GateMode::Continuous);
+        let p = taint_patch(&s, &[foreign()], true).unwrap();
+        assert_eq!(p.0[0]["op"], "test");
+        let node = json!({"spec": {"taints": [foreign()]}});
+        let out = p.apply(&node).unwrap();
+        assert_eq!(out["spec"]["taints"], json!([foreign(), gate_taint()]));
+        // The list changed under us: the patch does not apply.
+        let changed = json!({"spec": {"taints": [foreign(), {"key": "new", "effect": "NoSchedule"}]}});
+        assert!(p.apply(&changed).is_err());
+        // Nothing to do.
+        assert!(taint_patch(&s, &[foreign(), gate_taint()], true).is_none());
+        // No taints yet.
+        let p = taint_patch(&s, &[], true).unwrap();
+        assert_eq!(p.apply(&json!({"spec": {}})).unwrap()["spec"]["taints"], json!([gate_taint()]));
+        let mut s2 = s.clone();
+        s2.taint = GateTaint { key: "custom/key".into(), effect: TaintEffect::NoExecute };
+        let p = taint_patch(&s2, &[], true).unwrap();
+        assert_eq!(p.0[0]["value"][0], json!({"key": "custom/key", "effect": "NoExecute"}));
+    }
+
+    #[test]
+    fn daemonset_targeting() {
+        let tpl: PodTemplateSpec = serde_json::from_value(json!({"spec": {
+            "containers": [],
+            "nodeSelector": {"kubernetes.io/os": "linux"},
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "NotIn", "values": ["gpu"]}]}]}}},
+            "tolerations": [{"key": "example.com/dedicated", "operator": "Exists"}],
+        }})).unwrap();
+        let l = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect::<BTreeMap<_, _>>();
+        let key = meshgate_api::names::DEFAULT_TAINT_KEY;
+        assert!(daemonset_targets(&tpl, "n", &l(&[("kubernetes.io/os", "linux")]), &[gate_taint(), foreign()], key));
+        assert!(!daemonset_targets(&tpl, "n", &l(&[("kubernetes.io/os", "windows")]), &[], key));
+        assert!(!daemonset_targets(&tpl, "n", &l(&[("kubernetes.io/os", "linux"), ("pool", "gpu")]), &[], key));
+        let other = Taint { key: "example.com/other".into(), effect: "NoExecute".into(), ..Taint::default() };
+        assert!(!daemonset_targets(&tpl, "n", &l(&[("kubernetes.io/os", "linux")]), &[other], key));
+        let prefer = Taint { key: "x".into(), effect: "PreferNoSchedule".into(), ..Taint::default() };
+        assert!(daemonset_targets(&tpl, "n", &l(&[("kubernetes.io/os", "linux")]), &[prefer], key));
+    }
+
+    #[test]
+    fn resource_patch_advertises_and_withdraws() {
+        let p = resource_patch("meshgate.dev/mesh-ready", 100, true);
+        assert_eq!(p["status"]["capacity"]["meshgate.dev/mesh-ready"], "100");
+        assert_eq!(p["status"]["allocatable"]["meshgate.dev/mesh-ready"], "100");
+        let p = resource_patch("meshgate.dev/mesh-ready", 100, false);
+        assert!(p["status"]["capacity"]["meshgate.dev/mesh-ready"].is_null());
+    }
+
+}
+
+/// The admission mutation of a Node CREATE: the startup taint of every gate that selects the
+/// node and asks for `taintOnCreate`, unless the node carries it already.
+pub fn taints_on_create<'s>(gates: impl IntoIterator<Item = &'s NodeGateSpec>, node: &Value) -> JsonPatch {
+    let labels = crate::select::Meta::of(node).labels;
+    let existing: Vec<&str> = node
+        .pointer("/spec/taints")
+        .and_then(Value::as_array)
+        .map(|ts| ts.iter().filter_map(|t| t.get("key")?.as_str()).collect())
+        .unwrap_or_default();
+    let mut new: Vec<Value> = Vec::new();
+    for gate in gates {
+        let key = gate.taint.key.as_str();
+        if gate.taint_on_create
+            && selects(gate, &labels)
+            && !existing.contains(&key)
+            && !new.iter().any(|t| t["key"] == key)
+        {
+            new.push(json!({"key": key, "effect": gate.taint.effect.as_str()}));
+        }
+    }
+    let mut patch = JsonPatch::default();
+    if new.is_empty() {
+        return patch;
+    }
+    if node.pointer("/spec/taints").and_then(Value::as_array).is_some() {
+        for t in new {
+            patch.add("/spec/taints/-", t);
+        }
+    } else if node.get("spec").is_some_and(Value::is_object) {
+        patch.add("/spec/taints", Value::Array(new));
+    } else {
+        patch.add("/spec", json!({"taints": new}));
+    }
+    patch
+}
+
+#[cfg(test)]
+mod create_tests {
+    use super::*;
+    use meshgate_api::LabelSelector;
+    use meshgate_api::node_gate::{Agent, GateTaint};
+
+    fn gate(key: &str, selector: LabelSelector) -> NodeGateSpec {
+        NodeGateSpec {
+            taint: GateTaint { key: key.into(), ..GateTaint::default() },
+            agents: vec![Agent {
+                name: "cni".into(),
+                namespace: "kube-system".into(),
+                selector: LabelSelector::default(),
+                daemon_set: None,
+            }],
+            node_selector: selector,
+            mode: GateMode::Bootstrap,
+            grace_period_seconds: 0,
+            removal_delay_seconds: 0,
+            taint_on_create: true,
+            resource: None,
+        }
+    }
+
+    #[test]
+    fn node_create_gets_each_selecting_gates_taint_once() {
+        let a = gate("a/not-ready", LabelSelector::default());
+        let b = gate("b/not-ready", LabelSelector::labels([("pool", "mesh")]));
+        let node = json!({"metadata": {"name": "n", "labels": {"pool": "other"}}, "spec": {}});
+        let out = taints_on_create([&a, &b], &node).apply(&node).unwrap();
+        assert_eq!(out["spec"]["taints"], json!([{"key": "a/not-ready", "effect": "NoSchedule"}]));
+        assert!(taints_on_create([&a, &b], &out).is_empty(), "idempotent");
+        let node = json!({"metadata": {"labels": {"pool": "mesh"}},
+                          "spec": {"taints": [{"key": "x", "effect": "NoExecute"}]}});
+        let out = taints_on_create([&a, &b], &node).apply(&node).unwrap();
+        assert_eq!(out["spec"]["taints"].as_array().unwrap().len(), 3);
+        assert_eq!(out["spec"]["taints"][0]["key"], "x");
+        let bare = json!({"metadata": {"name": "n"}});
+        let out = taints_on_create([&a], &bare).apply(&bare).unwrap();
+        assert_eq!(out["spec"]["taints"][0]["key"], "a/not-ready");
+    }
+}

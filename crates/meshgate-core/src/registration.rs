@@ -1,0 +1,334 @@
+//! The admission registrations meshgate needs, generated from its configuration: the
+//! `MutatingWebhookConfiguration` (init gate, policies, node taint) and, where the API server
+//! serves it, a `MutatingAdmissionPolicy` that taints new nodes without calling the webhook.
+//!
+//! # Self-deadlock
+//! The webhook's own pods must never need the webhook: every namespaced rule excludes the
+//! configured namespaces (meshgate's own and `kube-system`) by the immutable
+//! `kubernetes.io/metadata.name` label, every pod rule skips pods labelled
+//! `meshgate.dev/inject: "false"`, and the Node rule fails open (`Ignore`) so nodes — on which the
+//! webhook itself must run — always register.
+
+use meshgate_api::config::{FailurePolicy, GateConfig};
+use meshgate_api::node_gate::NodeGateSpec;
+use meshgate_api::{LabelSelector, SelectorOperator, names};
+use serde_json::{Value, json};
+
+/// Paths served by the webhook, one per purpose.
+pub mod paths {
+    pub const POD_GATE: &str = "/mutate/pod-gate";
+    pub const POLICIES: &str = "/mutate/policies";
+    pub const NODE_TAINT: &str = "/mutate/node-taint";
+}
+
+/// Where the API server reaches the webhook.
+#[derive(Clone, Debug)]
+pub enum WebhookTarget {
+    /// An in-cluster Service.
+    Service {
+        namespace: String,
+        name: String,
+        port: u16,
+    },
+    /// A URL base, `https://host:port` (tests, out-of-cluster runs).
+    Url(String),
+}
+
+/// Which registrations to generate.
+#[derive(Clone, Debug)]
+pub struct Registration<'a> {
+    pub name: &'a str,
+    pub config: &'a GateConfig,
+    pub target: WebhookTarget,
+    /// PEM of the CA that signed the webhook's serving certificate.
+    pub ca_bundle_pem: &'a str,
+    /// Register the policy path.
+    pub policies: bool,
+    /// Register the node-taint path (when admission policies are not used for it).
+    pub node_taint: bool,
+}
+
+fn client_config(r: &Registration<'_>, path: &str) -> Value {
+    let ca = k8s_openapi::ByteString(r.ca_bundle_pem.as_bytes().to_vec());
+    match &r.target {
+        WebhookTarget::Service {
+            namespace,
+            name,
+            port,
+        } => json!({
+            "service": {"namespace": namespace, "name": name, "path": path, "port": port},
+            "caBundle": ca,
+        }),
+        WebhookTarget::Url(base) => json!({
+            "url": format!("{}{path}", base.trim_end_matches('/')),
+            "caBundle": ca,
+        }),
+    }
+}
+
+fn with_exclusions(mut ns: LabelSelector, excluded: &[String]) -> LabelSelector {
+    if !excluded.is_empty() {
+        let values: Vec<&str> = excluded.iter().map(String::as_str).collect();
+        ns = ns.with("kubernetes.io/metadata.name", SelectorOperator::NotIn, &values);
+    }
+    ns
+}
+
+fn failure_policy(p: FailurePolicy) -> &'static str {
+    match p {
+        FailurePolicy::Ignore => "Ignore",
+        FailurePolicy::Fail => "Fail",
+    }
+}
+
+/// The `MutatingWebhookConfiguration`.
+pub fn webhook_configuration(r: &Registration<'_>) -> Value {
+    let c = r.config;
+    let mut webhooks = Vec::new();
+    let pod_rule = json!([{
+        "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+        "resources": ["pods"], "scope": "Namespaced",
+    }]);
+    if c.init_gate.enabled || c.resource_gate.enabled {
+        for clause in c.clauses() {
+            let object = clause
+                .object_selector
+                .clone()
+                .with(names::OPT_OUT, SelectorOperator::NotIn, &["false"]);
+            webhooks.push(json!({
+                "name": format!("{}.gate.{}", clause.name, meshgate_api::DOMAIN),
+                "admissionReviewVersions": ["v1"],
+                "clientConfig": client_config(r, paths::POD_GATE),
+                "rules": pod_rule,
+                "namespaceSelector": with_exclusions(clause.namespace_selector.clone(), &c.excluded_namespaces).to_k8s(),
+                "objectSelector": object.to_k8s(),
+                "failurePolicy": failure_policy(c.failure_policy),
+                "timeoutSeconds": c.timeout_seconds,
+                "reinvocationPolicy": "IfNeeded",
+                "sideEffects": "None",
+                "matchPolicy": "Equivalent",
+            }));
+        }
+    }
+    if r.policies {
+        webhooks.push(json!({
+            "name": format!("policies.{}", meshgate_api::DOMAIN),
+            "admissionReviewVersions": ["v1"],
+            "clientConfig": client_config(r, paths::POLICIES),
+            "rules": [
+                {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                 "resources": ["pods"], "scope": "Namespaced"},
+                {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                 "resources": ["deployments", "statefulsets", "daemonsets", "replicasets"], "scope": "Namespaced"},
+                {"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                 "resources": ["jobs", "cronjobs"], "scope": "Namespaced"},
+            ],
+            "namespaceSelector": with_exclusions(LabelSelector::default(), &c.excluded_namespaces).to_k8s(),
+            "objectSelector": LabelSelector::default().with(names::OPT_OUT, SelectorOperator::NotIn, &["false"]).to_k8s(),
+            // Policies are conveniences; a webhook outage must not block deployments.
+            "failurePolicy": "Ignore",
+            "timeoutSeconds": c.timeout_seconds,
+            "reinvocationPolicy": "IfNeeded",
+            "sideEffects": "None",
+            "matchPolicy": "Equivalent",
+        }));
+    }
+    if r.node_taint {
+        webhooks.push(json!({
+            "name": format!("nodes.{}", meshgate_api::DOMAIN),
+            "admissionReviewVersions": ["v1"],
+            "clientConfig": client_config(r, paths::NODE_TAINT),
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                       "resources": ["nodes"], "scope": "Cluster"}],
+            // Nodes must register even when meshgate is down: the controller taints them later.
+            "failurePolicy": "Ignore",
+            "timeoutSeconds": c.timeout_seconds.min(5),
+            "sideEffects": "None",
+            "matchPolicy": "Equivalent",
+        }));
+    }
+    json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": r.name, "labels": {names::MANAGED_BY: "meshgate"}},
+        "webhooks": webhooks,
+    })
+}
+
+/// The admission-policy API versions an API server may serve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PolicyApi {
+    /// `admissionregistration.k8s.io/v1` (Kubernetes 1.36+).
+    V1,
+    /// `admissionregistration.k8s.io/v1beta1` (behind its feature gate before 1.36).
+    V1beta1,
+}
+
+impl PolicyApi {
+    pub fn api_version(self) -> &'static str {
+        match self {
+            PolicyApi::V1 => "admissionregistration.k8s.io/v1",
+            PolicyApi::V1beta1 => "admissionregistration.k8s.io/v1beta1",
+        }
+    }
+}
+
+/// A `MutatingAdmissionPolicy` and its binding that add the gate's taint to new nodes the gate
+/// selects, evaluated by the API server itself (no webhook call).
+pub fn node_taint_policy(gate_name: &str, gate: &NodeGateSpec, api: PolicyApi) -> [Value; 2] {
+    let name = format!("meshgate-node-taint-{gate_name}");
+    let key = cel_string(&gate.taint.key);
+    let effect = cel_string(gate.taint.effect.as_str());
+    let taint = format!("Object.spec.taints{{key: {key}, effect: {effect}}}");
+    let expression = format!(
+        "!has(object.spec.taints) ? \
+[JSONPatch{{op: \"add\", path: \"/spec/taints\", value: [{taint}]}}] : \
+(object.spec.taints.exists(t, t.key == {key}) ? [] : \
+[JSONPatch{{op: \"add\", path: \"/spec/taints/-\", value: {taint}}}])"
+    );
+    let labels = json!({names::MANAGED_BY: "meshgate", "meshgate.dev/node-gate": gate_name});
+    let policy = json!({
+        "apiVersion": api.api_version(),
+        "kind": "MutatingAdmissionPolicy",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["nodes"],
+            }]},
+            "failurePolicy": "Ignore",
+            "reinvocationPolicy": "IfNeeded",
+            "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": expression}}],
+        },
+    });
+    let mut match_resources = json!({});
+    if !gate.node_selector.is_empty() {
+        match_resources["objectSelector"] = serde_json::to_value(gate.node_selector.to_k8s()).unwrap_or(Value::Null);
+    }
+    let binding = json!({
+        "apiVersion": api.api_version(),
+        "kind": "MutatingAdmissionPolicyBinding",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"policyName": name, "matchResources": match_resources},
+    });
+    [policy, binding]
+}
+
+/// A CEL string literal.
+fn cel_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for ch in s.chars() {
+        match ch {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            _ => out.push(ch),
+        }
+    }
+    out.push('"');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshgate_api::Profile;
+
+    fn reg(config: &GateConfig) -> Registration<'_> {
+        Registration {
+            name: "meshgate",
+            config,
+            target: WebhookTarget::Service {
+                namespace: "meshgate-system".into(),
+                name: "meshgate-webhook".into(),
+                port: 443,
+            },
+            ca_bundle_pem: "PEM",
+            policies: true,
+            node_taint: true,
+        }
+    }
+
+    #[test]
+    fn one_webhook_per_clause_with_the_required_settings() {
+        let config = GateConfig {
+            profiles: vec![Profile::IstioSidecar],
+            ..GateConfig::default()
+        };
+        let mwc = webhook_configuration(&reg(&config));
+        let hooks = mwc["webhooks"].as_array().unwrap();
+        let names: Vec<&str> = hooks.iter().map(|h| h["name"].as_str().unwrap()).collect();
+        assert_eq!(
+            names,
+            [
+                "istio-injection.gate.meshgate.dev",
+                "istio-revision.gate.meshgate.dev",
+                "istio-pod.gate.meshgate.dev",
+                "policies.meshgate.dev",
+                "nodes.meshgate.dev"
+            ]
+        );
+        let gate = &hooks[0];
+        assert_eq!(gate["reinvocationPolicy"], "IfNeeded");
+        assert_eq!(gate["sideEffects"], "None");
+        assert_eq!(gate["matchPolicy"], "Equivalent");
+        assert_eq!(gate["failurePolicy"], "Ignore");
+        assert_eq!(gate["timeoutSeconds"], 5);
+        assert_eq!(gate["clientConfig"]["service"]["path"], "/mutate/pod-gate");
+        assert_eq!(gate["namespaceSelector"]["matchLabels"]["istio-injection"], "enabled");
+        let excl = &gate["namespaceSelector"]["matchExpressions"][0];
+        assert_eq!(excl["key"], "kubernetes.io/metadata.name");
+        assert_eq!(excl["values"], json!(["kube-system", "meshgate-system"]));
+        assert_eq!(hooks[4]["failurePolicy"], "Ignore", "nodes always register");
+    }
+
+    #[test]
+    fn the_generated_selectors_agree_with_the_webhooks_own_decision() {
+        // For label-only clauses, the API server's pre-filter and the webhook's predicate are
+        // the same selectors: check a few pods against both.
+        use crate::select::{Meta, clause_matches};
+        let config = GateConfig {
+            profiles: vec![Profile::IstioAmbient],
+            ..GateConfig::default()
+        };
+        let clause = &config.clauses()[0];
+        let mwc = webhook_configuration(&reg(&config));
+        let ns_sel: LabelSelector =
+            serde_json::from_value(mwc["webhooks"][0]["namespaceSelector"].clone()).unwrap();
+        let obj_sel: LabelSelector =
+            serde_json::from_value(mwc["webhooks"][0]["objectSelector"].clone()).unwrap();
+        let meta = |pairs: &[(&str, &str)]| Meta {
+            labels: pairs.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect(),
+            ..Meta::default()
+        };
+        let namespaces = [
+            meta(&[("istio.io/dataplane-mode", "ambient"), ("kubernetes.io/metadata.name", "a")]),
+            meta(&[("kubernetes.io/metadata.name", "b")]),
+        ];
+        let pods = [meta(&[]), meta(&[("istio.io/dataplane-mode", "none")])];
+        for ns in &namespaces {
+            for pod in &pods {
+                assert_eq!(
+                    ns_sel.matches(&ns.labels) && obj_sel.matches(&pod.labels),
+                    clause_matches(clause, ns, pod),
+                    "{ns:?} {pod:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn admission_policy_is_bound_to_the_gates_nodes() {
+        let gate: NodeGateSpec = serde_json::from_value(json!({
+            "agents": [{"name": "cni", "namespace": "kube-system", "selector": {"matchLabels": {"app": "cni"}}}],
+            "nodeSelector": {"matchLabels": {"pool": "mesh"}},
+        }))
+        .unwrap();
+        let [policy, binding] = node_taint_policy("default", &gate, PolicyApi::V1);
+        assert_eq!(policy["apiVersion"], "admissionregistration.k8s.io/v1");
+        let expr = policy["spec"]["mutations"][0]["jsonPatch"]["expression"].as_str().unwrap();
+        assert!(expr.contains("\"node.meshgate.dev/agent-not-ready\""), "{expr}");
+        assert_eq!(binding["spec"]["policyName"], "meshgate-node-taint-default");
+        assert_eq!(binding["spec"]["matchResources"]["objectSelector"]["matchLabels"]["pool"], "mesh");
+        assert_eq!(cel_string("a\"b\\"), "\"a\\\"b\\\\\"");
+    }
+}

@@ -1,0 +1,73 @@
+//! Which pods the init gate selects: one predicate, derived from the same [`GateConfig`] that
+//! generates the webhook's registration.
+
+use std::collections::BTreeMap;
+
+use meshgate_api::GateConfig;
+use meshgate_api::config::SelectorClause;
+use serde_json::Value;
+
+/// Labels and annotations of an object or namespace.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Meta {
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+}
+
+impl Meta {
+    /// Reads `metadata.labels` and `metadata.annotations` of a JSON object; anything that is not
+    /// a string map counts as empty.
+    pub fn of(object: &Value) -> Self {
+        let map = |field: &str| -> BTreeMap<String, String> {
+            object
+                .pointer(&format!("/metadata/{field}"))
+                .and_then(Value::as_object)
+                .map(|m| {
+                    m.iter()
+                        .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_owned())))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        Self {
+            labels: map("labels"),
+            annotations: map("annotations"),
+        }
+    }
+}
+
+fn all_equal(want: &BTreeMap<String, String>, have: &BTreeMap<String, String>) -> bool {
+    want.iter().all(|(k, v)| have.get(k) == Some(v))
+}
+
+/// Whether one clause selects the pod.
+pub fn clause_matches(clause: &SelectorClause, namespace: &Meta, pod: &Meta) -> bool {
+    clause.namespace_selector.matches(&namespace.labels)
+        && clause.object_selector.matches(&pod.labels)
+        && all_equal(&clause.namespace_annotations, &namespace.annotations)
+        && all_equal(&clause.pod_annotations, &pod.annotations)
+        && !clause
+            .pod_annotations_absent
+            .iter()
+            .any(|(k, v)| pod.annotations.get(k) == Some(v))
+}
+
+/// The name of the first clause that selects the pod, if any.
+pub fn selecting_clause<'c>(
+    clauses: &'c [SelectorClause],
+    namespace: &Meta,
+    pod: &Meta,
+) -> Option<&'c str> {
+    clauses
+        .iter()
+        .find(|c| clause_matches(c, namespace, pod))
+        .map(|c| c.name.as_str())
+}
+
+/// Whether the webhook needs a namespace's annotations (some clause reads them).
+pub fn needs_namespace_annotations(config: &GateConfig) -> bool {
+    config
+        .clauses()
+        .iter()
+        .any(SelectorClause::needs_namespace_annotations)
+}

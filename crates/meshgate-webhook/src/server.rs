@@ -1,0 +1,380 @@
+//! The HTTPS admission server and the plain health/metrics server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::Bytes;
+use meshgate_api::GateConfig;
+use meshgate_core::gate::{PodPlan, PodRequest, plan_pod};
+use meshgate_core::patch::JsonPatch;
+use meshgate_core::registration::paths;
+use serde_json::Value;
+use tracing::Instrument;
+
+use crate::admission::{self, Request, ReviewError};
+use crate::metrics::{MutationLabels, PathLabels, ReviewLabels};
+use crate::tls::{self, CertFiles};
+use crate::{Sources, metrics::Metrics};
+
+/// Request bodies over this size get 413 (the API server's own limit for objects is 3 MiB).
+pub const MAX_BODY: usize = 3 * 1024 * 1024;
+
+/// What a review handler needs.
+#[derive(Clone, Debug)]
+pub struct App {
+    pub config: Arc<GateConfig>,
+    pub sources: Sources,
+    pub metrics: Metrics,
+    ready: Arc<AtomicBool>,
+}
+
+impl App {
+    pub fn new(config: GateConfig, sources: Sources, metrics: Metrics) -> Self {
+        Self {
+            config: Arc::new(config),
+            sources,
+            metrics,
+            ready: Arc::new(AtomicBool::new(true)),
+        }
+    }
+}
+
+/// The admission routes (served over TLS).
+pub fn router(app: App, request_timeout: Duration) -> Router {
+    Router::new()
+        .route(paths::POD_GATE, post(pod_gate))
+        .route(paths::POLICIES, post(policies))
+        .route(paths::NODE_TAINT, post(node_taint))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::SERVICE_UNAVAILABLE,
+            request_timeout,
+        ))
+        .layer(tower_http::catch_panic::CatchPanicLayer::new())
+        .with_state(app)
+}
+
+/// `/healthz`, `/readyz`, `/metrics` (plain HTTP).
+pub fn health_router(app: App) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(|State(app): State<App>| async move {
+                if app.ready.load(Ordering::Acquire) && app.sources.ready() {
+                    (StatusCode::OK, "ok")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+                }
+            }),
+        )
+        .route(
+            "/metrics",
+            get(|State(app): State<App>| async move {
+                (
+                    [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+                    app.metrics.encode(),
+                )
+            }),
+        )
+        .with_state(app)
+}
+
+fn plain(status: StatusCode, message: String) -> Response {
+    (status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], message).into_response()
+}
+
+fn json_response(v: &Value) -> Response {
+    let body = serde_json::to_vec(v).unwrap_or_default();
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// Reads the body as a review, handles it with `f`, and records metrics. `f` returns the patch,
+/// warnings, the outcome word for metrics and the mutation kinds applied.
+async fn serve<F>(app: &App, path: &'static str, headers: &HeaderMap, body: &Bytes, f: F) -> Response
+where
+    F: AsyncFnOnce(Request<'_>) -> Result<Handled, (u16, String)>,
+{
+    let start = Instant::now();
+    app.metrics.in_flight.inc();
+    let (response, outcome) = review(headers, body, f).await;
+    app.metrics.in_flight.dec();
+    app.metrics
+        .reviews
+        .get_or_create(&ReviewLabels { path, outcome })
+        .inc();
+    app.metrics
+        .latency
+        .get_or_create(&PathLabels { path })
+        .observe(start.elapsed().as_secs_f64());
+    response
+}
+
+/// The result of a handler.
+pub struct Handled {
+    pub patch: JsonPatch,
+    pub warnings: Vec<String>,
+    pub outcome: &'static str,
+}
+
+async fn review<F>(headers: &HeaderMap, body: &Bytes, f: F) -> (Response, &'static str)
+where
+    F: AsyncFnOnce(Request<'_>) -> Result<Handled, (u16, String)>,
+{
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let essence = content_type.split(';').next().unwrap_or_default().trim();
+    if !essence.eq_ignore_ascii_case("application/json") {
+        return (
+            plain(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("content type {content_type:?} is not application/json"),
+            ),
+            "invalid",
+        );
+    }
+    let value: Value = match serde_json::from_slice(body) {
+        Ok(v) => v,
+        Err(e) => {
+            return (
+                plain(StatusCode::BAD_REQUEST, format!("body is not JSON: {e}")),
+                "invalid",
+            );
+        }
+    };
+    let request = match admission::parse(&value) {
+        Ok(r) => r,
+        Err(ReviewError::Unanswerable(m)) => return (plain(StatusCode::BAD_REQUEST, m), "invalid"),
+        Err(ReviewError::Invalid { uid, message }) => {
+            return (json_response(&admission::deny(&uid, 400, &message)), "invalid");
+        }
+    };
+    let uid = request.uid.to_owned();
+    let span = tracing::info_span!(
+        "review",
+        uid = %request.uid,
+        kind = %request.kind,
+        operation = %request.operation,
+        namespace = %request.namespace,
+        name = %request.name,
+        dry_run = request.dry_run,
+        decision = tracing::field::Empty,
+    );
+    let result = f(request).instrument(span.clone()).await;
+    match result {
+        Ok(h) => {
+            span.record("decision", h.outcome);
+            span.in_scope(|| tracing::debug!(ops = h.patch.len(), "answered"));
+            (json_response(&admission::allow(&uid, &h.patch, &h.warnings)), h.outcome)
+        }
+        Err((code, message)) => {
+            span.in_scope(|| tracing::warn!(code, %message, "refused"));
+            (json_response(&admission::deny(&uid, code, &message)), "error")
+        }
+    }
+}
+
+async fn pod_gate(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let a = app.clone();
+    serve(&app, paths::POD_GATE, &headers, &body, async |req| {
+        if req.kind != "Pod" {
+            return Ok(Handled {
+                patch: JsonPatch::default(),
+                warnings: vec![],
+                outcome: "not-a-pod",
+            });
+        }
+        let ns = a
+            .sources
+            .namespace(req.namespace)
+            .await
+            .map_err(|e| (500, e.to_string()))?;
+        let plan = plan_pod(
+            &a.config,
+            &PodRequest {
+                operation: req.operation,
+                namespace: req.namespace,
+                pod: req.object,
+                namespace_meta: &ns,
+            },
+        );
+        let outcome = plan.decision();
+        let patch = match plan {
+            PodPlan::Skip(_) => JsonPatch::default(),
+            PodPlan::Mutate { patch, .. } => patch,
+        };
+        if !patch.is_empty() && !req.dry_run {
+            a.metrics
+                .mutations
+                .get_or_create(&MutationLabels { mutation: "init-gate" })
+                .inc();
+        }
+        Ok(Handled {
+            patch,
+            warnings: vec![],
+            outcome,
+        })
+    })
+    .await
+}
+
+async fn node_taint(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let a = app.clone();
+    serve(&app, paths::NODE_TAINT, &headers, &body, async |req| {
+        if req.kind != "Node" || req.operation != "CREATE" {
+            return Ok(Handled {
+                patch: JsonPatch::default(),
+                warnings: vec![],
+                outcome: "skipped",
+            });
+        }
+        let gates = a.sources.node_gates();
+        let patch = meshgate_core::nodegate::taints_on_create(gates.iter(), req.object);
+        let outcome = if patch.is_empty() { "unchanged" } else { "mutated" };
+        if !patch.is_empty() && !req.dry_run {
+            a.metrics
+                .mutations
+                .get_or_create(&MutationLabels { mutation: "node-taint" })
+                .inc();
+        }
+        Ok(Handled {
+            patch,
+            warnings: vec![],
+            outcome,
+        })
+    })
+    .await
+}
+
+async fn policies(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    let a = app.clone();
+    serve(&app, paths::POLICIES, &headers, &body, async |req| {
+        crate::policies::handle(&a, req).await
+    })
+    .await
+}
+
+/// How to run the server.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// HTTPS address for reviews.
+    pub addr: SocketAddr,
+    /// Plain HTTP address for health and metrics.
+    pub health_addr: SocketAddr,
+    pub certs: CertFiles,
+    pub cert_poll_interval: Duration,
+    pub request_timeout: Duration,
+    /// How long in-flight reviews may take to finish after SIGTERM.
+    pub shutdown_grace: Duration,
+}
+
+/// Server errors.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("serving: {0}")]
+    Serve(std::io::Error),
+}
+
+/// A running webhook.
+pub struct Server {
+    handle: axum_server::Handle<SocketAddr>,
+    app: App,
+    /// The bound HTTPS address.
+    pub addr: SocketAddr,
+    /// The bound health address.
+    pub health_addr: SocketAddr,
+    task: tokio::task::JoinHandle<Result<(), ServerError>>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server").field("addr", &self.addr).finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// Binds both ports, loads the certificate and starts serving in the background.
+    pub async fn start(options: ServerOptions, app: App) -> Result<Self, ServerError> {
+        let (tls_config, fingerprint) = tls::load(&options.certs)?;
+        let bind = |addr: SocketAddr| {
+            std::net::TcpListener::bind(addr).map_err(|source| ServerError::Bind { addr, source })
+        };
+        let listener = bind(options.addr)?;
+        let addr = listener.local_addr().map_err(ServerError::Serve)?;
+        let health = bind(options.health_addr)?;
+        let health_addr = health.local_addr().map_err(ServerError::Serve)?;
+        health.set_nonblocking(true).map_err(ServerError::Serve)?;
+        listener.set_nonblocking(true).map_err(ServerError::Serve)?;
+        let health = tokio::net::TcpListener::from_std(health).map_err(ServerError::Serve)?;
+
+        let handle = axum_server::Handle::new();
+        let reload = tokio::spawn(tls::reload_loop(
+            tls_config.clone(),
+            options.certs.clone(),
+            fingerprint,
+            options.cert_poll_interval,
+            app.metrics.clone(),
+        ));
+        let https = axum_server::from_tcp_rustls(listener, tls_config)
+            .map_err(ServerError::Serve)?
+            .handle(handle.clone())
+            .serve(router(app.clone(), options.request_timeout).into_make_service());
+        let health_router = health_router(app.clone());
+        let task = tokio::spawn(async move {
+            // The health port stays up until the review port has drained.
+            let (drained, wait_drained) = tokio::sync::oneshot::channel::<()>();
+            let health = tokio::spawn(
+                axum::serve(health, health_router)
+                    .with_graceful_shutdown(async move {
+                        let _ = wait_drained.await;
+                    })
+                    .into_future(),
+            );
+            let served = https.await;
+            reload.abort();
+            let _ = drained.send(());
+            let health = health
+                .await
+                .map_err(|e| ServerError::Serve(std::io::Error::other(e.to_string())))?;
+            served.map_err(ServerError::Serve)?;
+            health.map_err(ServerError::Serve)?;
+            Ok(())
+        });
+        tracing::info!(%addr, %health_addr, "webhook serving");
+        Ok(Self {
+            handle,
+            app,
+            addr,
+            health_addr,
+            task,
+        })
+    }
+
+    /// Graceful stop: readiness goes to 503, no new connections are accepted, in-flight reviews
+    /// finish (at most `grace`), then the server ends.
+    pub async fn shutdown(self, grace: Duration) -> Result<(), ServerError> {
+        self.app.ready.store(false, Ordering::Release);
+        self.handle.graceful_shutdown(Some(grace));
+        self.task
+            .await
+            .map_err(|e| ServerError::Serve(std::io::Error::other(e.to_string())))?
+    }
+}
+

@@ -1,0 +1,180 @@
+//! What the webhook reads from the cluster: namespace labels and annotations, MutationPolicies
+//! and NodeGates, each from a watch-fed cache so that a review costs no API call.
+//!
+//! A namespace missing from the cache (created a moment ago) is read once from the API server.
+//! [`Sources::fixed`] serves the same from fixed data, for tests and offline use.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::Api;
+use kube::core::PartialObjectMeta;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use meshgate_api::node_gate::NodeGateSpec;
+use meshgate_api::{MutationPolicy, MutationPolicySpec, NodeGate};
+use meshgate_core::select::Meta;
+
+/// The webhook's view of the cluster.
+#[derive(Clone)]
+pub struct Sources(Arc<Inner>);
+
+enum Inner {
+    Fixed {
+        namespaces: BTreeMap<String, Meta>,
+        policies: Vec<(String, MutationPolicySpec)>,
+        gates: Vec<NodeGateSpec>,
+    },
+    Cluster {
+        client: kube::Client,
+        namespaces: Store<PartialObjectMeta<Namespace>>,
+        policies: Store<MutationPolicy>,
+        gates: Store<NodeGate>,
+        synced: AtomicBool,
+    },
+}
+
+impl std::fmt::Debug for Sources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sources").finish_non_exhaustive()
+    }
+}
+
+/// A namespace could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("reading namespace {name:?}: {source}")]
+pub struct SourceError {
+    name: String,
+    #[source]
+    source: kube::Error,
+}
+
+fn meta_of(labels: Option<&BTreeMap<String, String>>, annotations: Option<&BTreeMap<String, String>>) -> Meta {
+    Meta {
+        labels: labels.cloned().unwrap_or_default(),
+        annotations: annotations.cloned().unwrap_or_default(),
+    }
+}
+
+impl Sources {
+    /// Fixed data: namespaces by name, policies, node gates.
+    pub fn fixed(
+        namespaces: BTreeMap<String, Meta>,
+        mut policies: Vec<(String, MutationPolicySpec)>,
+        gates: Vec<NodeGateSpec>,
+    ) -> Self {
+        policies.sort_by(|a, b| a.0.cmp(&b.0));
+        Sources(Arc::new(Inner::Fixed {
+            namespaces,
+            policies,
+            gates,
+        }))
+    }
+
+    /// Caches fed by watches on the cluster; the returned future drives them and never ends.
+    pub fn watch(client: kube::Client) -> (Self, impl Future<Output = ()> + Send + 'static) {
+        let (ns_store, ns_writer) = reflector::store();
+        let (pol_store, pol_writer) = reflector::store();
+        let (gate_store, gate_writer) = reflector::store();
+        let ns_stream = reflector::reflector(
+            ns_writer,
+            watcher(
+                Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+        )
+        .default_backoff()
+        .for_each(|_| async {});
+        let pol_stream = reflector::reflector(
+            pol_writer,
+            watcher(Api::<MutationPolicy>::all(client.clone()), watcher::Config::default()),
+        )
+        .default_backoff()
+        .for_each(|_| async {});
+        let gate_stream = reflector::reflector(
+            gate_writer,
+            watcher(Api::<NodeGate>::all(client.clone()), watcher::Config::default()),
+        )
+        .default_backoff()
+        .for_each(|_| async {});
+        let sources = Sources(Arc::new(Inner::Cluster {
+            client,
+            namespaces: ns_store.clone(),
+            policies: pol_store.clone(),
+            gates: gate_store.clone(),
+            synced: AtomicBool::new(false),
+        }));
+        let flag = sources.clone();
+        let drive = async move {
+            let ready = async move {
+                let _ = ns_store.wait_until_ready().await;
+                let _ = pol_store.wait_until_ready().await;
+                let _ = gate_store.wait_until_ready().await;
+                if let Inner::Cluster { synced, .. } = &*flag.0 {
+                    synced.store(true, Ordering::Release);
+                    tracing::info!("caches synced: namespaces, mutation policies, node gates");
+                }
+                futures::future::pending::<()>().await;
+            };
+            futures::join!(ns_stream, pol_stream, gate_stream, ready);
+        };
+        (sources, drive)
+    }
+
+    /// Whether the caches have their first full list.
+    pub fn ready(&self) -> bool {
+        match &*self.0 {
+            Inner::Fixed { .. } => true,
+            Inner::Cluster { synced, .. } => synced.load(Ordering::Acquire),
+        }
+    }
+
+    /// A namespace's labels and annotations (empty for an unknown namespace in fixed data).
+    pub async fn namespace(&self, name: &str) -> Result<Meta, SourceError> {
+        match &*self.0 {
+            Inner::Fixed { namespaces, .. } => Ok(namespaces.get(name).cloned().unwrap_or_default()),
+            Inner::Cluster {
+                client, namespaces, ..
+            } => {
+                if let Some(ns) = namespaces.get(&ObjectRef::new(name)) {
+                    return Ok(meta_of(ns.metadata.labels.as_ref(), ns.metadata.annotations.as_ref()));
+                }
+                let ns = Api::<Namespace>::all(client.clone())
+                    .get_metadata(name)
+                    .await
+                    .map_err(|source| SourceError {
+                        name: name.to_owned(),
+                        source,
+                    })?;
+                Ok(meta_of(ns.metadata.labels.as_ref(), ns.metadata.annotations.as_ref()))
+            }
+        }
+    }
+
+    /// Every MutationPolicy, sorted by name.
+    pub fn policies(&self) -> Vec<(String, MutationPolicySpec)> {
+        match &*self.0 {
+            Inner::Fixed { policies, .. } => policies.clone(),
+            Inner::Cluster { policies, .. } => {
+                let mut out: Vec<(String, MutationPolicySpec)> = policies
+                    .state()
+                    .iter()
+                    .map(|p| (p.metadata.name.clone().unwrap_or_default(), p.spec.clone()))
+                    .collect();
+                out.sort_by(|a, b| a.0.cmp(&b.0));
+                out
+            }
+        }
+    }
+
+    /// Every NodeGate's spec.
+    pub fn node_gates(&self) -> Vec<NodeGateSpec> {
+        match &*self.0 {
+            Inner::Fixed { gates, .. } => gates.clone(),
+            Inner::Cluster { gates, .. } => gates.state().iter().map(|g| g.spec.clone()).collect(),
+        }
+    }
+}
