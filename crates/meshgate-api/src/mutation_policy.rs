@@ -89,8 +89,9 @@ pub struct Mutation {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub labels: Option<MetadataMutation>,
     /// A strategic-merge patch of the pod, with Kyverno's anchors: `+(key)` adds when absent,
-    /// `(key)` is a condition on the object, `<(key)` a condition on the whole element.
-    /// Lists of objects are merged by `name`.
+    /// `(key)` is a condition on the object, `<(key)` a condition on the whole mutation.
+    /// Lists of objects are merged by their Kubernetes merge key (`name`, or e.g.
+    /// `containerPort`, `mountPath`); lists of scalars are replaced.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "any_object")]
     pub strategic_merge: Option<serde_json::Value>,

@@ -1,1 +1,1112 @@
-//! Kyverno ClusterPolicy import (being written).
+//! Import of Kyverno `ClusterPolicy` (and namespaced `Policy`) mutate rules as MutationPolicies.
+//!
+//! [`import`] takes the policy as a `serde_json::Value` (parsed from YAML by the caller) of
+//! `kyverno.io/v1` or `kyverno.io/v2beta1`, and turns **each mutate rule** into one
+//! `MutationPolicySpec` named `<policy>-<rule>`, made a DNS-1123 label (lowercase alphanumerics
+//! and `-`, at most 63 characters; longer names are cut and suffixed with a hash, duplicates get
+//! `-2`, `-3`, ...). Everything that cannot be converted faithfully is reported in
+//! [`KyvernoImport::notes`] and the rule is skipped; when no rule is left the import fails with
+//! [`KyvernoError::NothingConvertible`]. Notes and errors name the field (`spec.rules[0].mutate...`).
+//!
+//! # What converts
+//! * `match` / `exclude` as `resources` (legacy), `any[].resources` or `all[].resources`, with
+//!   `kinds`, `namespaces`, `namespaceSelector`, `selector` (→ `objectSelector`), `operations`.
+//!   - `any` with several entries converts only when the entries differ in a single one of
+//!     `kinds`, `namespaces`, `operations` (the union is then exact); a MutationPolicy has one
+//!     block whose fields must all hold, so any other OR of entries cannot be expressed.
+//!   - `all` entries are intersected (kinds, operations, literal namespaces; selectors are
+//!     combined); namespace patterns in several entries cannot be intersected.
+//!   - kinds `Pod`, `v1/Pod`, `*/Pod`, `apps/v1/Deployment`, ... become bare kinds; kinds meshgate
+//!     never mutates (Services, subresources, wildcards) are dropped with a note.
+//!   - no `operations` means every operation in Kyverno: the policy gets `[CREATE, UPDATE]`;
+//!     `DELETE` and `CONNECT` are dropped with a note.
+//! * `mutate.patchStrategicMerge`, unchanged (meshgate implements Kyverno's anchors).
+//! * `mutate.patchesJson6902`, a YAML/JSON string of operations or a list. An `add` of a string
+//!   to `/metadata/annotations/<key>` or `/metadata/labels/<key>` becomes an `annotations` /
+//!   `labels` mutation, which, like Kyverno's JSON patch, creates the map when it is missing.
+//!   Other operations stay RFC 6902 operations; a note tells when Kyverno's leniency (creating
+//!   missing parents on `add`, ignoring a `remove` of a missing path, negative indices) is lost.
+//! * Pod controllers: Kyverno auto-generates rules for Deployment, StatefulSet, DaemonSet,
+//!   ReplicaSet, Job, CronJob (and ReplicationController) from a rule that matches Pod, unless
+//!   the policy annotation `pod-policies.kyverno.io/autogen-controllers` is `none`, or some rule
+//!   of the policy prevents it (a generate rule, a JSON patch, a `name`/`names`/`selector`/
+//!   `annotations` filter, or kinds mixing Pod with others). The conversion follows that:
+//!   `podTemplates: true` when every controller is auto-generated, the listed controllers as
+//!   explicit kinds when the annotation names some, nothing otherwise. (ReplicationController
+//!   templates are never mutated by meshgate; their pods still are.)
+//! * A rule that matches workloads only must patch below `spec.template` (`spec.jobTemplate.spec.
+//!   template` for CronJob): meshgate mutates pod templates, never the workload object itself, so
+//!   the prefix is removed. A rule matching Pod and workloads keeps Pod only (its patch is
+//!   written against a Pod; Kyverno would apply it to the workload object).
+//! * `spec.emitWarning: true` sets the MutationPolicy's `warning`.
+//! * A namespaced `Policy` applies in its own namespace only: its namespace becomes the rule's
+//!   `namespaces`.
+//!
+//! # What does not
+//! Variables (`{{ }}`) and references (`$( )`) anywhere in a rule, `context`, `preconditions`,
+//! `celPreconditions`, `mutate.foreach`, `mutate.targets` / `mutateExistingOnPolicyUpdate`,
+//! `match`/`exclude` on names, annotations or the requesting user (`subjects`, `roles`,
+//! `clusterRoles`), `spec.webhookConfiguration.matchConditions`, policies with
+//! `spec.admission: false`. Validate, generate and verifyImages rules are ignored with a note.
+//! `spec.applyRules: One` is not honoured (every converted rule applies; noted). Kyverno's
+//! installation-wide `resourceFilters` (by default excluding `kube-system` and Kyverno's own
+//! namespace) are not part of a policy and are not imported.
+
+use std::collections::BTreeSet;
+
+use meshgate_api::LabelSelector;
+use meshgate_api::mutation_policy::{
+    JsonPatchOp, JsonPatchOperation, MatchResources, MetadataMutation, Mutation,
+    MutationPolicySpec, OnConflict, Operation,
+};
+use serde_json::Value;
+
+use crate::policy::{SUPPORTED_KINDS, WORKLOAD_KINDS, validate, wildcard_match};
+
+/// The policy annotation that selects Kyverno's auto-generated pod-controller rules.
+pub const AUTOGEN_ANNOTATION: &str = "pod-policies.kyverno.io/autogen-controllers";
+
+/// The result of [`import`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct KyvernoImport {
+    /// One `(name, spec)` per converted mutate rule, in rule order.
+    pub policies: Vec<(String, MutationPolicySpec)>,
+    /// What was not converted, or converted with a difference, and why.
+    pub notes: Vec<String>,
+}
+
+/// Why a Kyverno policy cannot be imported at all.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KyvernoError {
+    /// Not a `kyverno.io/v1` or `kyverno.io/v2beta1` `ClusterPolicy` / `Policy`.
+    #[error(
+        "not a Kyverno policy: apiVersion {api_version:?}, kind {kind:?} (expected kyverno.io/v1 or kyverno.io/v2beta1 ClusterPolicy or Policy)"
+    )]
+    NotAPolicy { api_version: String, kind: String },
+    /// A field every Kyverno policy has is missing or of the wrong type.
+    #[error("{path}: {message}")]
+    Malformed { path: String, message: String },
+    /// No rule could be converted; `notes` say why.
+    #[error("nothing in Kyverno policy {policy} can be converted: {}", notes.join("; "))]
+    NothingConvertible { policy: String, notes: Vec<String> },
+}
+
+/// Converts the mutate rules of a Kyverno policy. See the module documentation.
+pub fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
+    let str_at = |p: &str| doc.pointer(p).and_then(Value::as_str).unwrap_or_default();
+    let (api_version, kind) = (str_at("/apiVersion"), str_at("/kind"));
+    if !matches!(api_version, "kyverno.io/v1" | "kyverno.io/v2beta1")
+        || !matches!(kind, "ClusterPolicy" | "Policy")
+    {
+        return Err(KyvernoError::NotAPolicy {
+            api_version: api_version.to_owned(),
+            kind: kind.to_owned(),
+        });
+    }
+    let policy = str_at("/metadata/name");
+    if policy.is_empty() {
+        return Err(malformed("metadata.name", "required"));
+    }
+    let namespace = if kind == "Policy" {
+        let ns = str_at("/metadata/namespace");
+        if ns.is_empty() {
+            return Err(malformed(
+                "metadata.namespace",
+                "a namespaced Kyverno Policy needs its namespace to be converted",
+            ));
+        }
+        Some(ns)
+    } else {
+        None
+    };
+    let Some(spec) = doc.get("spec").filter(|s| s.is_object()) else {
+        return Err(malformed("spec", "required"));
+    };
+    let Some(rules) = spec.get("rules").and_then(Value::as_array) else {
+        return Err(malformed("spec.rules", "must be a list"));
+    };
+
+    let mut notes = Vec::new();
+    let nothing = |notes: Vec<String>| KyvernoError::NothingConvertible {
+        policy: policy.to_owned(),
+        notes,
+    };
+    if spec.get("admission").and_then(Value::as_bool) == Some(false) {
+        notes.push("spec.admission: false: the policy is not applied at admission, and meshgate only converts admission mutations".to_owned());
+        return Err(nothing(notes));
+    }
+    if spec
+        .pointer("/webhookConfiguration/matchConditions")
+        .and_then(Value::as_array)
+        .is_some_and(|c| !c.is_empty())
+    {
+        notes.push("spec.webhookConfiguration.matchConditions: CEL match conditions are not supported (dropping them would widen every rule)".to_owned());
+        return Err(nothing(notes));
+    }
+    if spec
+        .get("mutateExistingOnPolicyUpdate")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        notes.push("spec.mutateExistingOnPolicyUpdate: mutating existing resources is not converted (see spec.existing of the MutationPolicy)".to_owned());
+    }
+
+    let autogen = autogen(doc, rules);
+    let context = RuleContext {
+        policy,
+        namespace,
+        autogen: &autogen,
+        emit_warning: spec.get("emitWarning").and_then(Value::as_bool) == Some(true),
+    };
+    let mut policies: Vec<(String, MutationPolicySpec)> = Vec::new();
+    let mut names = BTreeSet::new();
+    for (i, rule) in rules.iter().enumerate() {
+        let path = format!("spec.rules[{i}]");
+        let rule_name = rule.get("name").and_then(Value::as_str).unwrap_or_default();
+        let label = if rule_name.is_empty() {
+            path.clone()
+        } else {
+            format!("{path} ({rule_name})")
+        };
+        if rule_name.is_empty() {
+            notes.push(format!("{path}.name: required; rule not converted"));
+            continue;
+        }
+        match convert_rule(&context, rule, &path, &mut notes) {
+            Ok(Some(spec)) => {
+                let name = unique(dns1123_name(policy, rule_name), &mut names);
+                policies.push((name, spec));
+            }
+            Ok(None) => {}
+            Err(reasons) => notes.push(format!("{label}: not converted: {reasons}")),
+        }
+    }
+    if policies.is_empty() {
+        return Err(nothing(notes));
+    }
+    if spec.get("applyRules").and_then(Value::as_str) == Some("One") && policies.len() > 1 {
+        notes.push("spec.applyRules: One is not supported: every converted rule applies, not only the first that matches".to_owned());
+    }
+    Ok(KyvernoImport { policies, notes })
+}
+
+fn malformed(path: &str, message: &str) -> KyvernoError {
+    KyvernoError::Malformed {
+        path: path.to_owned(),
+        message: message.to_owned(),
+    }
+}
+
+struct RuleContext<'a> {
+    policy: &'a str,
+    namespace: Option<&'a str>,
+    autogen: &'a Autogen,
+    emit_warning: bool,
+}
+
+/// Kyverno's auto-generation of pod-controller rules for a policy.
+#[derive(Clone, Debug, PartialEq)]
+enum Autogen {
+    /// Every controller.
+    All,
+    /// Only these (from the annotation).
+    Only(Vec<String>),
+    /// None.
+    Off,
+}
+
+const KYVERNO_CONTROLLERS: [&str; 7] = [
+    "DaemonSet",
+    "Deployment",
+    "Job",
+    "StatefulSet",
+    "ReplicaSet",
+    "ReplicationController",
+    "CronJob",
+];
+
+/// Every resource description (`resources` blocks) of a rule's match and exclude.
+fn resource_descriptions(rule: &Value) -> Vec<&Value> {
+    let mut out = Vec::new();
+    for block in ["match", "exclude"] {
+        let Some(b) = rule.get(block) else { continue };
+        out.extend(b.get("resources"));
+        for list in ["any", "all"] {
+            for entry in b.get(list).and_then(Value::as_array).into_iter().flatten() {
+                out.extend(entry.get("resources"));
+            }
+        }
+    }
+    out
+}
+
+fn bare_kind(raw: &str) -> &str {
+    // `apps/v1/Deployment` → `Deployment`; good enough for Kyverno's autogen checks.
+    raw.split('/')
+        .rev()
+        .find(|s| s.starts_with(|c: char| c.is_ascii_uppercase()))
+        .unwrap_or(raw)
+}
+
+/// Kyverno's `CanAutoGen` and the autogen annotation.
+fn autogen(doc: &Value, rules: &[Value]) -> Autogen {
+    let present = |v: Option<&Value>| v.is_some_and(|v| !v.is_null());
+    let mut needed = false;
+    for rule in rules {
+        if present(rule.get("generate")) {
+            return Autogen::Off;
+        }
+        if let Some(m) = rule.get("mutate") {
+            let json = |v: &Value| {
+                v.get("patchesJson6902")
+                    .is_some_and(|p| !p.is_null() && p.as_str() != Some(""))
+            };
+            let foreach_json = m
+                .get("foreach")
+                .and_then(Value::as_array)
+                .is_some_and(|f| f.iter().any(json));
+            if json(m) || foreach_json {
+                return Autogen::Off;
+            }
+        }
+        for desc in resource_descriptions(rule) {
+            if ["name", "names", "selector", "annotations"]
+                .iter()
+                .any(|f| present(desc.get(*f)))
+            {
+                return Autogen::Off;
+            }
+            let kinds: Vec<&str> = desc
+                .get("kinds")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .map(bare_kind)
+                .collect();
+            if kinds.len() > 1 && kinds.contains(&"Pod") {
+                return Autogen::Off;
+            }
+            needed |= kinds
+                .iter()
+                .any(|k| *k == "Pod" || KYVERNO_CONTROLLERS.contains(k));
+        }
+    }
+    if !needed {
+        return Autogen::Off;
+    }
+    let annotation = doc
+        .pointer("/metadata/annotations")
+        .and_then(|a| a.get(AUTOGEN_ANNOTATION))
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .trim();
+    match annotation {
+        "" => Autogen::All,
+        "none" => Autogen::Off,
+        list => Autogen::Only(
+            list.split(',')
+                .map(str::trim)
+                .filter(|k| KYVERNO_CONTROLLERS.contains(k))
+                .map(str::to_owned)
+                .collect(),
+        ),
+    }
+}
+
+/// `None`: not a mutate rule (noted). `Err`: the reasons it cannot be converted.
+fn convert_rule(
+    ctx: &RuleContext<'_>,
+    rule: &Value,
+    path: &str,
+    notes: &mut Vec<String>,
+) -> Result<Option<MutationPolicySpec>, String> {
+    let rule_name = rule.get("name").and_then(Value::as_str).unwrap_or_default();
+    let Some(mutate) = rule.get("mutate").filter(|m| !m.is_null()) else {
+        let what = ["validate", "generate", "verifyImages"]
+            .into_iter()
+            .find(|k| rule.get(*k).is_some())
+            .unwrap_or("non-mutate");
+        notes.push(format!(
+            "{path} ({rule_name}): {what} rule ignored (only mutate rules are imported)"
+        ));
+        return Ok(None);
+    };
+
+    let mut reasons = Vec::new();
+    let non_empty = |v: Option<&Value>| v.is_some_and(|v| !is_empty_value(v));
+    for (field, why) in [
+        (
+            "context",
+            "context entries (external data, variables) are not supported",
+        ),
+        ("preconditions", "preconditions are not supported"),
+        ("celPreconditions", "CEL preconditions are not supported"),
+    ] {
+        if non_empty(rule.get(field)) {
+            reasons.push(format!("{path}.{field}: {why}"));
+        }
+    }
+    if non_empty(mutate.get("foreach")) {
+        reasons.push(format!("{path}.mutate.foreach: foreach is not supported"));
+    }
+    if non_empty(mutate.get("targets")) {
+        reasons.push(format!(
+            "{path}.mutate.targets: mutating other existing resources is not supported"
+        ));
+    }
+    if mutate
+        .get("mutateExistingOnPolicyUpdate")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        reasons.push(format!(
+            "{path}.mutate.mutateExistingOnPolicyUpdate: mutating existing resources is not supported"
+        ));
+    }
+    for field in ["match", "exclude", "mutate"] {
+        if let Some(v) = rule.get(field)
+            && let Some(at) = find_variable(v, &format!("{path}.{field}"))
+        {
+            reasons.push(format!(
+                "{at}: variables ({{{{ }}}}) and references ($( )) are not supported"
+            ));
+        }
+    }
+    let smp = mutate.get("patchStrategicMerge").filter(|v| !v.is_null());
+    let json = mutate.get("patchesJson6902").filter(|v| !v.is_null());
+    if smp.is_some() && json.is_some() {
+        reasons.push(format!(
+            "{path}.mutate: sets both patchStrategicMerge and patchesJson6902"
+        ));
+    }
+    if smp.is_none() && json.is_none() && reasons.is_empty() {
+        reasons.push(format!(
+            "{path}.mutate: no patchStrategicMerge or patchesJson6902 to convert"
+        ));
+    }
+    if !reasons.is_empty() {
+        return Err(reasons.join("; "));
+    }
+    let json_path = format!("{path}.mutate.patchesJson6902");
+    let json_ops = json.map(|j| parse_json6902(j, &json_path)).transpose()?;
+
+    let Some(match_block) = rule.get("match") else {
+        return Err(format!("{path}.match: required"));
+    };
+    let mut matched = convert_block(match_block, &format!("{path}.match"), false, notes)?
+        .ok_or_else(|| format!("{path}.match: matches no resources"))?;
+    let exclude = match rule.get("exclude").filter(|e| !e.is_null()) {
+        Some(e) => convert_block(e, &format!("{path}.exclude"), true, notes)?,
+        None => None,
+    };
+    if matched.kinds.is_empty() {
+        return Err(format!("{path}.match: no kinds"));
+    }
+    if let Some(ns) = ctx.namespace {
+        if !matched.namespaces.is_empty()
+            && !matched.namespaces.iter().any(|n| wildcard_match(n, ns))
+        {
+            return Err(format!(
+                "{path}.match.namespaces: never matches the policy's namespace {ns:?}"
+            ));
+        }
+        matched.namespaces = vec![ns.to_owned()];
+    }
+
+    // Kinds and where the patch applies.
+    let has_pod = matched.kinds.iter().any(|k| k == "Pod");
+    let workloads: Vec<String> = matched
+        .kinds
+        .iter()
+        .filter(|k| *k != "Pod")
+        .cloned()
+        .collect();
+    let mut prefix: &[&str] = &[];
+    if has_pod && !workloads.is_empty() {
+        notes.push(format!(
+            "{path}.match: kinds {} dropped: the rule also matches Pod, so its patch is written against a Pod; Kyverno would apply it to those workload objects themselves, meshgate only mutates their pod templates",
+            workloads.join(", ")
+        ));
+        matched.kinds = vec!["Pod".to_owned()];
+    } else if !has_pod {
+        let (cron, templated): (Vec<String>, Vec<String>) =
+            workloads.into_iter().partition(|k| k == "CronJob");
+        let fits = |p: &[&str]| match (smp, &json_ops) {
+            (Some(s), _) => strip_patch(s, p).is_some(),
+            (None, Some(ops)) => strip_ops(ops, p).is_some(),
+            (None, None) => false,
+        };
+        if !templated.is_empty() && fits(&["spec", "template"]) {
+            if !cron.is_empty() {
+                notes.push(format!(
+                    "{path}.match: kind CronJob dropped: its pod template is at spec.jobTemplate.spec.template, not where the patch writes"
+                ));
+            }
+            prefix = &["spec", "template"];
+            matched.kinds = templated;
+        } else if !cron.is_empty() && fits(&["spec", "jobTemplate", "spec", "template"]) {
+            if !templated.is_empty() {
+                notes.push(format!(
+                    "{path}.match: kinds {} dropped: their pod template is at spec.template, not where the patch writes",
+                    templated.join(", ")
+                ));
+            }
+            prefix = &["spec", "jobTemplate", "spec", "template"];
+            matched.kinds = cron;
+        } else {
+            return Err(format!(
+                "{path}.mutate: the patch changes the {} objects themselves, not only their pod template (spec.template); meshgate only mutates pod templates",
+                matched.kinds.join(", ")
+            ));
+        }
+    }
+
+    // Mutations.
+    let mutations = match (smp, json_ops) {
+        (Some(s), _) => {
+            let patch = strip_patch(s, prefix)
+                .ok_or_else(|| format!("{path}.mutate.patchStrategicMerge: must be an object"))?;
+            vec![Mutation {
+                strategic_merge: Some(patch),
+                ..Default::default()
+            }]
+        }
+        (None, Some(ops)) => {
+            let ops = strip_ops(&ops, prefix)
+                .ok_or_else(|| format!("{json_path}: an operation is outside the pod template"))?;
+            json_mutations(ops, &json_path, notes)
+        }
+        (None, None) => Vec::new(),
+    };
+
+    // Pod controllers.
+    let mut pod_templates = false;
+    if matched.kinds == ["Pod"] {
+        match ctx.autogen {
+            Autogen::All => pod_templates = true,
+            Autogen::Off => {}
+            Autogen::Only(list) => {
+                let ours: Vec<&str> = WORKLOAD_KINDS
+                    .iter()
+                    .copied()
+                    .filter(|k| list.iter().any(|l| l == k))
+                    .collect();
+                if ours.len() == WORKLOAD_KINDS.len() {
+                    pod_templates = true;
+                } else {
+                    matched.kinds.extend(ours.iter().map(|k| (*k).to_owned()));
+                }
+                if list.iter().any(|l| l == "ReplicationController") {
+                    notes.push(format!(
+                        "{path}: ReplicationController pod templates are not mutated by meshgate (their pods are)"
+                    ));
+                }
+            }
+        }
+    }
+
+    let mut match_ = matched.into_match();
+    if match_.operations.is_empty() {
+        match_.operations = vec![Operation::Create, Operation::Update];
+    }
+    let spec = MutationPolicySpec {
+        match_,
+        exclude: exclude.map(Desc::into_match),
+        pod_templates,
+        mutations,
+        warning: ctx
+            .emit_warning
+            .then(|| format!("applied Kyverno rule {}/{rule_name}", ctx.policy)),
+        existing: Default::default(),
+    };
+    validate(&spec)
+        .map_err(|errors| format!("the converted policy is invalid: {}", errors.join("; ")))?;
+    Ok(Some(spec))
+}
+
+/// `null`, `[]`, `{}`, or an object of such (`preconditions: {all: []}`).
+fn is_empty_value(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.values().all(is_empty_value),
+        _ => false,
+    }
+}
+
+/// The path of the first string or key with `{{` or `$(`.
+fn find_variable(value: &Value, path: &str) -> Option<String> {
+    let has = |s: &str| s.contains("{{") || s.contains("$(");
+    match value {
+        Value::String(s) if has(s) => Some(path.to_owned()),
+        Value::Object(map) => map.iter().find_map(|(k, v)| {
+            let p = format!("{path}.{k}");
+            if has(k) {
+                Some(p)
+            } else {
+                find_variable(v, &p)
+            }
+        }),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, v)| find_variable(v, &format!("{path}[{i}]"))),
+        _ => None,
+    }
+}
+
+/// A Kyverno resource filter, normalized.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Desc {
+    kinds: Vec<String>,
+    namespaces: Vec<String>,
+    namespace_selector: Option<LabelSelector>,
+    selector: Option<LabelSelector>,
+    operations: Vec<Operation>,
+    /// Every kind (or operation) it names is one meshgate never sees: it matches nothing.
+    matches_nothing: bool,
+}
+
+impl Desc {
+    fn into_match(self) -> MatchResources {
+        MatchResources {
+            kinds: self.kinds,
+            namespaces: self.namespaces,
+            namespace_selector: self.namespace_selector,
+            object_selector: self.selector,
+            operations: self.operations,
+        }
+    }
+}
+
+/// `match` or `exclude`. `Ok(None)`: matches nothing meshgate sees.
+fn convert_block(
+    block: &Value,
+    path: &str,
+    exclude: bool,
+    notes: &mut Vec<String>,
+) -> Result<Option<Desc>, String> {
+    user_filters(block, path)?;
+    let forms: Vec<&str> = ["resources", "any", "all"]
+        .into_iter()
+        .filter(|f| block.get(*f).is_some_and(|v| !v.is_null()))
+        .collect();
+    if forms.len() > 1 {
+        return Err(format!(
+            "{path}: sets {} together; only one of resources, any, all can be converted",
+            forms.join(" and ")
+        ));
+    }
+    match forms.first().copied() {
+        None => {
+            if exclude {
+                Ok(None)
+            } else {
+                Err(format!("{path}: no resources"))
+            }
+        }
+        Some("resources") => {
+            let d = description(
+                block.get("resources").unwrap_or(&Value::Null),
+                &format!("{path}.resources"),
+                notes,
+            )?;
+            Ok((!d.matches_nothing).then_some(d))
+        }
+        Some(list) => {
+            let Some(items) = block.get(list).and_then(Value::as_array) else {
+                return Err(format!("{path}.{list}: must be a list"));
+            };
+            let mut descs = Vec::new();
+            for (i, entry) in items.iter().enumerate() {
+                let p = format!("{path}.{list}[{i}]");
+                user_filters(entry, &p)?;
+                let d = match entry.get("resources") {
+                    Some(r) => description(r, &format!("{p}.resources"), notes)?,
+                    None => Desc::default(),
+                };
+                descs.push(d);
+            }
+            if list == "any" {
+                let kept: Vec<Desc> = descs.into_iter().filter(|d| !d.matches_nothing).collect();
+                if kept.is_empty() {
+                    Ok(None)
+                } else {
+                    union(kept, &format!("{path}.any")).map(Some)
+                }
+            } else if descs.iter().any(|d| d.matches_nothing) || descs.is_empty() {
+                Ok(None)
+            } else {
+                intersect(descs, &format!("{path}.all")).map(Some)
+            }
+        }
+    }
+}
+
+/// Filters on the requesting user cannot be converted.
+fn user_filters(v: &Value, path: &str) -> Result<(), String> {
+    for f in ["subjects", "roles", "clusterRoles"] {
+        if v.get(f)
+            .and_then(Value::as_array)
+            .is_some_and(|a| !a.is_empty())
+        {
+            return Err(format!(
+                "{path}.{f}: matching on the requesting user is not supported"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn string_list(v: Option<&Value>, path: &str) -> Result<Vec<String>, String> {
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                s.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| format!("{path}[{i}]: must be a string"))
+            })
+            .collect(),
+        Some(_) => Err(format!("{path}: must be a list of strings")),
+    }
+}
+
+fn selector(v: Option<&Value>, path: &str) -> Result<Option<LabelSelector>, String> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(s) => serde_json::from_value(s.clone())
+            .map(Some)
+            .map_err(|e| format!("{path}: {e}")),
+    }
+}
+
+/// One `resources` block.
+fn description(r: &Value, path: &str, notes: &mut Vec<String>) -> Result<Desc, String> {
+    for f in ["name", "names", "annotations"] {
+        if r.get(f).is_some_and(|v| !v.is_null()) {
+            return Err(format!("{path}.{f}: matching by {f} is not supported"));
+        }
+    }
+    let raw_kinds = string_list(r.get("kinds"), &format!("{path}.kinds"))?;
+    let mut kinds = Vec::new();
+    for (i, raw) in raw_kinds.iter().enumerate() {
+        match normalize_kind(raw) {
+            Ok(k) => {
+                if !kinds.iter().any(|x| x == k) {
+                    kinds.push(k.to_owned());
+                }
+            }
+            Err(why) => notes.push(format!("{path}.kinds[{i}]: {raw:?} dropped: {why}")),
+        }
+    }
+    let raw_ops = string_list(r.get("operations"), &format!("{path}.operations"))?;
+    let mut operations = Vec::new();
+    for (i, op) in raw_ops.iter().enumerate() {
+        match op.as_str() {
+            "CREATE" => operations.push(Operation::Create),
+            "UPDATE" => operations.push(Operation::Update),
+            other => notes.push(format!(
+                "{path}.operations[{i}]: {other:?} dropped: meshgate mutates on CREATE and UPDATE only"
+            )),
+        }
+    }
+    let namespaces = string_list(r.get("namespaces"), &format!("{path}.namespaces"))?;
+    Ok(Desc {
+        matches_nothing: (!raw_kinds.is_empty() && kinds.is_empty())
+            || (!raw_ops.is_empty() && operations.is_empty()),
+        kinds,
+        namespaces,
+        namespace_selector: selector(
+            r.get("namespaceSelector"),
+            &format!("{path}.namespaceSelector"),
+        )?,
+        selector: selector(r.get("selector"), &format!("{path}.selector"))?,
+        operations,
+    })
+}
+
+/// `Pod`, `v1/Pod`, `*/Pod`, `apps/v1/Deployment`, `batch/*/Job` → the bare kind.
+fn normalize_kind(raw: &str) -> Result<&'static str, String> {
+    let upper = |s: &str| s.starts_with(|c: char| c.is_ascii_uppercase()) || s == "*";
+    let parts: Vec<&str> = raw.split('/').collect();
+    let (group, kind, subresource) = match parts.as_slice() {
+        [k] => (None, *k, None),
+        [_, k] if upper(k) => (None, *k, None),
+        [k, s] => (None, *k, Some(*s)),
+        [g, _, k] if upper(k) => (Some(*g), *k, None),
+        [_, k, s] => (None, *k, Some(*s)),
+        [g, _, k, s] => (Some(*g), *k, Some(*s)),
+        _ => return Err("not a kind".to_owned()),
+    };
+    if subresource.is_some() {
+        return Err("subresources are not mutated by meshgate".to_owned());
+    }
+    if kind.contains(['*', '?']) {
+        return Err("wildcard kinds are not supported".to_owned());
+    }
+    let Some(k) = SUPPORTED_KINDS.iter().copied().find(|k| *k == kind) else {
+        return Err(format!(
+            "meshgate mutates only {}",
+            SUPPORTED_KINDS.join(", ")
+        ));
+    };
+    let expected = match k {
+        "Pod" => "",
+        "Job" | "CronJob" => "batch",
+        _ => "apps",
+    };
+    if let Some(g) = group
+        && g != "*"
+        && g != expected
+        && !(expected.is_empty() && g == "core")
+    {
+        return Err(format!("group {g:?} is not the group of {k}"));
+    }
+    Ok(k)
+}
+
+/// The fields in which several descriptions differ.
+fn differing(descs: &[Desc]) -> Vec<&'static str> {
+    let Some(first) = descs.first() else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let all_equal = |f: &dyn Fn(&Desc) -> bool| descs.iter().all(f);
+    if !all_equal(&|d| d.kinds == first.kinds) {
+        out.push("kinds");
+    }
+    if !all_equal(&|d| d.namespaces == first.namespaces) {
+        out.push("namespaces");
+    }
+    if !all_equal(&|d| d.namespace_selector == first.namespace_selector) {
+        out.push("namespaceSelector");
+    }
+    if !all_equal(&|d| d.selector == first.selector) {
+        out.push("selector");
+    }
+    if !all_equal(&|d| d.operations == first.operations) {
+        out.push("operations");
+    }
+    out
+}
+
+fn union_list<T: Clone + PartialEq>(lists: impl Iterator<Item = Vec<T>>) -> Vec<T> {
+    let mut out: Vec<T> = Vec::new();
+    for list in lists {
+        // An empty list does not constrain: the union does not either.
+        if list.is_empty() {
+            return Vec::new();
+        }
+        for item in list {
+            if !out.contains(&item) {
+                out.push(item);
+            }
+        }
+    }
+    out
+}
+
+/// `any`: an OR of entries, exact when they differ in one list field only.
+fn union(descs: Vec<Desc>, path: &str) -> Result<Desc, String> {
+    let diff = differing(&descs);
+    let Some(first) = descs.first().cloned() else {
+        return Err(format!("{path}: no entries"));
+    };
+    match diff.as_slice() {
+        [] => Ok(first),
+        [field @ ("kinds" | "namespaces" | "operations")] => {
+            let mut out = first;
+            match *field {
+                "kinds" => out.kinds = union_list(descs.into_iter().map(|d| d.kinds)),
+                "namespaces" => {
+                    out.namespaces = union_list(descs.into_iter().map(|d| d.namespaces));
+                }
+                _ => out.operations = union_list(descs.into_iter().map(|d| d.operations)),
+            }
+            Ok(out)
+        }
+        fields => Err(format!(
+            "{path}: its {} entries differ in {}; a MutationPolicy has one match block whose fields must all hold, so an OR of entries is only converted when they differ in kinds, namespaces or operations alone (split the Kyverno rule into one rule per entry)",
+            descs.len(),
+            fields.join(" and ")
+        )),
+    }
+}
+
+fn intersect_list<T: Clone + PartialEq>(a: Vec<T>, b: Vec<T>) -> Vec<T> {
+    if a.is_empty() {
+        return b;
+    }
+    if b.is_empty() {
+        return a;
+    }
+    a.into_iter().filter(|x| b.contains(x)).collect()
+}
+
+fn combine_selectors(
+    a: Option<LabelSelector>,
+    b: Option<LabelSelector>,
+    path: &str,
+) -> Result<Option<LabelSelector>, String> {
+    match (a, b) {
+        (None, s) | (s, None) => Ok(s),
+        (Some(mut a), Some(b)) => {
+            for (k, v) in b.match_labels {
+                if let Some(existing) = a.match_labels.get(&k)
+                    && existing != &v
+                {
+                    return Err(format!(
+                        "{path}: entries require label {k:?} to be both {existing:?} and {v:?}: never matches"
+                    ));
+                }
+                a.match_labels.insert(k, v);
+            }
+            a.match_expressions.extend(b.match_expressions);
+            Ok(Some(a))
+        }
+    }
+}
+
+/// `all`: an AND of entries.
+fn intersect(descs: Vec<Desc>, path: &str) -> Result<Desc, String> {
+    let mut out = Desc::default();
+    for d in descs {
+        let had_kinds = !out.kinds.is_empty() && !d.kinds.is_empty();
+        out.kinds = intersect_list(out.kinds, d.kinds);
+        if had_kinds && out.kinds.is_empty() {
+            return Err(format!(
+                "{path}: the entries have no kind in common: never matches"
+            ));
+        }
+        let had_ops = !out.operations.is_empty() && !d.operations.is_empty();
+        out.operations = intersect_list(out.operations, d.operations);
+        if had_ops && out.operations.is_empty() {
+            return Err(format!(
+                "{path}: the entries have no operation in common: never matches"
+            ));
+        }
+        if !out.namespaces.is_empty() && !d.namespaces.is_empty() {
+            let patterns = |l: &[String]| l.iter().any(|n| n.contains(['*', '?']));
+            if patterns(&out.namespaces) || patterns(&d.namespaces) {
+                let same: BTreeSet<&String> = out.namespaces.iter().collect();
+                if same != d.namespaces.iter().collect::<BTreeSet<_>>() {
+                    return Err(format!(
+                        "{path}: namespace patterns in several entries cannot be intersected"
+                    ));
+                }
+            } else {
+                out.namespaces = intersect_list(out.namespaces, d.namespaces);
+                if out.namespaces.is_empty() {
+                    return Err(format!(
+                        "{path}: the entries have no namespace in common: never matches"
+                    ));
+                }
+            }
+        } else if out.namespaces.is_empty() {
+            out.namespaces = d.namespaces;
+        }
+        out.namespace_selector =
+            combine_selectors(out.namespace_selector, d.namespace_selector, path)?;
+        out.selector = combine_selectors(out.selector, d.selector, path)?;
+    }
+    Ok(out)
+}
+
+/// Removes a prefix (`spec`, `template`) from a strategic-merge patch that only writes below it.
+fn strip_patch(patch: &Value, prefix: &[&str]) -> Option<Value> {
+    let mut current = patch;
+    for segment in prefix {
+        let map = current.as_object()?;
+        if map.len() != 1 {
+            return None;
+        }
+        current = map.get(*segment)?;
+    }
+    current.is_object().then(|| current.clone())
+}
+
+/// Removes a pointer prefix (`/spec/template`) from every operation, if all are below it.
+fn strip_ops(ops: &[JsonPatchOperation], prefix: &[&str]) -> Option<Vec<JsonPatchOperation>> {
+    let pre: String = prefix.iter().map(|s| format!("/{s}")).collect();
+    let strip = |p: &str| -> Option<String> {
+        let rest = p.strip_prefix(pre.as_str())?;
+        rest.starts_with('/').then(|| rest.to_owned())
+    };
+    ops.iter()
+        .map(|op| {
+            Some(JsonPatchOperation {
+                op: op.op,
+                path: strip(&op.path)?,
+                from: match &op.from {
+                    Some(f) => Some(strip(f)?),
+                    None => None,
+                },
+                value: op.value.clone(),
+            })
+        })
+        .collect()
+}
+
+/// `patchesJson6902`: a YAML or JSON string of operations, or a list.
+fn parse_json6902(v: &Value, path: &str) -> Result<Vec<JsonPatchOperation>, String> {
+    let list = match v {
+        Value::String(s) => serde_yaml::from_str::<Value>(s)
+            .map_err(|e| format!("{path}: not YAML or JSON: {e}"))?,
+        other => other.clone(),
+    };
+    let Value::Array(items) = list else {
+        return Err(format!("{path}: must be a list of operations"));
+    };
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, op)| {
+            serde_json::from_value::<JsonPatchOperation>(op)
+                .map_err(|e| format!("{path}[{i}]: {e}"))
+        })
+        .collect()
+}
+
+/// Unescapes one RFC 6901 segment.
+fn unescape(segment: &str) -> String {
+    segment.replace("~1", "/").replace("~0", "~")
+}
+
+/// JSON operations as mutations, in order: adds of one annotation or label become metadata
+/// mutations (which create the map like Kyverno's lenient `add`), the rest stay JSON patches.
+fn json_mutations(
+    ops: Vec<JsonPatchOperation>,
+    path: &str,
+    notes: &mut Vec<String>,
+) -> Vec<Mutation> {
+    let mut out: Vec<Mutation> = Vec::new();
+    let mut lenient = BTreeSet::new();
+    for op in ops {
+        let metadata = match (&op.op, &op.value) {
+            (JsonPatchOp::Add, Some(Value::String(v))) => {
+                let segments: Vec<&str> = op.path.split('/').collect();
+                match segments.as_slice() {
+                    ["", "metadata", field @ ("annotations" | "labels"), key] => {
+                        Some((*field, unescape(key), v.clone()))
+                    }
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        if let Some((field, key, value)) = metadata {
+            if let Some(m) = out.last_mut().and_then(|m| metadata_slot(m, field)) {
+                m.values.insert(key, value);
+            } else {
+                let meta = MetadataMutation {
+                    values: [(key, value)].into(),
+                    on_conflict: OnConflict::Overwrite,
+                };
+                out.push(if field == "annotations" {
+                    Mutation {
+                        annotations: Some(meta),
+                        ..Default::default()
+                    }
+                } else {
+                    Mutation {
+                        labels: Some(meta),
+                        ..Default::default()
+                    }
+                });
+            }
+            continue;
+        }
+        match op.op {
+            JsonPatchOp::Add => {
+                lenient
+                    .insert("an `add` below a missing parent fails (Kyverno creates the parents)");
+            }
+            JsonPatchOp::Remove => {
+                lenient.insert("a `remove` of a missing path fails (Kyverno skips it)");
+            }
+            _ => {}
+        }
+        if op
+            .path
+            .split('/')
+            .any(|s| s.starts_with('-') && s.len() > 1)
+        {
+            lenient.insert("negative list indices are not supported");
+        }
+        match out.last_mut().and_then(|m| m.json_patch.as_mut()) {
+            Some(list) => list.push(op),
+            None => out.push(Mutation {
+                json_patch: Some(vec![op]),
+                ..Default::default()
+            }),
+        }
+    }
+    if !lenient.is_empty() {
+        notes.push(format!(
+            "{path}: meshgate applies JSON patches strictly (RFC 6902): {}",
+            lenient.into_iter().collect::<Vec<_>>().join("; ")
+        ));
+    }
+    out
+}
+
+fn metadata_slot<'m>(m: &'m mut Mutation, field: &str) -> Option<&'m mut MetadataMutation> {
+    if field == "annotations" {
+        m.annotations.as_mut()
+    } else {
+        m.labels.as_mut()
+    }
+}
+
+/// `<policy>-<rule>` as a DNS-1123 label.
+fn dns1123_name(policy: &str, rule: &str) -> String {
+    let raw = format!("{policy}-{rule}").to_ascii_lowercase();
+    let mut name = String::new();
+    for c in raw.chars() {
+        if c.is_ascii_alphanumeric() {
+            name.push(c);
+        } else if !name.is_empty() && !name.ends_with('-') {
+            name.push('-');
+        }
+    }
+    let name = name.trim_end_matches('-').to_owned();
+    if name.is_empty() {
+        return format!("kyverno-{:08x}", fnv1a(&raw));
+    }
+    if name.len() <= 63 {
+        return name;
+    }
+    shorten(&name, &format!("{:08x}", fnv1a(&raw)))
+}
+
+/// `name` cut so that `<name>-<suffix>` fits 63 characters.
+fn shorten(name: &str, suffix: &str) -> String {
+    let room = 63 - suffix.len() - 1;
+    let head: String = name.chars().take(room).collect();
+    format!("{}-{suffix}", head.trim_end_matches('-'))
+}
+
+fn unique(name: String, taken: &mut BTreeSet<String>) -> String {
+    let mut candidate = name.clone();
+    let mut n = 2;
+    while taken.contains(&candidate) {
+        candidate = if name.len() + 1 + n.to_string().len() <= 63 {
+            format!("{name}-{n}")
+        } else {
+            shorten(&name, &n.to_string())
+        };
+        n += 1;
+    }
+    taken.insert(candidate.clone());
+    candidate
+}
+
+fn fnv1a(s: &str) -> u32 {
+    s.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
+}

@@ -1,14 +1,75 @@
-//! The `/mutate/policies` handler (wired to the core policy engine).
+//! The `/mutate/policies` handler: MutationPolicies on pods and pod templates.
+//!
+//! A policy that fails on an object (a JSON patch path that does not exist, say) does not block
+//! the object: it is admitted unchanged by that request, with a warning naming the policy and the
+//! error, and the failure is logged and counted. Policies are conveniences; blocking workloads
+//! because of one would be worse than the missing mutation.
 
+use meshgate_api::mutation_policy::Operation;
 use meshgate_core::patch::JsonPatch;
+use meshgate_core::policy::{self, MatchContext, SUPPORTED_KINDS};
 
 use crate::admission::Request;
+use crate::metrics::MutationLabels;
 use crate::server::{App, Handled};
 
-pub(crate) async fn handle(_app: &App, _req: Request<'_>) -> Result<Handled, (u16, String)> {
-    Ok(Handled {
+fn unchanged(outcome: &'static str) -> Handled {
+    Handled {
         patch: JsonPatch::default(),
         warnings: vec![],
-        outcome: "unchanged",
-    })
+        outcome,
+    }
+}
+
+pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16, String)> {
+    let operation = match req.operation {
+        "CREATE" => Operation::Create,
+        "UPDATE" => Operation::Update,
+        _ => return Ok(unchanged("operation")),
+    };
+    if !SUPPORTED_KINDS.contains(&req.kind) {
+        return Ok(unchanged("unsupported-kind"));
+    }
+    if app.config.excluded_namespaces.iter().any(|n| n == req.namespace) {
+        return Ok(unchanged("excluded-namespace"));
+    }
+    let policies = app.sources.policies();
+    if policies.is_empty() {
+        return Ok(unchanged("unchanged"));
+    }
+    let ns = app
+        .sources
+        .namespace(req.namespace)
+        .await
+        .map_err(|e| (500, e.to_string()))?;
+    let ctx = MatchContext {
+        operation,
+        namespace: req.namespace,
+        namespace_labels: &ns.labels,
+    };
+    match policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), req.object, &ctx) {
+        Ok(applied) if applied.changed() => {
+            if !req.dry_run {
+                app.metrics
+                    .mutations
+                    .get_or_create(&MutationLabels { mutation: "policy" })
+                    .inc_by(applied.policies.len() as u64);
+            }
+            tracing::info!(policies = ?applied.policies, "policies applied");
+            Ok(Handled {
+                patch: policy::admission_patch(req.object, &applied.object),
+                warnings: applied.warnings,
+                outcome: "mutated",
+            })
+        }
+        Ok(_) => Ok(unchanged("unchanged")),
+        Err(e) => {
+            tracing::error!(error = %e, "policy failed; object admitted unchanged");
+            Ok(Handled {
+                patch: JsonPatch::default(),
+                warnings: vec![format!("meshgate: {e}; admitted without this policy")],
+                outcome: "policy-error",
+            })
+        }
+    }
 }

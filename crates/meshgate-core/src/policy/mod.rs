@@ -1,1 +1,398 @@
-//! The MutationPolicy engine (being written).
+//! The `MutationPolicy` engine: which objects a policy applies to, and what its mutations do.
+//!
+//! Everything here is a pure function of `serde_json::Value`s and policy specs; the webhook, the
+//! existing-workload controller and `meshgate render` all call the same functions.
+//!
+//! # Matching ([`policy_matches`])
+//! * Every field set in `match` must hold. Empty `kinds` means `[Pod]`, empty `operations` means
+//!   `[CREATE]`. `namespaces` entries are wildcard patterns (`*`, `?`). `namespaceSelector` sees
+//!   the namespace's labels (given by the caller), `objectSelector` the object's own
+//!   `metadata.labels` — for a workload, the workload's labels, not its pod template's (Kyverno
+//!   does the same).
+//! * `exclude` removes what its block matches; in `exclude`, an empty field does not constrain
+//!   (an empty `kinds` does not mean Pod, an empty `operations` does not mean CREATE).
+//! * Only Pods and the workloads Deployment, StatefulSet, DaemonSet, ReplicaSet, Job and CronJob
+//!   are ever matched (an `apiVersion`, when present, must be of the kind's group). A workload
+//!   matches when its kind is listed, or when `podTemplates` is set and the policy's kinds
+//!   include Pod (Kyverno's auto-generated pod-controller rules; an `exclude` naming Pod then
+//!   excludes those workloads too).
+//! * An object (or, for a workload, its pod template) labelled or annotated
+//!   `meshgate.dev/inject: "false"` is never mutated by a policy.
+//!
+//! # Where mutations apply
+//! Mutations are always written against a Pod (`metadata`, `spec`). For a Pod they apply to the
+//! object; for a workload to its pod template: `spec.template`, or `spec.jobTemplate.spec.template`
+//! for a CronJob (see [`pod_template_path`]). A workload without that template is left alone.
+//!
+//! # Applying ([`apply`])
+//! Policies apply in the order of their names (a stable sort: equal names keep the caller's
+//! order), each to the result of the previous ones, their mutations in order. A policy "changed"
+//! the object when the object differs after its mutations; its name is reported and its
+//! `warning` is returned as `"<name>: <warning>"`. Nothing applied: the object comes back
+//! unchanged with empty lists. A mutation that cannot be applied fails the whole call with a
+//! [`PolicyError`] naming the policy, the mutation index and, for JSON patches, the operation.
+//!
+//! Every mutation kind is idempotent — applying the same policies to the result changes
+//! nothing — except JSON patches, whose idempotency is the author's responsibility (`test`
+//! operations help), and except anchor conditions that only hold because of what a mutation
+//! writes (a `(name): "*"` template placed before an element that adds a container selects that
+//! container on the next application; put such templates after the elements they should see).
+//!
+//! * `annotations` / `labels`: set each value; `onConflict: Keep` leaves a key that already has
+//!   a value, `Overwrite` (the default) replaces it.
+//! * `jsonPatch`: RFC 6902, strictly (an `add` under a missing parent, a `remove` of a missing
+//!   path and a failed `test` are errors; Kyverno is lenient about the first two).
+//! * `strategicMerge`: a strategic-merge patch with Kyverno's anchors:
+//!   - maps merge recursively; a `null` value deletes the key; a map patch creates no empty map
+//!     where there was none (a literal `{}` does);
+//!   - lists of scalars are replaced;
+//!   - lists of objects are merged by their merge key: for the Pod schema's associative lists the
+//!     Kubernetes `patchMergeKey` (`name` for containers, initContainers, ephemeralContainers,
+//!     volumes, env, imagePullSecrets, resourceClaims, schedulingGates; `containerPort` for
+//!     ports; `mountPath` for volumeMounts; `devicePath` for volumeDevices; `ip` for
+//!     hostAliases; `conditionType` for readinessGates; `topologyKey` for
+//!     topologySpreadConstraints), for any other list `name`. An element with the key of an
+//!     existing element is merged into it, a new one is appended; two elements with the same
+//!     key in one patch are an error. An element of one of the Pod lists above without its
+//!     merge key (and without a conditional anchor) is an error; any other list whose elements
+//!     lack `name` is replaced, like a strategic merge of a list without merge key
+//!     (`tolerations`, for example);
+//!   - `+(key)`: add if absent — applied only when the resource has no `key` at that place
+//!     (a key present with any value, `null` included, counts as present);
+//!   - `(key)`: conditional anchor — the resource must have `key` with a value matching the
+//!     anchor's value (see below). Inside a list element it makes the element a *template*: the
+//!     element's other fields are merged into every resource element that satisfies all the
+//!     element's conditions (conditions in nested maps count; if the template also names the
+//!     list's merge key, only the element with that key qualifies). Outside any list element, a
+//!     failed condition skips the whole mutation (Kyverno's behaviour: "processing stops");
+//!   - `<(key)`: global anchor — if it does not hold, the whole mutation is skipped. A list
+//!     element holding a global anchor is a pure condition: it holds when at least one resource
+//!     element satisfies it, and it writes nothing (as in Kyverno);
+//!   - anchors are evaluated against the object as it was before the mutation — in each map
+//!     globals first, then conditions, then everything else — except that the elements of a
+//!     list patch apply in order: each element's anchors see the earlier elements of that list
+//!     applied.
+//!
+//!   Anchor values are Kyverno patterns: strings with `*`/`?` wildcards (also `a|b`, `a&b`,
+//!   `!a`), compared with the value as text; objects must match key by key; see the `pattern`
+//!   module.
+//!
+//! ## Deviations from Kyverno
+//! * List elements apply in order (see above); Kyverno evaluates every element against the
+//!   original object, so that e.g. a template setting `imagePullPolicy` followed by one with
+//!   `+(imagePullPolicy)` for the same container gives a different result on the second
+//!   application.
+//! * Template elements patch the selected resource elements in place, also elements without a
+//!   `name` (Kyverno can only patch named elements).
+//! * An add anchor inside a plain list element is evaluated against the element with the same
+//!   merge key (Kyverno evaluates it against the first element of the list and retargets the
+//!   element to every named element).
+//! * A list element with a global anchor needs at least one resource element to satisfy it; an
+//!   empty resource list does not (Kyverno passes vacuously on a present, empty list).
+//! * A conditional anchor's value is only ever a condition: it is never written, and anchors
+//!   inside it are rejected by [`validate`] (Kyverno: "nested conditional anchor tags are not
+//!   supported").
+//! * Kyverno's numeric operators (`>`, `<`, `>=`, `<=`) and ranges in anchor values are not
+//!   supported ([`validate`] rejects the operators; ranges compare as text), nor the strategic
+//!   merge directives (`$patch`, `$retainKeys`, ...; rejected by [`validate`]). Scalar lists are
+//!   always replaced (Kubernetes merges a few, such as `metadata.finalizers`).
+//!
+//! # Validation ([`validate`]) and rendering ([`render`])
+//! [`validate`] checks a spec and names the field of each problem
+//! (`spec.mutations[2].jsonPatch[0].path: must start with '/'`). [`render`] applies policies to
+//! documents offline, each as a CREATE of that object, with the patch the webhook would return.
+
+mod matching;
+mod pattern;
+mod render;
+mod strategic;
+mod validate;
+
+use meshgate_api::mutation_policy::{MetadataMutation, Mutation, MutationPolicySpec, OnConflict};
+use meshgate_api::names;
+use serde_json::{Map, Value};
+
+use crate::patch::JsonPatch;
+
+pub use matching::{
+    MatchContext, SUPPORTED_KINDS, WORKLOAD_KINDS, object_labels, pod_template_path, policy_matches,
+};
+pub use pattern::wildcard_match;
+pub use render::{RenderError, RenderedDoc, render};
+pub use validate::validate;
+
+/// A mutation that cannot be applied.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    /// The mutation itself is malformed (a spec that [`validate`] would reject).
+    #[error("policy {policy}: spec.mutations[{mutation}]: {message}")]
+    InvalidMutation {
+        policy: String,
+        mutation: usize,
+        message: String,
+    },
+    /// A strategic-merge patch is malformed at `path` (relative to the patch, e.g.
+    /// `.spec.containers[0]`).
+    #[error("policy {policy}: spec.mutations[{mutation}].strategicMerge{path}: {message}")]
+    StrategicMerge {
+        policy: String,
+        mutation: usize,
+        path: String,
+        message: String,
+    },
+    /// A JSON patch operation failed (bad path, failed `test`, ...) or is malformed.
+    #[error("policy {policy}: spec.mutations[{mutation}].jsonPatch[{op}]: {message}")]
+    JsonPatch {
+        policy: String,
+        mutation: usize,
+        op: usize,
+        message: String,
+    },
+}
+
+/// The outcome of [`apply`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Applied {
+    /// The object after every matching policy.
+    pub object: Value,
+    /// Names of the policies that changed the object, in the order they were applied.
+    pub policies: Vec<String>,
+    /// `"<policy>: <warning>"` for each policy that changed the object and has a warning.
+    pub warnings: Vec<String>,
+}
+
+impl Applied {
+    /// Whether any policy changed the object.
+    pub fn changed(&self) -> bool {
+        !self.policies.is_empty()
+    }
+}
+
+/// Applies every policy that matches `object` in this request, in name order.
+///
+/// `policies` yields `(name, spec)` pairs, e.g.
+/// `list.iter().map(|(n, s)| (n.as_str(), s))` for a `&[(String, MutationPolicySpec)]`.
+pub fn apply<'a, I>(
+    policies: I,
+    object: &Value,
+    ctx: &MatchContext<'_>,
+) -> Result<Applied, PolicyError>
+where
+    I: IntoIterator<Item = (&'a str, &'a MutationPolicySpec)>,
+{
+    let mut ordered: Vec<(&str, &MutationPolicySpec)> = policies.into_iter().collect();
+    ordered.sort_by(|a, b| a.0.cmp(b.0));
+    let mut out = Applied {
+        object: object.clone(),
+        policies: Vec::new(),
+        warnings: Vec::new(),
+    };
+    if opted_out(object) {
+        return Ok(out);
+    }
+    for (name, spec) in ordered {
+        // Matching sees the object as the previous policies left it.
+        if !policy_matches(spec, &out.object, ctx) {
+            continue;
+        }
+        let Some(path) = out
+            .object
+            .get("kind")
+            .and_then(Value::as_str)
+            .and_then(pod_template_path)
+        else {
+            continue;
+        };
+        let Some(target) = value_at_mut(&mut out.object, path) else {
+            continue;
+        };
+        if !path.is_empty() && opted_out(target) {
+            continue;
+        }
+        if apply_mutations(name, spec, target)? {
+            out.policies.push(name.to_owned());
+            if let Some(w) = spec.warning.as_deref().filter(|w| !w.is_empty()) {
+                out.warnings.push(format!("{name}: {w}"));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The patch the admission response carries: from `original` to `patched`
+/// (`json_patch::diff`).
+pub fn admission_patch(original: &Value, patched: &Value) -> JsonPatch {
+    JsonPatch::diff(original, patched)
+}
+
+/// Applies the mutations of one policy, in order, to a Pod-shaped `target` (a Pod, or a pod
+/// template), without any matching. Returns whether `target` changed; on error `target` is left
+/// as it was.
+pub fn apply_mutations(
+    policy: &str,
+    spec: &MutationPolicySpec,
+    target: &mut Value,
+) -> Result<bool, PolicyError> {
+    let mut work = target.clone();
+    for (index, mutation) in spec.mutations.iter().enumerate() {
+        apply_mutation(policy, index, mutation, &mut work)?;
+    }
+    if work == *target {
+        return Ok(false);
+    }
+    *target = work;
+    Ok(true)
+}
+
+fn apply_mutation(
+    policy: &str,
+    index: usize,
+    mutation: &Mutation,
+    target: &mut Value,
+) -> Result<(), PolicyError> {
+    let invalid = |message: String| PolicyError::InvalidMutation {
+        policy: policy.to_owned(),
+        mutation: index,
+        message,
+    };
+    match mutation {
+        Mutation {
+            annotations: Some(m),
+            labels: None,
+            strategic_merge: None,
+            json_patch: None,
+        } => set_metadata(target, "annotations", m).map_err(invalid),
+        Mutation {
+            annotations: None,
+            labels: Some(m),
+            strategic_merge: None,
+            json_patch: None,
+        } => set_metadata(target, "labels", m).map_err(invalid),
+        Mutation {
+            annotations: None,
+            labels: None,
+            strategic_merge: Some(patch),
+            json_patch: None,
+        } => {
+            if !patch.is_object() {
+                return Err(invalid("strategicMerge must be an object".to_owned()));
+            }
+            strategic::apply(target, patch)
+                .map(|_| ())
+                .map_err(|stop| match stop {
+                    strategic::Stop::Invalid { path, message } => PolicyError::StrategicMerge {
+                        policy: policy.to_owned(),
+                        mutation: index,
+                        path,
+                        message,
+                    },
+                    // `apply` turns skips into Ok(false); nothing else can come back.
+                    other => PolicyError::StrategicMerge {
+                        policy: policy.to_owned(),
+                        mutation: index,
+                        path: String::new(),
+                        message: format!("unexpected anchor outcome {other:?}"),
+                    },
+                })
+        }
+        Mutation {
+            annotations: None,
+            labels: None,
+            strategic_merge: None,
+            json_patch: Some(ops),
+        } => apply_json_patch(policy, index, ops, target),
+        _ => Err(invalid(
+            "set exactly one of annotations, labels, strategicMerge, jsonPatch".to_owned(),
+        )),
+    }
+}
+
+fn set_metadata(target: &mut Value, field: &str, m: &MetadataMutation) -> Result<(), String> {
+    if m.values.is_empty() {
+        return Ok(());
+    }
+    let Value::Object(root) = target else {
+        return Err("the target is not an object".to_owned());
+    };
+    let metadata = root
+        .entry("metadata")
+        .or_insert_with(|| Value::Object(Map::new()));
+    if !metadata.is_object() {
+        *metadata = Value::Object(Map::new());
+    }
+    let Value::Object(metadata) = metadata else {
+        return Err("metadata is not an object".to_owned());
+    };
+    let values = metadata
+        .entry(field)
+        .or_insert_with(|| Value::Object(Map::new()));
+    if !values.is_object() {
+        *values = Value::Object(Map::new());
+    }
+    let Value::Object(values) = values else {
+        return Err(format!("metadata.{field} is not an object"));
+    };
+    for (k, v) in &m.values {
+        match m.on_conflict {
+            OnConflict::Keep if values.contains_key(k) => {}
+            _ => {
+                values.insert(k.clone(), Value::String(v.clone()));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn apply_json_patch(
+    policy: &str,
+    index: usize,
+    ops: &[meshgate_api::mutation_policy::JsonPatchOperation],
+    target: &mut Value,
+) -> Result<(), PolicyError> {
+    let error = |op: usize, message: String| PolicyError::JsonPatch {
+        policy: policy.to_owned(),
+        mutation: index,
+        op,
+        message,
+    };
+    let converted = ops
+        .iter()
+        .enumerate()
+        .map(|(i, op)| {
+            serde_json::to_value(op)
+                .and_then(serde_json::from_value::<json_patch::PatchOperation>)
+                .map_err(|e| error(i, format!("malformed operation: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut work = target.clone();
+    json_patch::patch_unsafe(&mut work, &converted).map_err(|e| {
+        error(
+            e.operation,
+            format!("{} (path {:?})", e.kind, e.path.as_str()),
+        )
+    })?;
+    *target = work;
+    Ok(())
+}
+
+/// Whether the object opts out of meshgate (`meshgate.dev/inject: "false"` label or
+/// annotation).
+fn opted_out(object: &Value) -> bool {
+    ["labels", "annotations"].iter().any(|field| {
+        object
+            .get("metadata")
+            .and_then(|m| m.get(*field))
+            .and_then(|m| m.get(names::OPT_OUT))
+            .and_then(Value::as_str)
+            == Some("false")
+    })
+}
+
+fn value_at_mut<'v>(value: &'v mut Value, path: &[&str]) -> Option<&'v mut Value> {
+    path.iter()
+        .try_fold(value, |v, segment| v.get_mut(*segment))
+        .filter(|v| v.is_object())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,100 @@
+//! Offline application of policies to documents (`meshgate render`).
+
+use std::collections::BTreeMap;
+
+use meshgate_api::mutation_policy::{MutationPolicySpec, Operation};
+use serde_json::Value;
+
+use super::{MatchContext, PolicyError, admission_patch, apply, validate};
+use crate::patch::JsonPatch;
+
+/// One rendered document.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RenderedDoc {
+    /// Position of the document in the input.
+    pub index: usize,
+    /// The document after the policies.
+    pub object: Value,
+    /// The JSON patch the webhook would return for it (empty: unchanged).
+    pub patch: JsonPatch,
+    /// Policies that changed it, in application order.
+    pub policies: Vec<String>,
+    /// Their warnings, `"<policy>: <warning>"`.
+    pub warnings: Vec<String>,
+}
+
+/// Why rendering failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    /// A policy does not pass [`validate`].
+    #[error("policy {name} is invalid: {}", errors.join("; "))]
+    InvalidPolicy { name: String, errors: Vec<String> },
+    /// A document is not an object.
+    #[error("document {index}: {message}")]
+    Document { index: usize, message: String },
+    /// A policy failed on a document.
+    #[error("document {index}: {source}")]
+    Policy {
+        index: usize,
+        #[source]
+        source: PolicyError,
+    },
+}
+
+/// Applies `policies` to each document as the webhook would to a CREATE of it: the namespace is
+/// `metadata.namespace` (`"default"` when unset), its labels come from `namespace_labels`.
+/// Every policy is validated first. `null` documents (empty YAML documents) pass through
+/// unchanged; any other non-object is an error naming the document's index.
+pub fn render(
+    docs: Vec<Value>,
+    policies: &[(String, MutationPolicySpec)],
+    namespace_labels: &dyn Fn(&str) -> BTreeMap<String, String>,
+) -> Result<Vec<RenderedDoc>, RenderError> {
+    for (name, spec) in policies {
+        validate(spec).map_err(|errors| RenderError::InvalidPolicy {
+            name: name.clone(),
+            errors,
+        })?;
+    }
+    let mut out = Vec::with_capacity(docs.len());
+    for (index, doc) in docs.into_iter().enumerate() {
+        if doc.is_null() {
+            out.push(RenderedDoc {
+                index,
+                object: doc,
+                patch: JsonPatch::default(),
+                policies: Vec::new(),
+                warnings: Vec::new(),
+            });
+            continue;
+        }
+        if !doc.is_object() {
+            return Err(RenderError::Document {
+                index,
+                message: "not a Kubernetes object (expected a mapping)".to_owned(),
+            });
+        }
+        let namespace = doc
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            .unwrap_or("default")
+            .to_owned();
+        let labels = namespace_labels(&namespace);
+        let ctx = MatchContext {
+            operation: Operation::Create,
+            namespace: &namespace,
+            namespace_labels: &labels,
+        };
+        let applied = apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &doc, &ctx)
+            .map_err(|source| RenderError::Policy { index, source })?;
+        out.push(RenderedDoc {
+            index,
+            patch: admission_patch(&doc, &applied.object),
+            object: applied.object,
+            policies: applied.policies,
+            warnings: applied.warnings,
+        });
+    }
+    Ok(out)
+}

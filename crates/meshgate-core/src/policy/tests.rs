@@ -1,0 +1,1010 @@
+//! Engine tests on fixtures (`tests/fixtures/policy/`).
+
+use std::collections::BTreeMap;
+
+use meshgate_api::mutation_policy::{MutationPolicySpec, Operation};
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+use super::*;
+
+const POD: &str = include_str!("../../tests/fixtures/policy/pod.yaml");
+const DEPLOYMENT: &str = include_str!("../../tests/fixtures/policy/deployment.yaml");
+const CRONJOB: &str = include_str!("../../tests/fixtures/policy/cronjob.yaml");
+const SERVICE: &str = include_str!("../../tests/fixtures/policy/service.yaml");
+
+fn yaml(s: &str) -> Value {
+    serde_yaml::from_str(s).unwrap()
+}
+
+fn spec(s: &str) -> MutationPolicySpec {
+    let spec: MutationPolicySpec = serde_yaml::from_str(s).unwrap();
+    if let Err(e) = validate(&spec) {
+        panic!("fixture policy invalid: {e:?}");
+    }
+    spec
+}
+
+fn no_labels() -> &'static BTreeMap<String, String> {
+    static EMPTY: BTreeMap<String, String> = BTreeMap::new();
+    &EMPTY
+}
+
+fn create_in(ns: &str) -> MatchContext<'_> {
+    MatchContext {
+        operation: Operation::Create,
+        namespace: ns,
+        namespace_labels: no_labels(),
+    }
+}
+
+/// Applies the named policies to `object` as a CREATE in `shop`.
+fn run(policies: &[(&str, &MutationPolicySpec)], object: &Value) -> Applied {
+    apply(policies.iter().copied(), object, &create_in("shop")).unwrap()
+}
+
+/// One policy, one strategic merge, on a Pod.
+fn smp(patch: Value, object: &Value) -> Value {
+    let s = MutationPolicySpec {
+        mutations: vec![Mutation {
+            strategic_merge: Some(patch),
+            ..Default::default()
+        }],
+        ..spec("match: {}\nmutations: [{labels: {values: {x: y}}}]")
+    };
+    assert_eq!(validate(&s), Ok(()));
+    let out = run(&[("p", &s)], object).object;
+    // Idempotency: the same policy on the result changes nothing.
+    assert_eq!(run(&[("p", &s)], &out).object, out, "not idempotent");
+    out
+}
+
+// ---------------------------------------------------------------- metadata mutations
+
+#[test]
+fn annotations_overwrite_and_keep() {
+    let pod = yaml(POD);
+    let overwrite =
+        spec("match: {}\nmutations:\n- annotations:\n    values: {team: mesh, new: \"1\"}\n");
+    let keep = spec(
+        "match: {}\nmutations:\n- annotations:\n    values: {team: mesh, other: \"2\"}\n    onConflict: Keep\n",
+    );
+    let out = run(&[("a", &overwrite)], &pod);
+    assert_eq!(
+        out.object["metadata"]["annotations"],
+        json!({"team": "mesh", "new": "1"})
+    );
+    assert_eq!(out.policies, ["a"]);
+    let out = run(&[("a", &keep)], &pod);
+    assert_eq!(
+        out.object["metadata"]["annotations"],
+        json!({"team": "payments", "other": "2"})
+    );
+    for s in [&overwrite, &keep] {
+        let once = run(&[("a", s)], &pod).object;
+        let twice = run(&[("a", s)], &once);
+        assert_eq!(twice.object, once);
+        assert!(twice.policies.is_empty(), "second run reports no change");
+    }
+}
+
+#[test]
+fn labels_create_missing_maps() {
+    let s = spec("match: {}\nmutations:\n- labels:\n    values: {mesh: istio}\n");
+    let bare = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}});
+    let out = run(&[("l", &s)], &bare).object;
+    assert_eq!(out["metadata"]["labels"], json!({"mesh": "istio"}));
+    assert_eq!(run(&[("l", &s)], &out).object, out);
+}
+
+// ---------------------------------------------------------------- strategic merge: anchors
+
+#[test]
+fn add_if_absent_anchor() {
+    let pod = yaml(POD);
+    let out = smp(
+        json!({"metadata": {"annotations": {"+(team)": "mesh", "+(added)": "yes"}}}),
+        &pod,
+    );
+    assert_eq!(
+        out["metadata"]["annotations"],
+        json!({"team": "payments", "added": "yes"})
+    );
+    // On maps that do not exist yet, and inside list elements per element.
+    let out = smp(
+        json!({"spec": {"securityContext": {"+(runAsNonRoot)": true},
+                        "containers": [{"(name)": "*", "securityContext": {"+(runAsUser)": 2000}}]}}),
+        &pod,
+    );
+    assert_eq!(
+        out["spec"]["securityContext"],
+        json!({"runAsNonRoot": true})
+    );
+    assert_eq!(
+        out["spec"]["containers"][0]["securityContext"],
+        json!({"runAsUser": 2000})
+    );
+    assert_eq!(
+        out["spec"]["containers"][1]["securityContext"],
+        json!({"runAsUser": 1000})
+    );
+}
+
+#[test]
+fn conditional_anchor_selects_list_elements() {
+    let pod = yaml(POD);
+    let out = smp(
+        json!({"spec": {"containers": [{"(image)": "*:latest", "imagePullPolicy": "Always"}]}}),
+        &pod,
+    );
+    assert_eq!(out["spec"]["containers"][0]["imagePullPolicy"], "Always");
+    assert!(
+        out["spec"]["containers"][1]
+            .get("imagePullPolicy")
+            .is_none()
+    );
+    // The anchor itself is never written.
+    assert!(out["spec"]["containers"][0].get("(image)").is_none());
+    assert_eq!(out["spec"]["containers"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn conditional_anchor_with_object_value_and_nested_condition() {
+    let pod = yaml(POD);
+    // Containers whose securityContext has runAsUser 1000.
+    let out = smp(
+        json!({"spec": {"containers": [{"(securityContext)": {"runAsUser": 1000}, "securityContext": {"runAsNonRoot": true}}]}}),
+        &pod,
+    );
+    assert!(
+        out["spec"]["containers"][0]
+            .get("securityContext")
+            .is_none()
+    );
+    assert_eq!(
+        out["spec"]["containers"][1]["securityContext"],
+        json!({"runAsUser": 1000, "runAsNonRoot": true})
+    );
+    // A condition in a nested map of the element restricts the element too.
+    let out = smp(
+        json!({"spec": {"containers": [{"securityContext": {"(runAsUser)": 1000}, "(name)": "*", "resources": {"limits": {"cpu": "1"}}}]}}),
+        &pod,
+    );
+    assert!(out["spec"]["containers"][0].get("resources").is_none());
+    assert_eq!(
+        out["spec"]["containers"][1]["resources"],
+        json!({"limits": {"cpu": "1"}})
+    );
+}
+
+#[test]
+fn failed_conditional_anchor_outside_lists_skips_the_whole_mutation() {
+    let pod = yaml(POD);
+    let patch = |app: &str| {
+        json!({"metadata": {"labels": {"(app)": app}, "annotations": {"checked": "yes"}},
+               "spec": {"priorityClassName": "high"}})
+    };
+    let out = smp(patch("web"), &pod);
+    assert_eq!(out["metadata"]["annotations"]["checked"], "yes");
+    assert_eq!(out["spec"]["priorityClassName"], "high");
+    let out = smp(patch("d?"), &pod);
+    assert_eq!(out, pod);
+    // A missing key fails the condition too.
+    let out = smp(
+        json!({"spec": {"(hostNetwork)": false, "priorityClassName": "high"}}),
+        &pod,
+    );
+    assert_eq!(out, pod);
+}
+
+#[test]
+fn global_anchor_in_a_list_is_a_condition_on_the_whole_mutation() {
+    let pod = yaml(POD);
+    let patch = |registry: &str| {
+        json!({"spec": {"containers": [{"<(image)": registry}],
+                        "imagePullSecrets": [{"name": "regcred"}]}})
+    };
+    let out = smp(patch("corp.reg.com/*"), &pod);
+    assert_eq!(
+        out["spec"]["imagePullSecrets"],
+        json!([{"name": "regcred"}])
+    );
+    // Containers are untouched: the element is only a condition.
+    assert_eq!(out["spec"]["containers"], pod["spec"]["containers"]);
+    let out = smp(patch("other.reg/*"), &pod);
+    assert_eq!(out, pod);
+}
+
+#[test]
+fn global_anchor_on_a_map_and_on_a_missing_list() {
+    let pod = yaml(POD);
+    let out = smp(
+        json!({"metadata": {"labels": {"<(app)": "web"}}, "spec": {"priorityClassName": "x"}}),
+        &pod,
+    );
+    assert_eq!(out["spec"]["priorityClassName"], "x");
+    let out = smp(
+        json!({"metadata": {"labels": {"<(app)": "db"}}, "spec": {"priorityClassName": "x"}}),
+        &pod,
+    );
+    assert_eq!(out, pod);
+    let out = smp(
+        json!({"spec": {"tolerations": [{"<(key)": "*"}], "priorityClassName": "x"}}),
+        &pod,
+    );
+    assert_eq!(out, pod);
+}
+
+#[test]
+fn global_and_add_anchor_safe_to_evict() {
+    let pod = yaml(POD);
+    let patch = json!({"metadata": {"annotations": {"+(cluster-autoscaler.kubernetes.io/safe-to-evict)": "true"}},
+                       "spec": {"volumes": [{"<(emptyDir)": {}}]}});
+    let out = smp(patch.clone(), &pod);
+    assert_eq!(
+        out["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"],
+        "true"
+    );
+    assert_eq!(out["spec"]["volumes"], pod["spec"]["volumes"]);
+    let mut no_empty_dir = pod.clone();
+    no_empty_dir["spec"]["volumes"] = json!([{"name": "cfg", "configMap": {"name": "c"}}]);
+    assert_eq!(smp(patch, &no_empty_dir), no_empty_dir);
+}
+
+// ---------------------------------------------------------------- strategic merge: lists, null
+
+#[test]
+fn containers_merge_by_name() {
+    let pod = yaml(POD);
+    let out = smp(
+        json!({"spec": {"containers": [
+            {"name": "web", "imagePullPolicy": "IfNotPresent"},
+            {"name": "proxy", "image": "envoy:1.30"}
+        ]}}),
+        &pod,
+    );
+    let names: Vec<&str> = out["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["web", "metrics", "proxy"]);
+    assert_eq!(
+        out["spec"]["containers"][0]["imagePullPolicy"],
+        "IfNotPresent"
+    );
+    assert_eq!(out["spec"]["containers"][0]["image"], "nginx:latest");
+}
+
+#[test]
+fn init_containers_and_env_merge_by_name() {
+    let pod = yaml(POD);
+    let out = smp(
+        json!({"spec": {
+            "initContainers": [{"name": "gate", "image": "meshgate-wait"}, {"name": "init-db", "image": "busybox:1.37"}],
+            "containers": [{"name": "web", "env": [{"name": "DEBUG", "value": "1"}, {"name": "MESH", "value": "on"}]}]
+        }}),
+        &pod,
+    );
+    assert_eq!(
+        out["spec"]["initContainers"],
+        json!([
+            {"name": "init-db", "image": "busybox:1.37", "args": ["wait", "db"]},
+            {"name": "gate", "image": "meshgate-wait"}
+        ])
+    );
+    assert_eq!(
+        out["spec"]["containers"][0]["env"],
+        json!([{"name": "MODE", "value": "prod"}, {"name": "DEBUG", "value": "1"}, {"name": "MESH", "value": "on"}])
+    );
+}
+
+#[test]
+fn env_in_every_container_via_template() {
+    let pod = yaml(POD);
+    let out = smp(
+        json!({"spec": {"containers": [{"(name)": "*", "env": [{"name": "MESH", "value": "on"}]}]}}),
+        &pod,
+    );
+    for c in out["spec"]["containers"].as_array().unwrap() {
+        assert!(
+            c["env"]
+                .as_array()
+                .unwrap()
+                .contains(&json!({"name": "MESH", "value": "on"}))
+        );
+    }
+}
+
+#[test]
+fn list_elements_apply_in_order() {
+    let pod = yaml(POD);
+    // The second element's add anchor sees what the first one set.
+    let out = smp(
+        json!({"spec": {"containers": [
+            {"(image)": "*", "imagePullPolicy": "Always"},
+            {"(image)": "*", "+(imagePullPolicy)": "IfNotPresent", "+(stdin)": false}
+        ]}}),
+        &pod,
+    );
+    for c in out["spec"]["containers"].as_array().unwrap() {
+        assert_eq!(c["imagePullPolicy"], "Always");
+        assert_eq!(c["stdin"], false);
+    }
+    // A template after an added element selects it too.
+    let out = smp(
+        json!({"spec": {"containers": [
+            {"name": "proxy", "image": "envoy"},
+            {"(name)": "*", "+(terminationMessagePolicy)": "FallbackToLogsOnError"}
+        ]}}),
+        &pod,
+    );
+    assert_eq!(out["spec"]["containers"].as_array().unwrap().len(), 3);
+    for c in out["spec"]["containers"].as_array().unwrap() {
+        assert_eq!(c["terminationMessagePolicy"], "FallbackToLogsOnError");
+    }
+}
+
+#[test]
+fn scalar_lists_are_replaced() {
+    let pod = yaml(POD);
+    let out = smp(
+        json!({"spec": {"containers": [{"name": "web", "args": ["--port", "9090"]}]}}),
+        &pod,
+    );
+    assert_eq!(
+        out["spec"]["containers"][0]["args"],
+        json!(["--port", "9090"])
+    );
+}
+
+#[test]
+fn null_deletes() {
+    let pod = yaml(POD);
+    let out = smp(
+        json!({"metadata": {"annotations": {"team": null, "absent": null}},
+               "spec": {"containers": [{"name": "metrics", "securityContext": null}]}}),
+        &pod,
+    );
+    assert!(out["metadata"]["annotations"].get("team").is_none());
+    assert!(
+        out["spec"]["containers"][1]
+            .get("securityContext")
+            .is_none()
+    );
+}
+
+#[test]
+fn malformed_patch_is_a_typed_error() {
+    let pod = yaml(POD);
+    let s = MutationPolicySpec {
+        mutations: vec![
+            Mutation {
+                labels: Some(MetadataMutation {
+                    values: [("a".to_owned(), "b".to_owned())].into(),
+                    on_conflict: OnConflict::Overwrite,
+                }),
+                ..Default::default()
+            },
+            Mutation {
+                strategic_merge: Some(json!({"spec": {"containers": [{"image": "x"}]}})),
+                ..Default::default()
+            },
+        ],
+        ..spec("match: {}\nmutations: [{labels: {values: {x: y}}}]")
+    };
+    let err = apply([("bad", &s)], &pod, &create_in("shop")).unwrap_err();
+    assert!(
+        matches!(&err, PolicyError::StrategicMerge { policy, mutation: 1, path, .. } if policy == "bad" && path == ".spec.containers[0]")
+    );
+    assert!(
+        err.to_string()
+            .starts_with("policy bad: spec.mutations[1].strategicMerge.spec.containers[0]: ")
+    );
+}
+
+// ---------------------------------------------------------------- JSON patch
+
+fn json_policy(ops: Value) -> MutationPolicySpec {
+    spec(&format!("match: {{}}\nmutations:\n- jsonPatch: {ops}\n"))
+}
+
+#[test]
+fn json_patch_applies() {
+    let pod = yaml(POD);
+    let s = json_policy(json!([
+        {"op": "test", "path": "/spec/containers/0/name", "value": "web"},
+        {"op": "add", "path": "/spec/containers/0/env/-", "value": {"name": "X", "value": "1"}},
+        {"op": "replace", "path": "/metadata/annotations/team", "value": "mesh"},
+        {"op": "copy", "from": "/metadata/labels/app", "path": "/metadata/labels/copied"},
+        {"op": "remove", "path": "/spec/volumes"}
+    ]));
+    let out = run(&[("j", &s)], &pod).object;
+    assert_eq!(
+        out["spec"]["containers"][0]["env"][2],
+        json!({"name": "X", "value": "1"})
+    );
+    assert_eq!(out["metadata"]["annotations"]["team"], "mesh");
+    assert_eq!(out["metadata"]["labels"]["copied"], "web");
+    assert!(out["spec"].get("volumes").is_none());
+}
+
+#[test]
+fn json_patch_errors_name_policy_mutation_and_operation() {
+    let pod = yaml(POD);
+    let s = spec(
+        "match: {}\nmutations:\n- labels: {values: {a: b}}\n- jsonPatch:\n  - {op: add, path: /metadata/labels/ok, value: x}\n  - {op: add, path: /spec/missing/deep, value: x}\n",
+    );
+    let err = apply([("jp", &s)], &pod, &create_in("shop")).unwrap_err();
+    match &err {
+        PolicyError::JsonPatch {
+            policy,
+            mutation,
+            op,
+            message,
+        } => {
+            assert_eq!((policy.as_str(), *mutation, *op), ("jp", 1, 1));
+            assert!(message.contains("/spec/missing/deep"), "{message}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(
+        err.to_string()
+            .starts_with("policy jp: spec.mutations[1].jsonPatch[1]: ")
+    );
+
+    let failed_test = json_policy(json!([
+        {"op": "test", "path": "/metadata/labels/app", "value": "db"},
+        {"op": "add", "path": "/metadata/labels/x", "value": "1"}
+    ]));
+    let err = apply([("t", &failed_test)], &pod, &create_in("shop")).unwrap_err();
+    assert!(matches!(err, PolicyError::JsonPatch { op: 0, .. }), "{err}");
+    assert!(err.to_string().contains("value did not match"), "{err}");
+}
+
+#[test]
+fn json_patch_with_test_guard_is_idempotent() {
+    let pod = yaml(POD);
+    let s = json_policy(json!([
+        {"op": "replace", "path": "/spec/containers/0/image", "value": "nginx:1.27"}
+    ]));
+    let once = run(&[("j", &s)], &pod).object;
+    assert_eq!(run(&[("j", &s)], &once).object, once);
+}
+
+// ---------------------------------------------------------------- ordering, results
+
+#[test]
+fn policies_apply_in_name_order_and_report_changes() {
+    let pod = yaml(POD);
+    let first =
+        spec("match: {}\nwarning: adds a label\nmutations:\n- labels: {values: {step: one}}\n");
+    let second =
+        spec("match: {}\nwarning: overrides\nmutations:\n- labels: {values: {step: two}}\n");
+    let noop =
+        spec("match: {}\nwarning: never shown\nmutations:\n- labels: {values: {app: web}}\n");
+    // Given in reverse order; applied a, b, c.
+    let out = run(&[("c-noop", &noop), ("b", &second), ("a", &first)], &pod);
+    assert_eq!(out.object["metadata"]["labels"]["step"], "two");
+    assert_eq!(out.policies, ["a", "b"]);
+    assert_eq!(out.warnings, ["a: adds a label", "b: overrides"]);
+    // A later policy sees the earlier ones' result.
+    let later = spec(
+        "match:\n  objectSelector: {matchLabels: {step: two}}\nmutations:\n- annotations: {values: {seen: \"yes\"}}\n",
+    );
+    let out = run(&[("z", &later), ("b", &second)], &pod);
+    assert_eq!(out.object["metadata"]["annotations"]["seen"], "yes");
+}
+
+#[test]
+fn nothing_applied_returns_the_object_unchanged() {
+    let pod = yaml(POD);
+    let s = spec("match: {namespaces: [other]}\nmutations:\n- labels: {values: {x: y}}\n");
+    let out = run(&[("p", &s)], &pod);
+    assert_eq!(out.object, pod);
+    assert!(out.policies.is_empty() && out.warnings.is_empty() && !out.changed());
+    assert!(admission_patch(&pod, &out.object).is_empty());
+}
+
+#[test]
+fn admission_patch_turns_the_original_into_the_result() {
+    let pod = yaml(POD);
+    let s = spec(
+        "match: {}\nmutations:\n- annotations: {values: {traffic.sidecar.istio.io/excludeOutboundIPRanges: 0.0.0.0/0}}\n- strategicMerge: {spec: {containers: [{name: proxy, image: envoy}]}}\n",
+    );
+    let out = run(&[("p", &s)], &pod).object;
+    let patch = admission_patch(&pod, &out);
+    assert!(!patch.is_empty());
+    assert_eq!(patch.apply(&pod).unwrap(), out);
+}
+
+// ---------------------------------------------------------------- matching
+
+#[test]
+fn namespaces_with_wildcards() {
+    let s = spec(
+        "match: {namespaces: [\"team-?\", \"prod-*\"]}\nmutations: [{labels: {values: {x: y}}}]\n",
+    );
+    let pod = yaml(POD);
+    for (ns, expected) in [
+        ("team-a", true),
+        ("team-ab", false),
+        ("prod-eu-1", true),
+        ("prod-", true),
+        ("staging", false),
+    ] {
+        assert_eq!(policy_matches(&s, &pod, &create_in(ns)), expected, "{ns}");
+    }
+}
+
+#[test]
+fn operations_default_to_create() {
+    let pod = yaml(POD);
+    let update = MatchContext {
+        operation: Operation::Update,
+        ..create_in("shop")
+    };
+    let default = spec("match: {}\nmutations: [{labels: {values: {x: y}}}]\n");
+    assert!(policy_matches(&default, &pod, &create_in("shop")));
+    assert!(!policy_matches(&default, &pod, &update));
+    let both =
+        spec("match: {operations: [CREATE, UPDATE]}\nmutations: [{labels: {values: {x: y}}}]\n");
+    assert!(policy_matches(&both, &pod, &update));
+    let only_update =
+        spec("match: {operations: [UPDATE]}\nmutations: [{labels: {values: {x: y}}}]\n");
+    assert!(!policy_matches(&only_update, &pod, &create_in("shop")));
+}
+
+#[test]
+fn exclude_removes_what_it_matches() {
+    let pod = yaml(POD);
+    let s = spec(
+        "match: {namespaces: [\"*\"]}\nexclude:\n  namespaces: [kube-*, shop]\n  objectSelector: {matchLabels: {app: web}}\nmutations: [{labels: {values: {x: y}}}]\n",
+    );
+    // Excluded only when every field of the exclude block holds.
+    assert!(!policy_matches(&s, &pod, &create_in("shop")));
+    assert!(policy_matches(&s, &pod, &create_in("other")));
+    let mut db = pod.clone();
+    db["metadata"]["labels"]["app"] = json!("db");
+    assert!(policy_matches(&s, &db, &create_in("shop")));
+    // Empty operations in exclude do not mean CREATE only.
+    let s = spec(
+        "match: {operations: [CREATE, UPDATE]}\nexclude: {namespaces: [shop]}\nmutations: [{labels: {values: {x: y}}}]\n",
+    );
+    let update = MatchContext {
+        operation: Operation::Update,
+        ..create_in("shop")
+    };
+    assert!(!policy_matches(&s, &pod, &update));
+}
+
+#[test]
+fn namespace_selector_sees_the_namespace_labels() {
+    let pod = yaml(POD);
+    let s = spec(
+        "match:\n  namespaceSelector: {matchLabels: {istio-injection: enabled}}\nmutations: [{labels: {values: {x: y}}}]\n",
+    );
+    let labels: BTreeMap<String, String> =
+        [("istio-injection".to_owned(), "enabled".to_owned())].into();
+    let ctx = MatchContext {
+        namespace_labels: &labels,
+        ..create_in("shop")
+    };
+    assert!(policy_matches(&s, &pod, &ctx));
+    assert!(!policy_matches(&s, &pod, &create_in("shop")));
+}
+
+#[test]
+fn pod_templates_mutate_workload_templates() {
+    let deployment = yaml(DEPLOYMENT);
+    let annotate = "mutations:\n- annotations: {values: {mesh: \"on\"}}\n- strategicMerge: {spec: {containers: [{(name): \"*\", imagePullPolicy: Always}]}}\n";
+    let without = spec(&format!("match: {{}}\n{annotate}"));
+    let with = spec(&format!("match: {{}}\npodTemplates: true\n{annotate}"));
+    assert!(!run(&[("p", &without)], &deployment).changed());
+    let out = run(&[("p", &with)], &deployment);
+    assert_eq!(out.policies, ["p"]);
+    let template = &out.object["spec"]["template"];
+    assert_eq!(template["metadata"]["annotations"], json!({"mesh": "on"}));
+    assert_eq!(
+        template["spec"]["containers"][0]["imagePullPolicy"],
+        "Always"
+    );
+    // The workload's own metadata is untouched.
+    assert_eq!(out.object["metadata"], deployment["metadata"]);
+    assert_eq!(run(&[("p", &with)], &out.object).object, out.object);
+}
+
+#[test]
+fn object_selector_sees_the_workload_labels() {
+    let deployment = yaml(DEPLOYMENT);
+    let s = spec(
+        "match:\n  objectSelector: {matchLabels: {tier: frontend}}\npodTemplates: true\nmutations: [{labels: {values: {x: y}}}]\n",
+    );
+    // `tier` is on the Deployment, not on its template.
+    assert!(run(&[("p", &s)], &deployment).changed());
+}
+
+#[test]
+fn cronjob_template_path() {
+    let cronjob = yaml(CRONJOB);
+    let explicit =
+        spec("match: {kinds: [CronJob]}\nmutations: [{labels: {values: {mesh: istio}}}]\n");
+    let out = run(&[("p", &explicit)], &cronjob).object;
+    assert_eq!(
+        out["spec"]["jobTemplate"]["spec"]["template"]["metadata"]["labels"],
+        json!({"app": "report", "mesh": "istio"})
+    );
+    assert!(out["metadata"].get("labels").is_none());
+    let auto = spec(
+        "match: {kinds: [Pod]}\npodTemplates: true\nmutations: [{labels: {values: {mesh: istio}}}]\n",
+    );
+    assert_eq!(run(&[("p", &auto)], &cronjob).object, out);
+    // A Pod-only exclude excludes the auto-generated workloads too.
+    let excluded = spec(
+        "match: {kinds: [Pod]}\nexclude: {kinds: [Pod], namespaces: [shop]}\npodTemplates: true\nmutations: [{labels: {values: {mesh: istio}}}]\n",
+    );
+    assert!(!run(&[("p", &excluded)], &cronjob).changed());
+}
+
+#[test]
+fn explicit_workload_kinds_do_not_match_pods() {
+    let s = spec("match: {kinds: [Deployment]}\nmutations: [{labels: {values: {x: y}}}]\n");
+    assert!(!run(&[("p", &s)], &yaml(POD)).changed());
+    assert!(run(&[("p", &s)], &yaml(DEPLOYMENT)).changed());
+    assert!(!run(&[("p", &s)], &yaml(CRONJOB)).changed());
+}
+
+#[test]
+fn other_kinds_and_templateless_workloads_are_left_alone() {
+    let s = spec("match: {}\npodTemplates: true\nmutations: [{labels: {values: {x: y}}}]\n");
+    let service = yaml(SERVICE);
+    assert!(!policy_matches(&s, &service, &create_in("shop")));
+    assert_eq!(run(&[("p", &s)], &service).object, service);
+    let bare = json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"}});
+    assert!(!run(&[("p", &s)], &bare).changed());
+}
+
+#[test]
+fn opted_out_objects_are_never_mutated() {
+    let s = spec("match: {}\npodTemplates: true\nmutations: [{labels: {values: {x: y}}}]\n");
+    let mut pod = yaml(POD);
+    pod["metadata"]["annotations"]["meshgate.dev/inject"] = json!("false");
+    assert!(!run(&[("p", &s)], &pod).changed());
+    let mut deployment = yaml(DEPLOYMENT);
+    deployment["spec"]["template"]["metadata"]["labels"]["meshgate.dev/inject"] = json!("false");
+    assert!(!run(&[("p", &s)], &deployment).changed());
+}
+
+// ---------------------------------------------------------------- validation
+
+#[test]
+fn validation_names_the_field() {
+    let s: MutationPolicySpec = serde_yaml::from_str(
+        r#"
+match:
+  kinds: [Pod, Service]
+  namespaces: ["", "Bad_NS"]
+  objectSelector:
+    matchExpressions: [{key: app, operator: In}]
+exclude: {}
+mutations:
+- {}
+- labels: {values: {"bad key!": "v", ok: "not valid/value"}}
+  annotations: {values: {a: b}}
+- strategicMerge:
+    metadata:
+      labels:
+        (app: web
+        =(x): y
+      $patch: replace
+    spec:
+      containers:
+      - image: nginx
+      - <(image): "corp/*"
+        imagePullPolicy: Always
+      - {name: a}
+      - {name: a, image: b}
+      tolerations:
+      - (key): ">3"
+      - {key: a}
+      - plain
+- jsonPatch:
+  - {op: add, path: metadata/labels/x, value: y}
+  - {op: move, path: /a}
+  - {op: remove, path: "/a~2", value: 1}
+- strategicMerge: [not, an, object]
+- jsonPatch: []
+"#,
+    )
+    .unwrap();
+    let errors = validate(&s).unwrap_err();
+    let expected = [
+        "spec.match.kinds[1]: unknown kind \"Service\"",
+        "spec.match.namespaces[0]: must not be empty",
+        "spec.match.namespaces[1]: \"Bad_NS\" is not a namespace name or pattern",
+        "spec.match.objectSelector: matchExpressions key \"app\"",
+        "spec.exclude: sets no field, so it would exclude everything",
+        "spec.mutations[0]: set exactly one of annotations, labels, strategicMerge, jsonPatch (found: none)",
+        "spec.mutations[1]: set exactly one of annotations, labels, strategicMerge, jsonPatch (found: annotations, labels)",
+        "spec.mutations[1].labels.values[\"bad key!\"]: invalid key",
+        "spec.mutations[1].labels.values[\"ok\"]: invalid label value \"not valid/value\"",
+        "spec.mutations[2].strategicMerge.metadata.labels[\"(app\"]: malformed anchor (unbalanced parentheses)",
+        "spec.mutations[2].strategicMerge.metadata.labels[\"=(x)\"]: equality anchor `=()` is a Kyverno validate anchor",
+        "spec.mutations[2].strategicMerge.metadata[\"$patch\"]: strategic-merge directives ($patch) are not supported",
+        "spec.mutations[2].strategicMerge.spec.containers[0]: needs the merge key `name` of `containers`",
+        "spec.mutations[2].strategicMerge.spec.containers[1]: a list element with a global anchor is only a condition; its other fields (imagePullPolicy)",
+        "spec.mutations[2].strategicMerge.spec.containers[3]: duplicate merge key name=\"a\" (also in element [2])",
+        "spec.mutations[2].strategicMerge.spec.tolerations: mixes objects and other values",
+        "spec.mutations[2].strategicMerge.spec.tolerations[0].(key): operator in \">3\" is not supported",
+        "spec.mutations[3].jsonPatch[0].path: must start with '/'",
+        "spec.mutations[3].jsonPatch[1].from: required for Move",
+        "spec.mutations[3].jsonPatch[2].path: '~' must be followed by '0' or '1'",
+        "spec.mutations[3].jsonPatch[2].value: not used by Remove",
+        "spec.mutations[4].strategicMerge: must be an object",
+        "spec.mutations[5].jsonPatch: at least one operation is required",
+    ];
+    for e in expected {
+        assert!(
+            errors.iter().any(|m| m.starts_with(e)),
+            "missing {e:?} in {errors:#?}"
+        );
+    }
+    assert_eq!(errors.len(), expected.len(), "{errors:#?}");
+}
+
+#[test]
+fn validation_accepts_kyverno_style_patches() {
+    let s = spec(
+        r#"
+match: {kinds: [Pod, Deployment], namespaces: ["team-*"]}
+mutations:
+- strategicMerge:
+    metadata:
+      annotations:
+        +(cluster-autoscaler.kubernetes.io/safe-to-evict): "true"
+    spec:
+      volumes:
+      - <(emptyDir): {}
+      containers:
+      - (name): "*"
+        (image): "*:latest|*:dev"
+        imagePullPolicy: Always
+      - name: proxy
+        image: envoy
+      initContainers: []
+- jsonPatch:
+  - {op: test, path: /metadata/labels/app, value: web}
+  - {op: move, from: /metadata/labels/a~1b, path: /metadata/labels/c}
+"#,
+    );
+    assert_eq!(validate(&s), Ok(()));
+}
+
+#[test]
+fn anchors_inside_conditions_and_duplicates_are_rejected() {
+    let s: MutationPolicySpec = serde_yaml::from_str(
+        "match: {}\nmutations:\n- strategicMerge:\n    spec:\n      (securityContext): {(runAsUser): 0}\n      x: 1\n      +(x): 2\n",
+    )
+    .unwrap();
+    let errors = validate(&s).unwrap_err();
+    assert!(errors.iter().any(|e| e.starts_with(
+        "spec.mutations[0].strategicMerge.spec.(securityContext).(runAsUser): anchors inside a condition's value are not supported"
+    )), "{errors:?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("\"x\" is also set by another key")),
+        "{errors:?}"
+    );
+}
+
+// ---------------------------------------------------------------- render
+
+#[test]
+fn render_applies_as_create_and_reports_per_document() {
+    let policies = vec![(
+        "mesh".to_owned(),
+        spec(
+            "match: {namespaces: [shop, default]}\npodTemplates: true\nwarning: adds mesh label\nmutations: [{labels: {values: {mesh: istio}}}]\n",
+        ),
+    )];
+    let mut pod_default = yaml(POD);
+    pod_default["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("namespace");
+    let docs = vec![
+        yaml(POD),
+        Value::Null,
+        yaml(SERVICE),
+        yaml(DEPLOYMENT),
+        pod_default,
+    ];
+    let labels = |ns: &str| -> BTreeMap<String, String> {
+        [("kubernetes.io/metadata.name".to_owned(), ns.to_owned())].into()
+    };
+    let out = render(docs, &policies, &labels).unwrap();
+    assert_eq!(out.len(), 5);
+    assert_eq!(out[0].policies, ["mesh"]);
+    assert_eq!(out[0].warnings, ["mesh: adds mesh label"]);
+    assert_eq!(out[0].patch.apply(&yaml(POD)).unwrap(), out[0].object);
+    assert!(out[1].object.is_null() && out[1].patch.is_empty());
+    assert!(out[2].policies.is_empty() && out[2].patch.is_empty());
+    assert_eq!(
+        out[3].object["spec"]["template"]["metadata"]["labels"]["mesh"],
+        "istio"
+    );
+    assert_eq!(out[4].policies, ["mesh"], "no namespace means default");
+    assert_eq!(
+        out.iter().map(|d| d.index).collect::<Vec<_>>(),
+        [0, 1, 2, 3, 4]
+    );
+}
+
+#[test]
+fn render_errors_carry_the_document_index() {
+    let bad = spec("match: {}\nmutations:\n- jsonPatch: [{op: remove, path: /spec/nothing}]\n");
+    let policies = vec![("bad".to_owned(), bad)];
+    let labels = |_: &str| BTreeMap::new();
+    let err = render(vec![yaml(SERVICE), yaml(POD)], &policies, &labels).unwrap_err();
+    assert!(matches!(err, RenderError::Policy { index: 1, .. }), "{err}");
+    assert!(
+        err.to_string()
+            .starts_with("document 1: policy bad: spec.mutations[0].jsonPatch[0]"),
+        "{err}"
+    );
+
+    let err = render(vec![json!("text")], &[], &labels).unwrap_err();
+    assert_eq!(
+        err,
+        RenderError::Document {
+            index: 0,
+            message: "not a Kubernetes object (expected a mapping)".into()
+        }
+    );
+
+    let invalid: MutationPolicySpec =
+        serde_yaml::from_str("match: {kinds: [Node]}\nmutations: [{labels: {values: {x: y}}}]\n")
+            .unwrap();
+    let err = render(vec![], &[("n".to_owned(), invalid)], &labels).unwrap_err();
+    assert!(
+        matches!(err, RenderError::InvalidPolicy { ref name, .. } if name == "n"),
+        "{err}"
+    );
+}
+
+// ---------------------------------------------------------------- idempotency (property)
+
+fn key() -> impl Strategy<Value = String> {
+    prop_oneof![Just("a"), Just("b"), Just("c"), Just("d")].prop_map(str::to_owned)
+}
+
+fn values() -> impl Strategy<Value = BTreeMap<String, String>> {
+    prop::collection::btree_map(key(), "[a-z]{0,3}", 1..4)
+}
+
+fn meta() -> impl Strategy<Value = MetadataMutation> {
+    (values(), any::<bool>()).prop_map(|(values, keep)| MetadataMutation {
+        values,
+        on_conflict: if keep {
+            OnConflict::Keep
+        } else {
+            OnConflict::Overwrite
+        },
+    })
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    let container = (
+        // A template conditions on `image`, which no generated patch writes: a condition that
+        // selects what a patch adds is not idempotent (see the module documentation).
+        prop_oneof![Just("web"), Just("proxy"), Just("(image)")],
+        prop_oneof![Just("Always"), Just("IfNotPresent")],
+        any::<bool>(),
+    )
+        .prop_map(|(name, policy, add_anchor)| {
+            let mut c = serde_json::Map::new();
+            if name == "(image)" {
+                c.insert("(image)".into(), json!("*"));
+            } else {
+                c.insert("name".into(), json!(name));
+            }
+            let field = if add_anchor {
+                "+(imagePullPolicy)"
+            } else {
+                "imagePullPolicy"
+            };
+            c.insert(field.into(), json!(policy));
+            c.insert("env".into(), json!([{"name": "MESH", "value": policy}]));
+            Value::Object(c)
+        });
+    let smp = (
+        values(),
+        prop::option::of(key()),
+        prop::collection::vec(container, 0..3),
+        prop::collection::vec("[a-z]{1,3}", 0..3),
+    )
+        .prop_map(|(annotations, deleted, mut containers, args)| {
+            // Merge keys are unique in a patch list (validation rejects duplicates).
+            let mut seen = Vec::new();
+            containers.retain(|c| match c.get("name") {
+                Some(n) if seen.contains(n) => false,
+                Some(n) => {
+                    seen.push(n.clone());
+                    true
+                }
+                None => true,
+            });
+            let mut annotations: serde_json::Map<String, Value> = annotations
+                .into_iter()
+                .map(|(k, v)| (format!("+({k})"), json!(v)))
+                .collect();
+            if let Some(d) = deleted {
+                annotations.insert(format!("x-{d}"), Value::Null);
+            }
+            json!({"metadata": {"annotations": annotations},
+                   "spec": {"containers": containers, "nodeSelector": {"args": args.join(",")}}})
+        });
+    prop_oneof![
+        meta().prop_map(|m| Mutation {
+            annotations: Some(m),
+            ..Default::default()
+        }),
+        meta().prop_map(|m| Mutation {
+            labels: Some(m),
+            ..Default::default()
+        }),
+        smp.prop_map(|p| Mutation {
+            strategic_merge: Some(p),
+            ..Default::default()
+        }),
+    ]
+}
+
+proptest! {
+    // No regression files: they would land outside this module's directory.
+    #![proptest_config(ProptestConfig {
+        cases: 128,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn applying_twice_changes_nothing(
+        mutations in prop::collection::vec(prop::collection::vec(mutation(), 1..4), 1..4),
+        labels in values(),
+        templated in any::<bool>(),
+    ) {
+        let specs: Vec<(String, MutationPolicySpec)> = mutations
+            .into_iter()
+            .enumerate()
+            .map(|(i, mutations)| {
+                let spec = MutationPolicySpec {
+                    match_: Default::default(),
+                    exclude: None,
+                    pod_templates: true,
+                    mutations,
+                    warning: None,
+                    existing: Default::default(),
+                };
+                (format!("p{i}"), spec)
+            })
+            .collect();
+        for (_, s) in &specs {
+            prop_assert_eq!(validate(s), Ok(()));
+        }
+        let mut object = if templated { yaml(DEPLOYMENT) } else { yaml(POD) };
+        object["metadata"]["labels"] = serde_json::to_value(&labels).unwrap();
+        let ctx = create_in("shop");
+        let refs = || specs.iter().map(|(n, s)| (n.as_str(), s));
+        let once = apply(refs(), &object, &ctx).unwrap();
+        let twice = apply(refs(), &once.object, &ctx).unwrap();
+        prop_assert_eq!(&twice.object, &once.object);
+        // Policies that set the same field to different values converge, but each still
+        // "changes" the other's result; a single policy reports no change the second time.
+        if specs.len() == 1 {
+            prop_assert!(twice.policies.is_empty());
+        }
+    }
+}

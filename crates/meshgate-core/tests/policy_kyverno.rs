@@ -1,0 +1,415 @@
+//! Kyverno ClusterPolicy import, on fixtures, and the converted policies run through the engine.
+
+use std::collections::BTreeMap;
+
+use meshgate_api::mutation_policy::{MutationPolicySpec, Operation};
+use meshgate_core::kyverno::{KyvernoError, import};
+use meshgate_core::policy::{MatchContext, apply, validate};
+use serde_json::{Value, json};
+
+fn fixture(name: &str) -> Value {
+    let path = format!(
+        "{}/tests/fixtures/policy/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).expect("fixture readable");
+    serde_yaml::from_str(&text).expect("fixture is YAML")
+}
+
+fn doc(yaml: &str) -> Value {
+    serde_yaml::from_str(yaml).expect("test document is YAML")
+}
+
+fn run(policies: &[(String, MutationPolicySpec)], object: &Value, op: Operation) -> Value {
+    let labels = BTreeMap::new();
+    let ctx = MatchContext {
+        operation: op,
+        namespace: "shop",
+        namespace_labels: &labels,
+    };
+    apply(policies.iter().map(|(n, s)| (n.as_str(), s)), object, &ctx)
+        .expect("policies apply")
+        .object
+}
+
+#[test]
+fn the_istio_outbound_policy_converts_and_works() {
+    let out = import(&fixture("kyverno/istio-outbound.yaml")).unwrap();
+    assert!(out.notes.is_empty(), "{:?}", out.notes);
+    assert_eq!(out.policies.len(), 1);
+    let (name, spec) = &out.policies[0];
+    assert_eq!(
+        name,
+        "add-external-outbound-annotations-all-pods-in-cluster"
+    );
+    assert_eq!(validate(spec), Ok(()));
+    assert_eq!(spec.match_.kinds, ["Pod"]);
+    assert_eq!(
+        spec.match_.operations,
+        [Operation::Create, Operation::Update]
+    );
+    assert!(
+        spec.pod_templates,
+        "Kyverno auto-generates pod-controller rules"
+    );
+    assert_eq!(spec.exclude, None);
+    assert_eq!(
+        spec.mutations[0].strategic_merge,
+        Some(json!({"metadata": {"annotations": {
+            "traffic.sidecar.istio.io/excludeOutboundIPRanges": "0.0.0.0/0"
+        }}}))
+    );
+
+    let annotation = "traffic.sidecar.istio.io/excludeOutboundIPRanges";
+    let pod = fixture("pod.yaml");
+    let mutated = run(&out.policies, &pod, Operation::Create);
+    assert_eq!(mutated["metadata"]["annotations"][annotation], "0.0.0.0/0");
+    assert_eq!(mutated["metadata"]["annotations"]["team"], "payments");
+    assert_eq!(run(&out.policies, &mutated, Operation::Create), mutated);
+
+    let deployment = fixture("deployment.yaml");
+    let mutated = run(&out.policies, &deployment, Operation::Update);
+    assert_eq!(
+        mutated["spec"]["template"]["metadata"]["annotations"][annotation],
+        "0.0.0.0/0"
+    );
+    assert!(mutated["metadata"].get("annotations").is_none());
+
+    let cronjob = fixture("cronjob.yaml");
+    let mutated = run(&out.policies, &cronjob, Operation::Create);
+    assert_eq!(
+        mutated["spec"]["jobTemplate"]["spec"]["template"]["metadata"]["annotations"][annotation],
+        "0.0.0.0/0"
+    );
+}
+
+#[test]
+fn variables_foreach_context_are_reported_unsupported() {
+    let err = import(&fixture("kyverno/variables-foreach.yaml")).unwrap_err();
+    let KyvernoError::NothingConvertible { policy, notes } = &err else {
+        panic!("unexpected {err:?}");
+    };
+    assert_eq!(policy, "dynamic-things");
+    let expect = [
+        "spec.rules[0] (label-with-namespace): not converted: spec.rules[0].mutate.patchStrategicMerge.metadata.labels.origin-namespace: variables",
+        "spec.rules[1] (pull-policy-per-container): not converted: spec.rules[1].mutate.foreach: foreach is not supported",
+        "spec.rules[2] (with-context): not converted: spec.rules[2].context: context entries",
+        "spec.rules[3] (check-labels): validate rule ignored",
+    ];
+    for e in expect {
+        assert!(
+            notes.iter().any(|n| n.starts_with(e)),
+            "missing {e:?} in {notes:#?}"
+        );
+    }
+    let rule2 = notes
+        .iter()
+        .find(|n| n.starts_with("spec.rules[2]"))
+        .unwrap();
+    assert!(
+        rule2.contains("spec.rules[2].preconditions: preconditions are not supported"),
+        "{rule2}"
+    );
+    assert_eq!(notes.len(), 4, "{notes:#?}");
+    assert!(
+        err.to_string()
+            .starts_with("nothing in Kyverno policy dynamic-things can be converted: ")
+    );
+}
+
+#[test]
+fn autogen_none_keeps_pods_only() {
+    let out = import(&fixture("kyverno/autogen-none.yaml")).unwrap();
+    let (name, spec) = &out.policies[0];
+    assert_eq!(name, "add-safe-to-evict-annotate-empty-dir");
+    assert!(!spec.pod_templates);
+    assert_eq!(spec.match_.kinds, ["Pod"]);
+    // The anchors survive and work.
+    let pod = fixture("pod.yaml");
+    let mutated = run(&out.policies, &pod, Operation::Create);
+    assert_eq!(
+        mutated["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"],
+        "true"
+    );
+    let deployment = fixture("deployment.yaml");
+    assert_eq!(
+        run(&out.policies, &deployment, Operation::Create),
+        deployment
+    );
+}
+
+#[test]
+fn autogen_list_json6902_match_all_and_exclude() {
+    let out = import(&fixture("kyverno/autogen-some.yaml")).unwrap();
+    assert_eq!(out.policies.len(), 1);
+    let (name, spec) = &out.policies[0];
+    assert_eq!(name, "mesh-defaults-hold-application-until-proxy-starts");
+    // A JSON patch disables Kyverno's autogen for the whole policy, whatever the annotation says.
+    assert!(!spec.pod_templates);
+    assert_eq!(spec.match_.kinds, ["Pod"]);
+    assert_eq!(spec.match_.namespaces, ["team-*"]);
+    assert_eq!(spec.match_.operations, [Operation::Create]);
+    assert_eq!(
+        spec.match_
+            .namespace_selector
+            .as_ref()
+            .unwrap()
+            .match_labels,
+        BTreeMap::from([("istio-injection".to_owned(), "enabled".to_owned())])
+    );
+    assert_eq!(spec.exclude.as_ref().unwrap().namespaces, ["team-legacy"]);
+    assert_eq!(
+        spec.warning.as_deref(),
+        Some("applied Kyverno rule Mesh_Defaults/Hold Application Until Proxy Starts")
+    );
+    // Metadata adds became metadata mutations (which create the maps, like Kyverno's add).
+    let m = &spec.mutations;
+    assert_eq!(m.len(), 3, "{m:#?}");
+    assert_eq!(
+        m[0].annotations.as_ref().unwrap().values["proxy.istio.io/config"],
+        "{\"holdApplicationUntilProxyStarts\": true}"
+    );
+    assert_eq!(m[1].labels.as_ref().unwrap().values["mesh"], "istio");
+    assert_eq!(
+        m[2].json_patch.as_ref().unwrap()[0].path,
+        "/spec/containers/0/env/-"
+    );
+    for expected in [
+        "spec.rules[0].match.all[0].resources.operations[1]: \"DELETE\" dropped",
+        "spec.rules[0].mutate.patchesJson6902: meshgate applies JSON patches strictly (RFC 6902): an `add` below a missing parent fails",
+    ] {
+        assert!(
+            out.notes.iter().any(|n| n.starts_with(expected)),
+            "missing {expected:?} in {:#?}",
+            out.notes
+        );
+    }
+
+    let labels = BTreeMap::from([("istio-injection".to_owned(), "enabled".to_owned())]);
+    let ctx = |ns| MatchContext {
+        operation: Operation::Create,
+        namespace: ns,
+        namespace_labels: &labels,
+    };
+    let mut pod = fixture("pod.yaml");
+    pod["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("annotations");
+    let refs = || out.policies.iter().map(|(n, s)| (n.as_str(), s));
+    let mutated = apply(refs(), &pod, &ctx("team-a")).unwrap();
+    assert_eq!(mutated.policies, [name.as_str()]);
+    assert_eq!(mutated.object["metadata"]["labels"]["mesh"], "istio");
+    assert_eq!(
+        mutated.object["spec"]["containers"][0]["env"][2],
+        json!({"name": "MESH", "value": "istio"})
+    );
+    assert!(!apply(refs(), &pod, &ctx("team-legacy")).unwrap().changed());
+    assert!(!apply(refs(), &pod, &ctx("shop")).unwrap().changed());
+}
+
+#[test]
+fn autogen_annotation_with_some_controllers_lists_them_as_kinds() {
+    let out = import(&doc(r#"
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata:
+  name: p
+  annotations:
+    pod-policies.kyverno.io/autogen-controllers: "Deployment, StatefulSet,ReplicationController"
+spec:
+  rules:
+  - name: r
+    match:
+      resources:
+        kinds: [Pod]
+    mutate:
+      patchStrategicMerge:
+        metadata:
+          labels:
+            +(mesh): istio
+"#))
+    .unwrap();
+    let spec = &out.policies[0].1;
+    assert!(!spec.pod_templates);
+    assert_eq!(spec.match_.kinds, ["Pod", "Deployment", "StatefulSet"]);
+    assert!(
+        out.notes
+            .iter()
+            .any(|n| n.contains("ReplicationController pod templates are not mutated")),
+        "{:?}",
+        out.notes
+    );
+    let deployment = fixture("deployment.yaml");
+    let mutated = run(&out.policies, &deployment, Operation::Create);
+    assert_eq!(
+        mutated["spec"]["template"]["metadata"]["labels"]["mesh"],
+        "istio"
+    );
+    assert_eq!(
+        run(&out.policies, &fixture("cronjob.yaml"), Operation::Create),
+        fixture("cronjob.yaml")
+    );
+}
+
+#[test]
+fn a_selector_disables_autogen() {
+    let out = import(&doc(r#"
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata: {name: p}
+spec:
+  rules:
+  - name: r
+    match:
+      any:
+      - resources:
+          kinds: ["*/Pod"]
+          selector: {matchLabels: {app: web}}
+    mutate:
+      patchStrategicMerge: {metadata: {labels: {mesh: istio}}}
+"#))
+    .unwrap();
+    let spec = &out.policies[0].1;
+    assert!(!spec.pod_templates);
+    assert_eq!(
+        spec.match_.object_selector.as_ref().unwrap().match_labels["app"],
+        "web"
+    );
+}
+
+#[test]
+fn workload_rules_are_rebased_on_the_pod_template() {
+    let out = import(&fixture("kyverno/workloads.yaml")).unwrap();
+    let names: Vec<&str> = out.policies.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "workload-rules-template-annotation",
+            "workload-rules-union-any"
+        ]
+    );
+
+    let template = &out.policies[0].1;
+    assert_eq!(template.match_.kinds, ["Deployment", "StatefulSet"]);
+    assert!(!template.pod_templates);
+    assert_eq!(
+        template.mutations[0].strategic_merge,
+        Some(json!({"metadata": {"annotations": {"sidecar.istio.io/proxyCPU": "100m"}}}))
+    );
+    let deployment = fixture("deployment.yaml");
+    let mutated = run(&out.policies[..1], &deployment, Operation::Create);
+    assert_eq!(
+        mutated["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/proxyCPU"],
+        "100m"
+    );
+
+    let union = &out.policies[1].1;
+    assert_eq!(union.match_.namespaces, ["a", "b-*"]);
+    assert!(union.pod_templates);
+
+    let expected = [
+        "spec.rules[0].match.any[0].resources.kinds[3]: \"Service\" dropped",
+        "spec.rules[0].match: kind CronJob dropped",
+        "spec.rules[1] (scale): not converted: spec.rules[1].mutate: the patch changes the Deployment objects themselves",
+        "spec.rules[2] (by-user): not converted: spec.rules[2].match.any[0].subjects: matching on the requesting user is not supported",
+        "spec.rules[3] (mixed-any): not converted: spec.rules[3].match.any: its 2 entries differ in kinds and namespaces",
+    ];
+    for e in expected {
+        assert!(
+            out.notes.iter().any(|n| n.starts_with(e)),
+            "missing {e:?} in {:#?}",
+            out.notes
+        );
+    }
+    assert_eq!(out.notes.len(), expected.len(), "{:#?}", out.notes);
+}
+
+#[test]
+fn mixed_pod_and_workload_kinds_keep_pod() {
+    let out = import(&doc(r#"
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata: {name: p}
+spec:
+  rules:
+  - name: r
+    match:
+      resources:
+        kinds: [Pod, apps/v1/Deployment]
+    mutate:
+      patchStrategicMerge: {metadata: {labels: {mesh: istio}}}
+"#))
+    .unwrap();
+    let spec = &out.policies[0].1;
+    assert_eq!(spec.match_.kinds, ["Pod"]);
+    // Mixed kinds disable Kyverno's autogen.
+    assert!(!spec.pod_templates);
+    assert!(
+        out.notes[0].starts_with("spec.rules[0].match: kinds Deployment dropped"),
+        "{:?}",
+        out.notes
+    );
+}
+
+#[test]
+fn namespaced_policy_applies_in_its_namespace() {
+    let out = import(&doc(r#"
+apiVersion: kyverno.io/v1
+kind: Policy
+metadata: {name: p, namespace: shop}
+spec:
+  rules:
+  - name: r
+    match:
+      resources: {kinds: [Pod]}
+    mutate:
+      patchesJson6902: '[{"op": "add", "path": "/metadata/labels/x", "value": "y"}]'
+"#))
+    .unwrap();
+    let spec = &out.policies[0].1;
+    assert_eq!(spec.match_.namespaces, ["shop"]);
+    assert!(spec.mutations[0].labels.is_some());
+    assert!(out.notes.is_empty(), "{:?}", out.notes);
+}
+
+#[test]
+fn not_a_policy_and_malformed() {
+    let err = import(&json!({"apiVersion": "v1", "kind": "Pod"})).unwrap_err();
+    assert!(matches!(err, KyvernoError::NotAPolicy { .. }));
+    let err = import(&json!({"apiVersion": "kyverno.io/v1", "kind": "ClusterPolicy", "metadata": {"name": "x"}, "spec": {}}))
+        .unwrap_err();
+    assert_eq!(
+        err,
+        KyvernoError::Malformed {
+            path: "spec.rules".into(),
+            message: "must be a list".into()
+        }
+    );
+}
+
+#[test]
+fn long_and_duplicate_names_are_dns1123() {
+    let rule = |name: &str| {
+        json!({"name": name, "match": {"resources": {"kinds": ["Pod"]}},
+               "mutate": {"patchStrategicMerge": {"metadata": {"labels": {"a": "b"}}}}})
+    };
+    let long = "x".repeat(80);
+    let out = import(&json!({
+        "apiVersion": "kyverno.io/v1", "kind": "ClusterPolicy",
+        "metadata": {"name": "My.Policy"},
+        "spec": {"rules": [rule("Rule_1"), rule("rule 1"), rule(&long)]}
+    }))
+    .unwrap();
+    let names: Vec<&str> = out.policies.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(&names[..2], ["my-policy-rule-1", "my-policy-rule-1-2"]);
+    assert_eq!(names[2].len(), 63);
+    assert!(names[2].starts_with("my-policy-xxx"));
+    for n in names {
+        assert!(
+            n.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        );
+        assert!(!n.starts_with('-') && !n.ends_with('-'));
+    }
+}
