@@ -1,1 +1,227 @@
-fn main() {}
+//! `meshgate`: see `meshgate --help`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use meshgate::run::{ControllerSettings, WebhookSettings};
+use meshgate::{crds, logging, render, run};
+use meshgate_api::GateConfig;
+use meshgate_controller::leader::LeaseSettings;
+
+/// meshgate keeps mesh pods off nodes whose mesh agent is not ready, holds pods until their
+/// traffic is captured, and applies mutation policies (e.g. for init containers that need
+/// network).
+#[derive(Parser, Debug)]
+#[command(name = "meshgate", version, about, long_about = None)]
+struct Cli {
+    /// Log as JSON lines (default when not on a terminal is text; set for clusters).
+    #[arg(long, global = true, env = "MESHGATE_LOG_JSON")]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the HTTPS admission webhook.
+    Webhook {
+        /// Gate configuration (YAML).
+        #[arg(long, env = "MESHGATE_CONFIG")]
+        config: Option<PathBuf>,
+        #[arg(long, default_value = "/etc/meshgate/tls/tls.crt")]
+        cert: PathBuf,
+        #[arg(long, default_value = "/etc/meshgate/tls/tls.key")]
+        key: PathBuf,
+        #[arg(long, default_value = "0.0.0.0:8443")]
+        addr: SocketAddr,
+        /// Plain HTTP for /healthz, /readyz, /metrics.
+        #[arg(long, default_value = "0.0.0.0:8080")]
+        health_addr: SocketAddr,
+        /// Seconds between checks of the certificate files.
+        #[arg(long, default_value_t = 5)]
+        cert_poll_seconds: u64,
+    },
+    /// Run the controllers (node gate), leader-elected.
+    Controller {
+        /// Namespace of the leader Lease; empty disables leader election.
+        #[arg(long, default_value = "meshgate-system", env = "POD_NAMESPACE")]
+        lease_namespace: String,
+        #[arg(long, default_value = "meshgate-controller")]
+        lease_name: String,
+        #[arg(long, env = "POD_NAME")]
+        identity: Option<String>,
+        #[arg(long, default_value_t = 15)]
+        lease_seconds: u64,
+        #[arg(long, default_value = "0.0.0.0:8080")]
+        health_addr: SocketAddr,
+    },
+    /// Print the CRDs, or check or write the checked-in copies.
+    Crds {
+        /// Fail unless the files in this directory match the generated CRDs.
+        #[arg(long, conflicts_with = "write")]
+        check: Option<PathBuf>,
+        /// Write the CRDs into this directory.
+        #[arg(long)]
+        write: Option<PathBuf>,
+    },
+    /// Apply policies to manifests offline and print the result.
+    Render {
+        /// Manifests (multi-document YAML; `-` for stdin).
+        #[arg(short = 'f', long = "filename", required = true)]
+        manifests: Vec<PathBuf>,
+        /// MutationPolicy or Kyverno ClusterPolicy files.
+        #[arg(long = "policy")]
+        policies: Vec<PathBuf>,
+        /// Labels of a namespace, as NS=key=value (repeatable), for namespaceSelector.
+        #[arg(long = "namespace-label")]
+        namespace_labels: Vec<String>,
+        /// Print the JSON patches instead of the objects.
+        #[arg(long)]
+        patch: bool,
+    },
+    /// Convert policies of other tools.
+    Import {
+        #[command(subcommand)]
+        from: ImportFrom,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ImportFrom {
+    /// Kyverno ClusterPolicy mutate rules to MutationPolicy.
+    Kyverno { file: PathBuf },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    logging::init(cli.log_json);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("meshgate: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run_command(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("meshgate: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn print_notes(notes: &[String]) {
+    for n in notes {
+        eprintln!("note: {n}");
+    }
+}
+
+async fn run_command(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Webhook {
+            config,
+            cert,
+            key,
+            addr,
+            health_addr,
+            cert_poll_seconds,
+        } => {
+            let config = match config {
+                Some(path) => {
+                    let text = std::fs::read_to_string(&path)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                    GateConfig::from_yaml(&path.display().to_string(), &text)?
+                }
+                None => GateConfig::default(),
+            };
+            let client = kube::Client::try_default().await?;
+            let server = run::start_webhook(
+                client,
+                WebhookSettings {
+                    config,
+                    addr,
+                    health_addr,
+                    cert,
+                    key,
+                    cert_poll_interval: Duration::from_secs(cert_poll_seconds.max(1)),
+                    request_timeout: Duration::from_secs(10),
+                },
+            )
+            .await?;
+            run::shutdown_signal().await;
+            tracing::info!("SIGTERM: draining in-flight reviews");
+            server.shutdown(Duration::from_secs(20)).await?;
+            Ok(())
+        }
+        Command::Controller {
+            lease_namespace,
+            lease_name,
+            identity,
+            lease_seconds,
+            health_addr,
+        } => {
+            let client = kube::Client::try_default().await?;
+            let lease = (!lease_namespace.is_empty()).then(|| LeaseSettings {
+                namespace: lease_namespace,
+                name: lease_name,
+                identity: identity.unwrap_or_else(|| format!("meshgate-{}", std::process::id())),
+                duration: lease_seconds,
+                grace: (lease_seconds / 3).max(1),
+            });
+            run::run_controller(
+                client,
+                ControllerSettings {
+                    lease,
+                    health_addr: Some(health_addr),
+                    node_gate: Default::default(),
+                },
+                run::shutdown_signal(),
+            )
+            .await
+        }
+        Command::Crds { check, write } => {
+            if let Some(dir) = check {
+                crds::check(&dir)
+            } else if let Some(dir) = write {
+                crds::write(&dir)
+            } else {
+                print!("{}", crds::all_yaml()?);
+                Ok(())
+            }
+        }
+        Command::Render {
+            manifests,
+            policies,
+            namespace_labels,
+            patch,
+        } => {
+            let mut labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+            for item in &namespace_labels {
+                let mut parts = item.splitn(3, '=');
+                match (parts.next(), parts.next(), parts.next()) {
+                    (Some(ns), Some(k), Some(v)) if !ns.is_empty() && !k.is_empty() => {
+                        labels.entry(ns.into()).or_default().insert(k.into(), v.into());
+                    }
+                    _ => anyhow::bail!("--namespace-label {item:?}: expected NS=key=value"),
+                }
+            }
+            let (out, notes) = render::render(&manifests, &policies, &labels, patch)?;
+            print_notes(&notes);
+            print!("{out}");
+            Ok(())
+        }
+        Command::Import {
+            from: ImportFrom::Kyverno { file },
+        } => {
+            let (out, notes) = render::import_kyverno(&file)?;
+            print_notes(&notes);
+            print!("{out}");
+            Ok(())
+        }
+    }
+}

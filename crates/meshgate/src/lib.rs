@@ -1,0 +1,6 @@
+//! The `meshgate` command: components, offline tools, install and demo.
+
+pub mod crds;
+pub mod logging;
+pub mod render;
+pub mod run;

@@ -1,0 +1,179 @@
+//! `meshgate render` and `meshgate import kyverno`: offline, no cluster.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use meshgate_api::{MutationPolicy, MutationPolicySpec};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// An input problem, naming the file, the document and the field.
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    #[error("{file}: {source}")]
+    Read {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{file}: document {index}: {message}")]
+    Document {
+        file: String,
+        index: usize,
+        message: String,
+    },
+}
+
+/// Reads a multi-document YAML (or JSON) file; empty documents are dropped.
+pub fn read_documents(path: &Path) -> Result<Vec<Value>, InputError> {
+    let file = path.display().to_string();
+    let text = if file == "-" {
+        std::io::read_to_string(std::io::stdin())
+    } else {
+        std::fs::read_to_string(path)
+    }
+    .map_err(|source| InputError::Read {
+        file: file.clone(),
+        source,
+    })?;
+    parse_documents(&file, &text)
+}
+
+/// Parses a multi-document YAML string; `file` names it in errors.
+pub fn parse_documents(file: &str, text: &str) -> Result<Vec<Value>, InputError> {
+    let mut docs = Vec::new();
+    for (index, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let v = Value::deserialize(de).map_err(|e| InputError::Document {
+            file: file.to_owned(),
+            index,
+            message: e.to_string(),
+        })?;
+        if !v.is_null() {
+            docs.push(v);
+        }
+    }
+    Ok(docs)
+}
+
+/// Reads policies: meshgate `MutationPolicy` documents and Kyverno `ClusterPolicy`/`Policy`
+/// documents (converted; what cannot be converted is returned as notes).
+pub fn read_policies(path: &Path) -> Result<(Vec<(String, MutationPolicySpec)>, Vec<String>), InputError> {
+    let file = path.display().to_string();
+    let mut policies = Vec::new();
+    let mut notes = Vec::new();
+    for (index, doc) in read_documents(path)?.into_iter().enumerate() {
+        let err = |message: String| InputError::Document {
+            file: file.clone(),
+            index,
+            message,
+        };
+        let api_version = doc.get("apiVersion").and_then(Value::as_str).unwrap_or_default();
+        let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
+        if api_version.starts_with("kyverno.io/") {
+            let imported = meshgate_core::kyverno::import(&doc).map_err(|e| err(e.to_string()))?;
+            notes.extend(imported.notes);
+            policies.extend(imported.policies);
+        } else if api_version == "meshgate.dev/v1alpha1" && kind == "MutationPolicy" {
+            let p: MutationPolicy = serde_path(&doc).map_err(err)?;
+            let name = p.metadata.name.clone().unwrap_or_default();
+            meshgate_core::policy::validate(&p.spec).map_err(|e| err(e.join("; ")))?;
+            policies.push((name, p.spec));
+        } else {
+            return Err(err(format!(
+                "apiVersion {api_version:?} kind {kind:?} is not a MutationPolicy (meshgate.dev/v1alpha1) or a Kyverno policy (kyverno.io/v1)"
+            )));
+        }
+    }
+    Ok((policies, notes))
+}
+
+/// Deserializes with the path of the failing field in the message (`spec.mutations[0]...`):
+/// serde_yaml tracks the path, serde_json does not.
+fn serde_path<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, String> {
+    let yaml = serde_yaml::to_string(v).map_err(|e| e.to_string())?;
+    serde_yaml::from_str::<T>(&yaml).map_err(|e| e.to_string())
+}
+
+/// Writes documents as a multi-document YAML stream.
+pub fn to_yaml_stream(docs: &[Value]) -> Result<String, serde_yaml::Error> {
+    let mut out = String::new();
+    for d in docs {
+        out.push_str("---\n");
+        out.push_str(&serde_yaml::to_string(d)?);
+    }
+    Ok(out)
+}
+
+/// The `render` command: the mutated objects (or their patches) as YAML.
+pub fn render(manifests: &[std::path::PathBuf], policy_files: &[std::path::PathBuf], ns_labels: &BTreeMap<String, BTreeMap<String, String>>, patches: bool) -> anyhow::Result<(String, Vec<String>)> {
+    let mut policies = Vec::new();
+    let mut notes = Vec::new();
+    for p in policy_files {
+        let (ps, ns) = read_policies(p)?;
+        policies.extend(ps);
+        notes.extend(ns);
+    }
+    let mut out = Vec::new();
+    for m in manifests {
+        let docs = read_documents(m)?;
+        let rendered = meshgate_core::policy::render(docs, &policies, &|ns| ns_labels.get(ns).cloned().unwrap_or_default())
+            .map_err(|e| anyhow::anyhow!("{}: {e}", m.display()))?;
+        for r in rendered {
+            for w in &r.warnings {
+                notes.push(format!("{}: document {}: warning: {w}", m.display(), r.index));
+            }
+            if patches {
+                out.push(serde_json::json!({
+                    "document": r.index,
+                    "file": m.display().to_string(),
+                    "policies": r.policies,
+                    "patch": r.patch,
+                }));
+            } else {
+                out.push(r.object);
+            }
+        }
+    }
+    Ok((to_yaml_stream(&out)?, notes))
+}
+
+/// The `import kyverno` command: MutationPolicy YAML and the notes.
+pub fn import_kyverno(path: &Path) -> anyhow::Result<(String, Vec<String>)> {
+    let file = path.display().to_string();
+    let mut out = Vec::new();
+    let mut notes = Vec::new();
+    for (index, doc) in read_documents(path)?.into_iter().enumerate() {
+        let imported = meshgate_core::kyverno::import(&doc).map_err(|e| anyhow::anyhow!("{file}: document {index}: {e}"))?;
+        notes.extend(imported.notes);
+        for (name, spec) in imported.policies {
+            let p = MutationPolicy::new(&name, spec);
+            out.push(serde_json::to_value(p)?);
+        }
+    }
+    Ok((to_yaml_stream(&out)?, notes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_documents_are_named() {
+        let err = parse_documents("m.yaml", "a: 1\n---\n: : :\n").unwrap_err();
+        assert!(err.to_string().starts_with("m.yaml: document 1: "), "{err}");
+    }
+
+    #[test]
+    fn bad_policy_fields_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("p.yaml");
+        std::fs::write(
+            &p,
+            "apiVersion: meshgate.dev/v1alpha1\nkind: MutationPolicy\nmetadata: {name: x}\nspec:\n  match: {kinds: [Pod]}\n  mutations:\n  - annotations: {values: {a: 1}, onConflict: Sometimes}\n",
+        )
+        .unwrap();
+        let err = read_policies(&p).unwrap_err().to_string();
+        assert!(err.contains("p.yaml: document 0: "), "{err}");
+        assert!(err.contains("onConflict") || err.contains("Sometimes"), "{err}");
+    }
+}

@@ -1,0 +1,109 @@
+//! Running meshgate's components, as processes (`meshgate webhook`, `meshgate controller`) or
+//! in-process (the demo and the end-to-end tests).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use meshgate_api::GateConfig;
+use meshgate_controller::leader::{self, LeaseSettings};
+use meshgate_webhook::server::App;
+use meshgate_webhook::tls::CertFiles;
+use meshgate_webhook::{Server, ServerOptions, Sources};
+
+/// Settings of the webhook.
+#[derive(Clone, Debug)]
+pub struct WebhookSettings {
+    pub config: GateConfig,
+    pub addr: SocketAddr,
+    pub health_addr: SocketAddr,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub cert_poll_interval: Duration,
+    pub request_timeout: Duration,
+}
+
+/// Starts the webhook in the background; its caches follow the cluster through `client`.
+pub async fn start_webhook(client: kube::Client, s: WebhookSettings) -> anyhow::Result<Server> {
+    let (sources, drive) = Sources::watch(client);
+    tokio::spawn(drive);
+    let app = App::new(s.config, sources, meshgate_webhook::metrics::Metrics::new());
+    let server = Server::start(
+        ServerOptions {
+            addr: s.addr,
+            health_addr: s.health_addr,
+            certs: CertFiles {
+                cert: s.cert,
+                key: s.key,
+            },
+            cert_poll_interval: s.cert_poll_interval,
+            request_timeout: s.request_timeout,
+            shutdown_grace: Duration::from_secs(20),
+        },
+        app,
+    )
+    .await?;
+    Ok(server)
+}
+
+/// Settings of the controller.
+#[derive(Clone, Debug)]
+pub struct ControllerSettings {
+    /// `None`: no leader election (a single replica).
+    pub lease: Option<LeaseSettings>,
+    pub health_addr: Option<SocketAddr>,
+    pub node_gate: meshgate_controller::nodegate::Settings,
+}
+
+/// Runs the controller until `shutdown` resolves.
+pub async fn run_controller(
+    client: kube::Client,
+    s: ControllerSettings,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> anyhow::Result<()> {
+    let metrics = meshgate_controller::Metrics::new();
+    let leader = match s.lease {
+        Some(lease) => leader::elect(client.clone(), lease).await?,
+        None => leader::always(),
+    };
+    if let Some(addr) = s.health_addr {
+        let m = metrics.clone();
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let app = axum_router(m);
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+    }
+    meshgate_controller::nodegate::run(client, leader, metrics, s.node_gate, shutdown).await;
+    Ok(())
+}
+
+fn axum_router(metrics: meshgate_controller::Metrics) -> axum::Router {
+    use axum::routing::get;
+    axum::Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(|| async { "ok" }))
+        .route(
+            "/metrics",
+            get(move || {
+                let m = metrics.clone();
+                async move { m.encode() }
+            }),
+        )
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => futures::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = term => {},
+        _ = tokio::signal::ctrl_c() => {},
+    }
+}
