@@ -38,7 +38,7 @@ pub struct MutationPolicySpec {
     #[serde(default)]
     pub pod_templates: bool,
     /// Mutations, applied in order.
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 64))]
     pub mutations: Vec<Mutation>,
     /// Shown as an admission warning whenever the policy changes an object: name the trade-off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -78,7 +78,7 @@ pub enum Operation {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [{
-    "rule": "[has(self.annotations), has(self.labels), has(self.strategicMerge), has(self.jsonPatch)].filter(x, x).size() == 1",
+    "rule": "(has(self.annotations) ? 1 : 0) + (has(self.labels) ? 1 : 0) + (has(self.strategicMerge) ? 1 : 0) + (has(self.jsonPatch) ? 1 : 0) == 1",
     "message": "set exactly one of annotations, labels, strategicMerge, jsonPatch"
 }]))]
 pub struct Mutation {

@@ -27,7 +27,9 @@ use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use meshgate_api::node_gate::NodeGateStatus;
 use meshgate_api::{NodeGate, names};
-use meshgate_core::nodegate::{NodeDecision, NodeObservation, NodeState, decide, resource_patch, taint_patch};
+use meshgate_core::nodegate::{
+    NodeDecision, NodeObservation, NodeState, decide, orphaned_taints, resource_patch, taint_patch,
+};
 use tokio::sync::{mpsc, watch};
 
 use crate::agents::{AgentIndex, RESYNC_ALL};
@@ -185,7 +187,8 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let name = node.name_any();
     let api = Api::<Node>::all(ctx.client.clone());
     let mut requeue = ctx.settings.resync;
-    for gate in ctx.gates.state() {
+    let gates = ctx.gates.state();
+    for gate in &gates {
         let spec = &gate.spec;
         let gate_name = gate.name_any();
         let agents: Vec<_> = spec
@@ -215,9 +218,32 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
             },
         );
         tracing::debug!(node = %name, gate = %gate_name, state = decision.state.as_str(), ?decision, "decided");
-        node = apply(&ctx, &api, &gate, node, &taints, &decision).await?;
+        node = apply(&ctx, &api, gate, node, &taints, &decision).await?;
         if let Some(after) = decision.requeue_after {
             requeue = requeue.min(Duration::from_secs(u64::try_from(after.max(1)).unwrap_or(1)));
+        }
+    }
+    // Taints of gates that no longer apply to this node.
+    let empty = BTreeMap::new();
+    let taints = node.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
+    let orphans = orphaned_taints(
+        gates.iter().map(|g| &g.spec),
+        node.metadata.labels.as_ref().unwrap_or(&empty),
+        &taints,
+    );
+    for key in orphans {
+        if let Some(gate) = gates.iter().find(|g| g.spec.taint.key == key)
+            && let Some(patch) = taint_patch(&gate.spec, &taints, false)
+        {
+            let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(patch.0))
+                .map_err(|e| Error::Patch(e.to_string()))?;
+            api.patch(&name, &PatchParams::default(), &Patch::<()>::Json(patch))
+                .await
+                .map_err(|source| Error::Write { node: name.clone(), source })?;
+            ctx.metrics.operations.get_or_create(&OperationLabels { operation: "untaint" }).inc();
+            tracing::info!(node = %name, taint = %key, "removed the taint of a gate that no longer selects the node");
+            // One write per reconcile: the next one starts from a fresh read.
+            return Ok(Action::requeue(Duration::from_millis(10)));
         }
     }
     Ok(Action::requeue(requeue))

@@ -127,8 +127,8 @@ pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
     };
     let has_resource = spec.resource.is_some();
     if !selects(spec, node.labels) {
-        // A node the gate no longer selects is not held by it.
-        d.taint = tainted.then_some(false);
+        // Several gates may share a taint key: releasing nodes no gate selects any more is
+        // decided across all gates, by `orphaned_taints`.
         return d;
     }
     let bootstrapped = node
@@ -200,6 +200,31 @@ pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
         }
     }
     d
+}
+
+/// Gate taint keys on the node that no gate selecting the node owns (its gate was deleted or no
+/// longer selects it): the controller removes them, so a node is never held by a rule that does
+/// not apply to it. Keys of no known gate are foreign and never touched.
+pub fn orphaned_taints<'s>(
+    gates: impl IntoIterator<Item = &'s NodeGateSpec> + Clone,
+    labels: &BTreeMap<String, String>,
+    taints: &[Taint],
+) -> Vec<String> {
+    let held: Vec<&str> = gates
+        .clone()
+        .into_iter()
+        .filter(|g| selects(g, labels))
+        .map(|g| g.taint.key.as_str())
+        .collect();
+    let mut out: Vec<String> = gates
+        .into_iter()
+        .map(|g| g.taint.key.as_str())
+        .filter(|k| !held.contains(k) && taints.iter().any(|t| t.key == *k))
+        .map(str::to_owned)
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// The JSON patch that makes the node's taints `want_present` for the gate's taint, with a
@@ -471,7 +496,12 @@ mod tests {
         let f = Fixture::new(vec![gate_taint(), foreign()], vec![AgentState::Missing]);
         let d = f.decide(&s);
         assert_eq!(d.state, NodeState::Ignored);
-        assert_eq!(d.taint, Some(false));
+        assert_eq!(d.taint, None, "decided across gates");
+        // Another gate with the same key selects the node: the taint is its, not an orphan.
+        let mut other = s.clone();
+        other.node_selector = LabelSelector::default();
+        assert!(orphaned_taints([&s, &other], &f.labels, &f.taints).is_empty());
+        assert_eq!(orphaned_taints([&s], &f.labels, &f.taints), [meshgate_api::names::DEFAULT_TAINT_KEY]);
         let p = taint_patch(&s, &f.taints, false).unwrap();
         let node = json!({"spec": {"taints": f.taints}});
         let out = p.apply(&node).unwrap();

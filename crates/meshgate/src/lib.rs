@@ -1,6 +1,7 @@
 //! The `meshgate` command: components, offline tools, install and demo.
 
 pub mod crds;
+pub mod discovery;
 pub mod logging;
 pub mod render;
 pub mod run;

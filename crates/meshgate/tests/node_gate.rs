@@ -1,0 +1,543 @@
+//! The node gate end to end: the real API server and kube-scheduler, meshgate's webhook and two
+//! leader-elected controller replicas. Nodes and agent pods are objects the tests create and
+//! whose status they set; no kubelet runs.
+//!
+//! Run: `cargo test --workspace --test node_gate`.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod, Taint};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use meshgate_api::node_gate::NodeGateSpec;
+use meshgate_api::{GateConfig, NodeGate, Profile};
+use meshgate_controller::Metrics;
+use meshgate_controller::leader::{self, LeaseSettings};
+use serde_json::{Value, json};
+use tokio::sync::{Mutex, OnceCell};
+
+const TAINT: &str = "node.meshgate.dev/agent-not-ready";
+const RESOURCE: &str = "meshgate.dev/mesh-ready";
+const LEASE_NS: &str = "default";
+const LEASE: &str = "meshgate-node-gate-test";
+const LEASE_SECONDS: u64 = 4;
+
+/// A controller replica running on the background runtime.
+struct Replica {
+    identity: String,
+    metrics: Metrics,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+struct Shared {
+    replicas: Mutex<Vec<Replica>>,
+}
+
+async fn start_replica(kubeconfig: std::path::PathBuf, identity: &str) -> Replica {
+    let metrics = Metrics::new();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let m = metrics.clone();
+    let id = identity.to_owned();
+    background().spawn(async move {
+        let client = client_from(&kubeconfig).await;
+        let leader = leader::elect(
+            client.clone(),
+            LeaseSettings {
+                namespace: LEASE_NS.into(),
+                name: LEASE.into(),
+                identity: id,
+                duration: LEASE_SECONDS,
+                grace: 1,
+            },
+        )
+        .await
+        .expect("lease manager");
+        let settings = meshgate_controller::nodegate::Settings {
+            status_interval: Duration::from_secs(1),
+            ..Default::default()
+        };
+        meshgate_controller::nodegate::run(client, leader, m, settings, async move {
+            let _ = stopped.await;
+        })
+        .await;
+    });
+    Replica {
+        identity: identity.to_owned(),
+        metrics,
+        stop: Some(stop),
+    }
+}
+
+/// Control plane with scheduler, CRDs, meshgate's webhook (node taint path, resource gate for
+/// ambient namespaces), and two controller replicas sharing a lease.
+async fn setup() -> (kube::Client, Arc<meshgate_testenv::ControlPlane>, &'static Shared) {
+    static SHARED: OnceCell<Shared> = OnceCell::const_new();
+    let cp = control_plane(true).await;
+    let client = cp.client().await.expect("client");
+    let shared = SHARED
+        .get_or_init(|| async {
+            install_crds(&client).await;
+            let config = GateConfig {
+                profiles: vec![Profile::IstioAmbient],
+                init_gate: meshgate_api::config::InitGate {
+                    enabled: false,
+                    ..Default::default()
+                },
+                resource_gate: meshgate_api::config::ResourceGate {
+                    enabled: true,
+                    resource: RESOURCE.into(),
+                },
+                ..GateConfig::default()
+            };
+            let webhook = start_webhook(&cp, config.clone()).await;
+            register(&client, &webhook.registration("meshgate", &config, false, true)).await;
+            std::mem::forget(webhook);
+            let replicas = vec![
+                start_replica(cp.kubeconfig_path.clone(), "replica-a").await,
+                start_replica(cp.kubeconfig_path.clone(), "replica-b").await,
+            ];
+            Shared {
+                replicas: Mutex::new(replicas),
+            }
+        })
+        .await;
+    (client, cp, shared)
+}
+
+/// A gate for the nodes labelled `pool=<pool>`, waiting for agents `cni` and `node-proxy` in
+/// `agents_ns`.
+fn gate_spec(pool: &str, agents_ns: &str, extra: Value) -> NodeGateSpec {
+    let mut spec = json!({
+        "agents": [
+            {"name": "cni", "namespace": agents_ns, "selector": {"matchLabels": {"app": "cni"}}},
+            {"name": "node-proxy", "namespace": agents_ns, "selector": {"matchLabels": {"app": "node-proxy"}}},
+        ],
+        "nodeSelector": {"matchLabels": {"pool": pool}},
+    });
+    if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
+        for (k, v) in e {
+            s.insert(k.clone(), v.clone());
+        }
+    }
+    serde_json::from_value(spec).expect("gate spec")
+}
+
+async fn create_gate(client: &kube::Client, name: &str, spec: NodeGateSpec) {
+    Api::<NodeGate>::all(client.clone())
+        .create(&PostParams::default(), &NodeGate::new(name, spec))
+        .await
+        .expect("gate created");
+}
+
+fn foreign_taint() -> Value {
+    json!({"key": "example.com/dedicated", "value": "mesh", "effect": "PreferNoSchedule"})
+}
+
+/// Registers a node as kubelet would (with a foreign taint of the user's), then makes it Ready.
+async fn create_node(client: &kube::Client, name: &str, pool: &str, extra_labels: &[(&str, &str)]) -> Node {
+    let mut labels = json!({"pool": pool});
+    for (k, v) in extra_labels {
+        labels[*k] = json!(v);
+    }
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"taints": [foreign_taint()]},
+    }))
+    .expect("node");
+    let created = Api::<Node>::all(client.clone())
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("node created");
+    meshgate_testenv::make_node_ready(client, name).await.expect("node ready");
+    created
+}
+
+fn taint_keys(node: &Node) -> Vec<String> {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .map(|ts| ts.iter().map(|t| t.key.clone()).collect())
+        .unwrap_or_default()
+}
+
+async fn node_has_taint(client: &kube::Client, name: &str) -> bool {
+    let node = Api::<Node>::all(client.clone()).get(name).await.expect("node");
+    assert!(
+        taint_keys(&node).contains(&"example.com/dedicated".to_owned()),
+        "the foreign taint survives every operation: {:?}",
+        node.spec.and_then(|s| s.taints)
+    );
+    taint_keys(&node).contains(&TAINT.to_owned())
+}
+
+/// An agent pod bound to `node`; `ready` sets its Ready condition.
+async fn agent(client: &kube::Client, ns: &str, name: &str, app: &str, node: &str) {
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": app}},
+        "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "registry.invalid/agent:1"}],
+                 "tolerations": [{"operator": "Exists"}]},
+    }))
+    .expect("agent pod");
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .expect("agent pod created");
+}
+
+async fn set_ready(client: &kube::Client, ns: &str, name: &str, ready: bool) {
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let status = json!({"status": {"phase": "Running", "conditions": [
+        {"type": "Ready", "status": if ready { "True" } else { "False" }, "lastTransitionTime": now},
+    ]}});
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("agent status");
+}
+
+fn mesh_pod(name: &str, pool: &str) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {"nodeSelector": {"pool": pool},
+                 "containers": [{"name": "app", "image": "registry.invalid/app:1"}]},
+    }))
+    .expect("pod")
+}
+
+async fn node_of(client: &kube::Client, ns: &str, pod: &str) -> Option<String> {
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .get(pod)
+        .await
+        .ok()
+        .and_then(|p| p.spec?.node_name)
+}
+
+async fn unschedulable_because(client: &kube::Client, ns: &str, pod: &str, why: &str) -> bool {
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .get(pod)
+        .await
+        .ok()
+        .and_then(|p| p.status?.conditions)
+        .is_some_and(|cs| {
+            cs.iter().any(|c| {
+                c.type_ == "PodScheduled"
+                    && c.status == "False"
+                    && c.message.as_deref().is_some_and(|m| m.contains(why))
+            })
+        })
+}
+
+#[tokio::test]
+async fn new_node_is_tainted_until_its_agents_are_ready_then_the_pod_binds() {
+    let (client, cp, _) = setup().await;
+    let agents_ns = cp.namespace("agents", &[]).await.unwrap();
+    let apps_ns = cp.namespace("apps", &[]).await.unwrap();
+    let pool = format!("untaint-{agents_ns}");
+    create_gate(&client, &pool, gate_spec(&pool, &agents_ns, json!({}))).await;
+    // The gate must be in the webhook's cache before the node registers.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let node = format!("{pool}-node");
+    let created = create_node(&client, &node, &pool, &[]).await;
+    assert!(taint_keys(&created).contains(&TAINT.to_owned()), "tainted at creation by the webhook");
+
+    Api::<Pod>::namespaced(client.clone(), &apps_ns)
+        .create(&PostParams::default(), &mesh_pod("web", &pool))
+        .await
+        .unwrap();
+    wait_for("the pod to be held back by the taint", Duration::from_secs(30), || {
+        unschedulable_because(&client, &apps_ns, "web", "untolerated taint")
+    })
+    .await;
+    assert_eq!(node_of(&client, &apps_ns, "web").await, None);
+
+    agent(&client, &agents_ns, "cni-1", "cni", &node).await;
+    agent(&client, &agents_ns, "proxy-1", "node-proxy", &node).await;
+    set_ready(&client, &agents_ns, "cni-1", true).await;
+    // One agent Ready is not enough.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(node_has_taint(&client, &node).await, "still held with one agent unready");
+
+    set_ready(&client, &agents_ns, "proxy-1", true).await;
+    let ready_at = Instant::now();
+    let nodes: Api<Node> = Api::all(client.clone());
+    loop {
+        let n = nodes.get(&node).await.unwrap();
+        if !taint_keys(&n).contains(&TAINT.to_owned()) {
+            break;
+        }
+        assert!(ready_at.elapsed() < Duration::from_secs(30), "taint not removed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!(
+        "measured: agents Ready -> taint removed in {} ms (observed by polling every 10 ms)",
+        ready_at.elapsed().as_millis()
+    );
+    assert!(!node_has_taint(&client, &node).await);
+    wait_for("the scheduler to bind the pod", Duration::from_secs(30), || async {
+        node_of(&client, &apps_ns, "web").await.as_deref() == Some(node.as_str())
+    })
+    .await;
+    let n = nodes.get(&node).await.unwrap();
+    assert!(
+        n.metadata.annotations.unwrap_or_default().contains_key("meshgate.dev/agents-ready-since"),
+        "bootstrap completion recorded on the node"
+    );
+}
+
+#[tokio::test]
+async fn admission_policy_taints_new_nodes_without_the_webhook() {
+    let (client, cp, _) = setup().await;
+    let api = meshgate::discovery::policy_api(&client).await.expect("the API server serves MutatingAdmissionPolicy");
+    assert_eq!(api, meshgate_core::registration::PolicyApi::V1, "v1 on Kubernetes 1.36");
+    let agents_ns = cp.namespace("agents-map", &[]).await.unwrap();
+    let pool = format!("map-{agents_ns}");
+    // The webhook does not taint these nodes: only the admission policy does.
+    let spec = gate_spec(&pool, &agents_ns, json!({"taintOnCreate": false, "taint": {"key": "map.meshgate.dev/not-ready"}}));
+    create_gate(&client, &pool, spec.clone()).await;
+    for doc in meshgate_core::registration::node_taint_policy(&pool, &spec, api) {
+        let ar = kube::core::ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(
+            "admissionregistration.k8s.io",
+            "v1",
+            doc["kind"].as_str().unwrap(),
+        ));
+        let obj: kube::core::DynamicObject = serde_json::from_value(doc).unwrap();
+        Api::<kube::core::DynamicObject>::all_with(client.clone(), &ar)
+            .create(&PostParams::default(), &obj)
+            .await
+            .unwrap();
+    }
+    // The policy takes effect asynchronously: dry-run node creations until it does.
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node = format!("{pool}-node");
+    let probe: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": node, "labels": {"pool": pool}},
+        "spec": {"taints": [foreign_taint()]},
+    }))
+    .unwrap();
+    wait_for("the admission policy to be active", Duration::from_secs(30), || async {
+        let dry = PostParams { dry_run: true, ..Default::default() };
+        nodes.create(&dry, &probe).await.ok().is_some_and(|n| taint_keys(&n).contains(&"map.meshgate.dev/not-ready".to_owned()))
+    })
+    .await;
+    let created = nodes.create(&PostParams::default(), &probe).await.unwrap();
+    let keys = taint_keys(&created);
+    assert!(keys.contains(&"map.meshgate.dev/not-ready".to_owned()), "{keys:?}");
+    assert!(keys.contains(&"example.com/dedicated".to_owned()), "{keys:?}");
+    assert!(!keys.contains(&TAINT.to_owned()), "the webhook did not add its taint: {keys:?}");
+    // Another pool's node is not touched by this policy.
+    let other: Node = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": format!("{pool}-other"), "labels": {"pool": "elsewhere"}}})).unwrap();
+    let other = nodes.create(&PostParams { dry_run: true, ..Default::default() }, &other).await.unwrap();
+    assert!(!taint_keys(&other).contains(&"map.meshgate.dev/not-ready".to_owned()));
+}
+
+#[tokio::test]
+async fn continuous_mode_puts_the_taint_back_and_bootstrap_mode_does_not() {
+    let (client, cp, _) = setup().await;
+    let agents_ns = cp.namespace("agents-modes", &[]).await.unwrap();
+    let grace = 2;
+    let mut nodes = Vec::new();
+    for mode in ["Continuous", "Bootstrap"] {
+        let pool = format!("{}-{agents_ns}", mode.to_lowercase());
+        create_gate(&client, &pool, gate_spec(&pool, &agents_ns, json!({"mode": mode, "gracePeriodSeconds": grace}))).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let node = format!("{pool}-node");
+        create_node(&client, &node, &pool, &[]).await;
+        let (cni, proxy) = (format!("{pool}-cni"), format!("{pool}-proxy"));
+        agent(&client, &agents_ns, &cni, "cni", &node).await;
+        agent(&client, &agents_ns, &proxy, "node-proxy", &node).await;
+        set_ready(&client, &agents_ns, &cni, true).await;
+        set_ready(&client, &agents_ns, &proxy, true).await;
+        wait_for("untaint", Duration::from_secs(30), || async { !node_has_taint(&client, &node).await }).await;
+        nodes.push((mode, node, cni));
+    }
+    for (_, _, cni) in &nodes {
+        set_ready(&client, &agents_ns, cni, false).await;
+    }
+    let (_, continuous, _) = &nodes[0];
+    let unready_at = Instant::now();
+    wait_for("the continuous gate to re-taint", Duration::from_secs(30), || async {
+        node_has_taint(&client, continuous).await
+    })
+    .await;
+    assert!(
+        unready_at.elapsed() >= Duration::from_secs(grace - 1),
+        "not before the grace period: {:?}",
+        unready_at.elapsed()
+    );
+    // Well past the grace period, the bootstrap node is still free.
+    tokio::time::sleep(Duration::from_secs(grace * 2)).await;
+    let (_, bootstrap, _) = &nodes[1];
+    assert!(!node_has_taint(&client, bootstrap).await, "bootstrap mode never re-taints");
+}
+
+#[tokio::test]
+async fn resource_gate_holds_pods_until_the_node_advertises_the_resource() {
+    let (client, cp, _) = setup().await;
+    let agents_ns = cp.namespace("agents-res", &[]).await.unwrap();
+    let mesh_ns = cp.namespace("mesh-res", &[("istio.io/dataplane-mode", "ambient")]).await.unwrap();
+    let pool = format!("res-{agents_ns}");
+    create_gate(
+        &client,
+        &pool,
+        gate_spec(&pool, &agents_ns, json!({"taintOnCreate": false, "resource": {"name": RESOURCE, "count": 50}})),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let node = format!("{pool}-node");
+    create_node(&client, &node, &pool, &[]).await;
+    // The webhook's resource gate gives mesh pods a request for the resource.
+    let created = Api::<Pod>::namespaced(client.clone(), &mesh_ns)
+        .create(&PostParams::default(), &mesh_pod("app", &pool))
+        .await
+        .unwrap();
+    let requests = created.spec.unwrap().containers[0].resources.clone().unwrap().requests.unwrap();
+    assert_eq!(requests.get(RESOURCE).map(|q| q.0.as_str()), Some("1"));
+    wait_for("the pod to wait for the resource", Duration::from_secs(30), || {
+        unschedulable_because(&client, &mesh_ns, "app", RESOURCE)
+    })
+    .await;
+    assert!(!node_has_taint(&client, &node).await, "no taint in this gate: the resource alone holds the pod");
+
+    agent(&client, &agents_ns, "cni", "cni", &node).await;
+    agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
+    set_ready(&client, &agents_ns, "cni", true).await;
+    set_ready(&client, &agents_ns, "proxy", true).await;
+    wait_for("the resource to be advertised", Duration::from_secs(30), || async {
+        Api::<Node>::all(client.clone()).get(&node).await.ok()
+            .and_then(|n| n.status?.capacity)
+            .is_some_and(|c| c.get(RESOURCE).map(|q| q.0.as_str()) == Some("50"))
+    })
+    .await;
+    wait_for("the pod to bind", Duration::from_secs(30), || async {
+        node_of(&client, &mesh_ns, "app").await.as_deref() == Some(node.as_str())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_node_the_agent_daemonset_cannot_target_is_not_held() {
+    let (client, cp, _) = setup().await;
+    let agents_ns = cp.namespace("agents-ds", &[]).await.unwrap();
+    let pool = format!("ds-{agents_ns}");
+    let ds = json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": "cni-agent"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "cni"}},
+            "template": {
+                "metadata": {"labels": {"app": "cni"}},
+                "spec": {"nodeSelector": {"kubernetes.io/os": "linux"},
+                         "containers": [{"name": "cni", "image": "registry.invalid/cni:1"}]},
+            },
+        },
+    });
+    Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(client.clone(), &agents_ns)
+        .create(&PostParams::default(), &serde_json::from_value(ds).unwrap())
+        .await
+        .unwrap();
+    let spec: NodeGateSpec = serde_json::from_value(json!({
+        "agents": [{"name": "cni", "namespace": agents_ns, "selector": {"matchLabels": {"app": "cni"}}, "daemonSet": "cni-agent"}],
+        "nodeSelector": {"matchLabels": {"pool": pool}},
+    }))
+    .unwrap();
+    create_gate(&client, &pool, spec).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // A Windows node: the Linux-only agent will never run there.
+    let windows = format!("{pool}-windows");
+    let created = create_node(&client, &windows, &pool, &[("kubernetes.io/os", "windows")]).await;
+    assert!(taint_keys(&created).contains(&TAINT.to_owned()), "tainted at registration");
+    wait_for("the untargeted node to be released", Duration::from_secs(30), || async {
+        !node_has_taint(&client, &windows).await
+    })
+    .await;
+    // A Linux node of the same pool waits for its agent.
+    let linux = format!("{pool}-linux");
+    create_node(&client, &linux, &pool, &[("kubernetes.io/os", "linux")]).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(node_has_taint(&client, &linux).await, "a node the agent targets keeps waiting");
+}
+
+async fn lease_holder(client: &kube::Client) -> Option<String> {
+    Api::<Lease>::namespaced(client.clone(), LEASE_NS)
+        .get(LEASE)
+        .await
+        .ok()
+        .and_then(|l| l.spec?.holder_identity)
+}
+
+fn writes(m: &Metrics) -> u64 {
+    let text = m.encode();
+    text.lines()
+        .filter(|l| l.starts_with("meshgate_controller_operations_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[tokio::test]
+async fn only_the_leader_writes_and_the_other_replica_takes_over() {
+    let (client, cp, shared) = setup().await;
+    // Work for the controllers: one node to release.
+    let agents_ns = cp.namespace("agents-lease", &[]).await.unwrap();
+    let pool = format!("lease-{agents_ns}");
+    create_gate(&client, &pool, gate_spec(&pool, &agents_ns, json!({}))).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let node = format!("{pool}-node");
+    create_node(&client, &node, &pool, &[]).await;
+    agent(&client, &agents_ns, "cni", "cni", &node).await;
+    agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
+    set_ready(&client, &agents_ns, "cni", true).await;
+    set_ready(&client, &agents_ns, "proxy", true).await;
+    wait_for("untaint", Duration::from_secs(30), || async { !node_has_taint(&client, &node).await }).await;
+
+    let mut replicas = shared.replicas.lock().await;
+    let holder = lease_holder(&client).await.expect("a lease holder");
+    let leader_idx = replicas.iter().position(|r| r.identity == holder).expect("holder is a replica");
+    let other_idx = 1 - leader_idx;
+    assert!(writes(&replicas[leader_idx].metrics) > 0, "the leader wrote");
+    assert_eq!(writes(&replicas[other_idx].metrics), 0, "the follower wrote nothing");
+
+    // Stop the leader; the other replica takes the lease within the lease time (plus renew slack).
+    let stopped_at = Instant::now();
+    if let Some(stop) = replicas[leader_idx].stop.take() {
+        let _ = stop.send(());
+    }
+    let new_holder = replicas[other_idx].identity.clone();
+    wait_for("the other replica to take the lease", Duration::from_secs(LEASE_SECONDS * 3), || async {
+        lease_holder(&client).await.as_deref() == Some(new_holder.as_str())
+    })
+    .await;
+    eprintln!("measured: leader failover in {} ms (lease {LEASE_SECONDS}s)", stopped_at.elapsed().as_millis());
+
+    // The new leader does the work: a new node of the pool is released.
+    let node2 = format!("{pool}-node2");
+    create_node(&client, &node2, &pool, &[]).await;
+    agent(&client, &agents_ns, "cni-2", "cni", &node2).await;
+    agent(&client, &agents_ns, "proxy-2", "node-proxy", &node2).await;
+    set_ready(&client, &agents_ns, "cni-2", true).await;
+    set_ready(&client, &agents_ns, "proxy-2", true).await;
+    wait_for("untaint by the new leader", Duration::from_secs(30), || async { !node_has_taint(&client, &node2).await }).await;
+    assert!(writes(&replicas[other_idx].metrics) > 0, "the new leader wrote");
+
+    // The gate's status reports its nodes.
+    let api: Api<NodeGate> = Api::all(client.clone());
+    wait_for("gate status", Duration::from_secs(15), || async {
+        api.get(&pool).await.ok().and_then(|g| g.status).is_some_and(|s| s.nodes == 2 && s.ready_nodes == 2 && s.held_nodes == 0)
+    })
+    .await;
+    // Keep a second replica for the tests that may still run.
+    let kubeconfig = cp.kubeconfig_path.clone();
+    replicas[leader_idx] = start_replica(kubeconfig, "replica-c").await;
+    let _ = BTreeMap::<String, String>::new();
+    let _ = Taint::default();
+}
