@@ -388,7 +388,17 @@ fn remove_stale_dirs(parent: &Path) {
             continue;
         }
         let owner = std::fs::read_to_string(path.join("owner.pid")).unwrap_or_default();
-        let alive = !owner.trim().is_empty() && Path::new("/proc").join(owner.trim()).exists();
+        let alive = if owner.trim().is_empty() {
+            // Being set up by another process right now, unless it is old.
+            entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_none_or(|age| age < Duration::from_secs(120))
+        } else {
+            Path::new("/proc").join(owner.trim()).exists()
+        };
         if !alive {
             let _ = std::fs::remove_dir_all(&path);
         }
