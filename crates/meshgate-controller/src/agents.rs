@@ -68,6 +68,7 @@ struct Inner {
     daemonsets: HashMap<(String, String), PodTemplateSpec>,
     watched: HashSet<String>,
     synced: HashSet<String>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 /// The shared index.
@@ -193,8 +194,16 @@ impl AgentIndex {
             return;
         }
         tracing::info!(namespace, "watching agent pods");
-        tokio::spawn(watch_pods(self.clone(), client.clone(), namespace.to_owned(), trigger.clone()));
-        tokio::spawn(watch_daemonsets(self.clone(), client.clone(), namespace.to_owned(), trigger.clone()));
+        let pods = tokio::spawn(watch_pods(self.clone(), client.clone(), namespace.to_owned(), trigger.clone()));
+        let daemonsets = tokio::spawn(watch_daemonsets(self.clone(), client.clone(), namespace.to_owned(), trigger.clone()));
+        self.write().tasks.extend([pods, daemonsets]);
+    }
+
+    /// Stops every watch (the controller is shutting down).
+    pub fn stop(&self) {
+        for task in self.write().tasks.drain(..) {
+            task.abort();
+        }
     }
 
     /// Every node that has agent pods (for a resync).

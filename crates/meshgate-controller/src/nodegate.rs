@@ -170,6 +170,7 @@ pub async fn run(
         _ = leadership => {},
         _ = status_loop => {},
     }
+    agents.stop();
 }
 
 fn error_policy(_node: Arc<Node>, err: &Error, ctx: Arc<Ctx>) -> Action {

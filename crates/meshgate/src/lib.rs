@@ -1,7 +1,9 @@
 //! The `meshgate` command: components, offline tools, install and demo.
 
 pub mod crds;
+pub mod demo;
 pub mod discovery;
 pub mod logging;
 pub mod render;
 pub mod run;
+pub mod status;

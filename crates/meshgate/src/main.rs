@@ -83,6 +83,21 @@ enum Command {
         #[arg(long)]
         patch: bool,
     },
+    /// Show the startup race and its fix on a local real control plane (nothing to install).
+    Demo {
+        /// Leave the control plane and meshgate running; print how to reach and stop them.
+        #[arg(long)]
+        keep: bool,
+    },
+    /// What meshgate is doing: nodes per gate, policies, webhooks.
+    Status {
+        /// Output format.
+        #[arg(short = 'o', long, default_value = "table", value_parser = ["table", "json", "yaml"])]
+        output: String,
+        /// Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster).
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+    },
     /// Convert policies of other tools.
     Import {
         #[command(subcommand)]
@@ -98,7 +113,9 @@ enum ImportFrom {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.log_json);
+    // The demo tells its own story on stdout; only problems go to the log.
+    let quiet = matches!(cli.command, Command::Demo { .. }) && std::env::var_os("RUST_LOG").is_none();
+    logging::init(cli.log_json, if quiet { "warn" } else { "info" });
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -213,6 +230,25 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             let (out, notes) = render::render(&manifests, &policies, &labels, patch)?;
             print_notes(&notes);
             print!("{out}");
+            Ok(())
+        }
+        Command::Demo { keep } => meshgate::demo::run(meshgate::demo::DemoOptions { keep }).await,
+        Command::Status { output, kubeconfig } => {
+            let client = match kubeconfig {
+                Some(path) => {
+                    let kc = kube::config::Kubeconfig::read_from(&path)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
+                    kube::Client::try_from(config)?
+                }
+                None => kube::Client::try_default().await?,
+            };
+            let status = meshgate::status::collect(&client).await?;
+            match output.as_str() {
+                "json" => println!("{}", serde_json::to_string_pretty(&status)?),
+                "yaml" => print!("{}", serde_yaml::to_string(&status)?),
+                _ => print!("{}", meshgate::status::table(&status)),
+            }
             Ok(())
         }
         Command::Import {

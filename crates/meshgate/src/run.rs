@@ -55,7 +55,8 @@ pub struct ControllerSettings {
     pub node_gate: meshgate_controller::nodegate::Settings,
 }
 
-/// Runs the controller until `shutdown` resolves.
+/// Runs the controllers (node gate, and the MutationPolicy backfill of existing workloads)
+/// until `shutdown` resolves.
 pub async fn run_controller(
     client: kube::Client,
     s: ControllerSettings,
@@ -74,7 +75,18 @@ pub async fn run_controller(
             let _ = axum::serve(listener, app).await;
         });
     }
-    meshgate_controller::nodegate::run(client, leader, metrics, s.node_gate, shutdown).await;
+    // Both controllers stop on the same signal.
+    let shutdown = futures::FutureExt::shared(shutdown);
+    futures::join!(
+        meshgate_controller::nodegate::run(
+            client.clone(),
+            leader.clone(),
+            metrics,
+            s.node_gate,
+            shutdown.clone(),
+        ),
+        meshgate_controller::policies::run(client, leader, shutdown),
+    );
     Ok(())
 }
 

@@ -1,0 +1,312 @@
+//! `meshgate demo`: the startup race and its fix, on a real local control plane.
+//!
+//! Starts etcd, kube-apiserver and kube-scheduler on loopback (built from source and cached by
+//! `tools/controlplane/build.sh`), runs meshgate's webhook (over TLS, called by the API server)
+//! and controller in-process, and plays a new node's arrival. No kubelet runs: the demo creates
+//! the Node and the agent pods and reports their readiness as a kubelet would.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use meshgate_api::{GateConfig, MutationPolicy, NodeGate, Profile};
+use meshgate_core::registration::{Registration, WebhookTarget, webhook_configuration};
+use serde_json::json;
+
+use crate::run::{ControllerSettings, WebhookSettings};
+
+/// Demo options.
+#[derive(Clone, Debug, Default)]
+pub struct DemoOptions {
+    /// Leave the control plane and meshgate running until Ctrl-C.
+    pub keep: bool,
+}
+
+struct Story {
+    start: Instant,
+    step: u32,
+}
+
+impl Story {
+    fn say(&mut self, text: &str) {
+        self.step += 1;
+        println!("[{:>6.1}s] {}. {text}", self.start.elapsed().as_secs_f64(), self.step);
+    }
+    fn detail(&self, text: &str) {
+        println!("           {text}");
+    }
+}
+
+async fn poll<F, Fut, T>(what: &str, timeout: Duration, mut f: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return Ok(v);
+        }
+        if start.elapsed() > timeout {
+            anyhow::bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn taint_keys(n: &Node) -> Vec<String> {
+    n.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .map(|ts| ts.iter().map(|t| format!("{}:{}", t.key, t.effect)).collect())
+        .unwrap_or_default()
+}
+
+/// The kubeflow policy shipped in `deploy/policies/kubeflow.yaml` (embedded).
+const KUBEFLOW_POLICY: &str = include_str!("../../../deploy/policies/kubeflow.yaml");
+
+/// Runs the demo.
+pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
+    let mut story = Story {
+        start: Instant::now(),
+        step: 0,
+    };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    story.say("Starting a local control plane: etcd, kube-apiserver, kube-scheduler (built from source, cached)");
+    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
+        scheduler: true,
+        ..Default::default()
+    })
+    .await?;
+    let client = cp.client().await?;
+    story.detail(&format!("API server {} (Kubernetes v1.36)", cp.server));
+
+    story.say("Installing meshgate: CRDs, webhook (TLS, CA generated now), controller");
+    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+        Api::all(client.clone());
+    for (_, yaml) in crate::crds::manifests()? {
+        let crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition =
+            serde_yaml::from_str(&yaml)?;
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        crds.patch(&name, &PatchParams::apply("meshgate").force(), &Patch::Apply(&crd)).await?;
+        poll(&format!("CRD {name}"), Duration::from_secs(30), || {
+            let crds = crds.clone();
+            let name = name.clone();
+            async move {
+                let c = crds.get(&name).await.ok()?;
+                c.status?
+                    .conditions?
+                    .iter()
+                    .any(|c| c.type_ == "Established" && c.status == "True")
+                    .then_some(())
+            }
+        })
+        .await?;
+    }
+    let ca = meshgate_pki::Ca::new("meshgate-demo-ca", Duration::from_secs(24 * 3600))?;
+    let serving = ca.issue_server(&["127.0.0.1"], Duration::from_secs(24 * 3600))?;
+    let (cert, key) = (cp.dir().join("webhook.crt"), cp.dir().join("webhook.key"));
+    std::fs::write(&cert, &serving.cert_pem)?;
+    std::fs::write(&key, &serving.key_pem)?;
+    let config = GateConfig {
+        profiles: vec![Profile::IstioAmbient],
+        ..GateConfig::default()
+    };
+    let webhook = crate::run::start_webhook(
+        client.clone(),
+        WebhookSettings {
+            config: config.clone(),
+            addr: "127.0.0.1:0".parse()?,
+            health_addr: "127.0.0.1:0".parse()?,
+            cert,
+            key,
+            cert_poll_interval: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(10),
+        },
+    )
+    .await?;
+    let mwc = webhook_configuration(&Registration {
+        name: "meshgate",
+        config: &config,
+        target: WebhookTarget::Url(format!("https://127.0.0.1:{}", webhook.addr.port())),
+        ca_bundle_pem: &ca.certificate().cert_pem,
+        policies: true,
+        node_taint: true,
+    });
+    let mwc: k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration = serde_json::from_value(mwc)?;
+    Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(client.clone())
+        .patch("meshgate", &PatchParams::apply("meshgate").force(), &Patch::Apply(&mwc))
+        .await?;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let controller_client = client.clone();
+    let controller = tokio::spawn(async move {
+        crate::run::run_controller(
+            controller_client,
+            ControllerSettings {
+                lease: None,
+                health_addr: None,
+                node_gate: meshgate_controller::nodegate::Settings {
+                    status_interval: Duration::from_secs(1),
+                    ..Default::default()
+                },
+            },
+            async move {
+                let _ = stop_rx.await;
+            },
+        )
+        .await
+    });
+    story.detail(&format!(
+        "webhook https://127.0.0.1:{} (paths /mutate/pod-gate, /mutate/node-taint, /mutate/policies)",
+        webhook.addr.port()
+    ));
+
+    story.say("A NodeGate: nodes wait for the CNI agent and the node proxy in mesh-system");
+    for ns in ["mesh-system", "shop", "kubeflow-user"] {
+        let mut labels = json!({});
+        if ns == "shop" {
+            labels = json!({"istio.io/dataplane-mode": "ambient"});
+        }
+        if ns == "kubeflow-user" {
+            labels = json!({"istio-injection": "enabled"});
+        }
+        let obj: k8s_openapi::api::core::v1::Namespace =
+            serde_json::from_value(json!({"metadata": {"name": ns, "labels": labels}}))?;
+        Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+            .create(&PostParams::default(), &obj)
+            .await?;
+    }
+    let gate: NodeGate = serde_json::from_value(json!({
+        "apiVersion": "meshgate.dev/v1alpha1", "kind": "NodeGate",
+        "metadata": {"name": "mesh-agents"},
+        "spec": {
+            "agents": [
+                {"name": "cni", "namespace": "mesh-system", "selector": {"matchLabels": {"app": "mesh-cni"}}},
+                {"name": "node-proxy", "namespace": "mesh-system", "selector": {"matchLabels": {"app": "mesh-node-proxy"}}},
+            ],
+            "mode": "Continuous",
+        },
+    }))?;
+    Api::<NodeGate>::all(client.clone()).create(&PostParams::default(), &gate).await?;
+    // The webhook learns the gate through its watch.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    story.say("A new node registers (think: the autoscaler added it)");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(json!({"metadata": {"name": "node-1", "labels": {"kubernetes.io/os": "linux"}}}))?;
+    let created = nodes.create(&PostParams::default(), &node).await?;
+    meshgate_testenv::make_node_ready(&client, "node-1").await?;
+    story.detail(&format!("node-1 registered with taints {:?}", taint_keys(&created)));
+    story.detail("the kubelet reports Ready; the mesh agents on node-1 are still starting");
+
+    story.say("A mesh pod is created in namespace shop (ambient mode)");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {"containers": [{"name": "web", "image": "registry.invalid/web:1"}]},
+    }))?;
+    let stored = pods.create(&PostParams::default(), &pod).await?;
+    let inits: Vec<String> = stored
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_ref())
+        .map(|cs| cs.iter().map(|c| c.name.clone()).collect())
+        .unwrap_or_default();
+    story.detail(&format!("stored with init containers {inits:?}"));
+    let why = poll("the scheduler to hold the pod back", Duration::from_secs(30), || {
+        let pods = pods.clone();
+        async move {
+            let p = pods.get("web").await.ok()?;
+            p.status?.conditions?.into_iter().find_map(|c| {
+                (c.type_ == "PodScheduled" && c.status == "False").then(|| c.message.unwrap_or_default())
+            })
+        }
+    })
+    .await?;
+    story.detail(&format!("Pending: {why}"));
+
+    story.say("The CNI agent and the node proxy on node-1 become Ready");
+    let agents: Api<Pod> = Api::namespaced(client.clone(), "mesh-system");
+    for (name, app) in [("mesh-cni-node-1", "mesh-cni"), ("mesh-node-proxy-node-1", "mesh-node-proxy")] {
+        let p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"app": app}},
+            "spec": {"nodeName": "node-1", "tolerations": [{"operator": "Exists"}],
+                     "containers": [{"name": "agent", "image": "registry.invalid/agent:1"}]},
+        }))?;
+        agents.create(&PostParams::default(), &p).await?;
+    }
+    let ready_at = Instant::now();
+    for name in ["mesh-cni-node-1", "mesh-node-proxy-node-1"] {
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let status = json!({"status": {"phase": "Running", "conditions": [
+            {"type": "Ready", "status": "True", "lastTransitionTime": now}]}});
+        agents.patch_status(name, &PatchParams::default(), &Patch::Merge(&status)).await?;
+    }
+    poll("the taint to be removed", Duration::from_secs(30), || {
+        let nodes = nodes.clone();
+        async move {
+            let n = nodes.get("node-1").await.ok()?;
+            (!taint_keys(&n).iter().any(|t| t.starts_with("node.meshgate.dev/"))).then_some(())
+        }
+    })
+    .await?;
+    let untaint_ms = ready_at.elapsed().as_millis();
+    story.detail(&format!("meshgate removed the startup taint {untaint_ms} ms after the agents were Ready"));
+    let bound = poll("the scheduler to bind the pod", Duration::from_secs(30), || {
+        let pods = pods.clone();
+        async move { pods.get("web").await.ok()?.spec?.node_name }
+    })
+    .await?;
+    story.detail(&format!("shop/web scheduled to {bound}; its first init container meshgate-wait holds the app until the node proxy's listener exists in the pod"));
+
+    story.say("Kubeflow-style namespace: init containers need network, so pods get the outbound exclusion");
+    for doc in crate::render::parse_documents("deploy/policies/kubeflow.yaml", KUBEFLOW_POLICY)? {
+        let policy: MutationPolicy = serde_json::from_value(doc)?;
+        Api::<MutationPolicy>::all(client.clone())
+            .patch(
+                policy.metadata.name.as_deref().unwrap_or("kubeflow"),
+                &PatchParams::apply("meshgate").force(),
+                &Patch::Apply(&policy),
+            )
+            .await?;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let kf: Api<Pod> = Api::namespaced(client.clone(), "kubeflow-user");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "notebook"},
+        "spec": {"initContainers": [{"name": "fetch-model", "image": "registry.invalid/fetch:1"}],
+                 "containers": [{"name": "notebook", "image": "registry.invalid/notebook:1"}]},
+    }))?;
+    let stored = kf.create(&PostParams::default(), &pod).await?;
+    let annotation = stored
+        .metadata
+        .annotations
+        .unwrap_or_default()
+        .get("traffic.sidecar.istio.io/excludeOutboundIPRanges")
+        .cloned()
+        .unwrap_or_else(|| "<missing>".into());
+    story.detail(&format!("kubeflow-user/notebook: traffic.sidecar.istio.io/excludeOutboundIPRanges = {annotation}"));
+
+    story.say("Summary");
+    let status = crate::status::collect(&client).await?;
+    print!("{}", crate::status::table(&status));
+    println!();
+    println!("  node-1 was held by its startup taint until both agents were Ready; the taint lifted after {untaint_ms} ms;");
+    println!("  shop/web waited Pending, then ran on node-1 behind its meshgate-wait gate;");
+    println!("  kubeflow-user/notebook got {annotation:?} from the kubeflow policy (trade-off: all its outbound traffic bypasses the mesh).");
+
+    if options.keep {
+        println!();
+        println!("The control plane and meshgate keep running. Try:");
+        println!("  kubectl --kubeconfig {} get nodegates,mutationpolicies,nodes,pods -A", cp.kubeconfig_path.display());
+        println!("  meshgate status --kubeconfig {}", cp.kubeconfig_path.display());
+        println!("Stop with Ctrl-C (or SIGTERM): everything is torn down.");
+        crate::run::shutdown_signal().await;
+    }
+    let _ = stop_tx.send(());
+    let _ = controller.await;
+    webhook.shutdown(Duration::from_secs(5)).await?;
+    drop(cp);
+    println!("Done: the control plane and meshgate are stopped; nothing is left running.");
+    Ok(())
+}

@@ -1,0 +1,260 @@
+//! `meshgate status`: what meshgate is doing, per node, per policy, and for its webhook.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, ListParams};
+use meshgate_api::{MutationPolicy, NodeGate};
+use meshgate_core::nodegate::{AgentState, NodeObservation, decide};
+use serde::Serialize;
+
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeRow {
+    pub gate: String,
+    pub node: String,
+    /// Ready agents of all the gate's agents, e.g. `2/2`.
+    pub agents_ready: String,
+    pub state: String,
+    pub tainted: bool,
+    /// The gate resource's advertised count, if the gate has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resource: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyRow {
+    pub policy: String,
+    pub kinds: String,
+    pub ready: String,
+    pub existing_matched: u32,
+    pub existing_mutated: u32,
+    pub last_applied: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WebhookRow {
+    pub configuration: String,
+    pub webhook: String,
+    pub target: String,
+    pub failure_policy: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Status {
+    pub nodes: Vec<NodeRow>,
+    pub policies: Vec<PolicyRow>,
+    pub webhooks: Vec<WebhookRow>,
+}
+
+fn ready(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Reads the cluster.
+pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
+    let gates = Api::<NodeGate>::all(client.clone()).list(&ListParams::default()).await?;
+    let nodes = Api::<Node>::all(client.clone()).list(&ListParams::default()).await?;
+    let mut pods_by_ns: BTreeMap<String, Vec<Pod>> = BTreeMap::new();
+    for g in &gates {
+        for a in &g.spec.agents {
+            if !pods_by_ns.contains_key(&a.namespace) {
+                let pods = Api::<Pod>::namespaced(client.clone(), &a.namespace)
+                    .list(&ListParams::default())
+                    .await?;
+                pods_by_ns.insert(a.namespace.clone(), pods.items);
+            }
+        }
+    }
+    let now = k8s_openapi::jiff::Timestamp::now().as_second();
+    let mut rows = Vec::new();
+    let empty = BTreeMap::new();
+    for g in &gates {
+        for n in &nodes {
+            let labels = n.metadata.labels.as_ref().unwrap_or(&empty);
+            if !g.spec.node_selector.matches(labels) {
+                continue;
+            }
+            let name = n.metadata.name.clone().unwrap_or_default();
+            let agents: Vec<AgentState> = g
+                .spec
+                .agents
+                .iter()
+                .map(|a| {
+                    let on_node: Vec<&Pod> = pods_by_ns
+                        .get(&a.namespace)
+                        .into_iter()
+                        .flatten()
+                        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(name.as_str()))
+                        .filter(|p| a.selector.matches(p.metadata.labels.as_ref().unwrap_or(&empty)))
+                        .collect();
+                    if on_node.iter().any(|p| ready(p)) {
+                        AgentState::Ready { since: now }
+                    } else if on_node.is_empty() {
+                        AgentState::Missing
+                    } else {
+                        AgentState::NotReady { since: now }
+                    }
+                })
+                .collect();
+            let taints = n.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
+            let resource = g.spec.resource.as_ref().map(|r| {
+                n.status
+                    .as_ref()
+                    .and_then(|s| s.capacity.as_ref())
+                    .and_then(|c| c.get(&r.name))
+                    .map_or_else(|| "-".to_owned(), |q| q.0.clone())
+            });
+            let d = decide(
+                &g.spec,
+                &NodeObservation {
+                    labels,
+                    annotations: n.metadata.annotations.as_ref().unwrap_or(&empty),
+                    taints: &taints,
+                    created: n.metadata.creation_timestamp.as_ref().map_or(now, |t| t.0.as_second()),
+                    agents: &agents,
+                    resource_advertised: resource.as_deref().is_some_and(|r| r != "-"),
+                    now,
+                },
+            );
+            let ready_count = agents
+                .iter()
+                .filter(|a| matches!(a, AgentState::Ready { .. } | AgentState::NotTargeted))
+                .count();
+            rows.push(NodeRow {
+                gate: g.metadata.name.clone().unwrap_or_default(),
+                node: name,
+                agents_ready: format!("{ready_count}/{}", agents.len()),
+                state: d.state.as_str().to_owned(),
+                tainted: meshgate_core::nodegate::has_taint(&g.spec, &taints),
+                resource,
+            });
+        }
+    }
+    let policies = Api::<MutationPolicy>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .map(|p| {
+            let status = p.status.clone().unwrap_or_default();
+            let existing = status.existing.clone().unwrap_or_default();
+            PolicyRow {
+                policy: p.metadata.name.clone().unwrap_or_default(),
+                kinds: if p.spec.match_.kinds.is_empty() { "Pod".into() } else { p.spec.match_.kinds.join(",") },
+                ready: status
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == "Ready")
+                    .map_or_else(|| "-".into(), |c| c.status.clone()),
+                existing_matched: existing.matched,
+                existing_mutated: existing.mutated,
+                last_applied: existing.last_applied.map_or_else(|| "-".into(), |t| t.0.to_string()),
+            }
+        })
+        .collect();
+    let mut webhooks = Vec::new();
+    for mwc in Api::<MutatingWebhookConfiguration>::all(client.clone())
+        .list(&ListParams::default().labels("app.kubernetes.io/managed-by=meshgate"))
+        .await?
+    {
+        for w in mwc.webhooks.unwrap_or_default() {
+            let target = w.client_config.url.clone().unwrap_or_else(|| {
+                w.client_config
+                    .service
+                    .as_ref()
+                    .map(|s| format!("svc/{}.{}{}", s.name, s.namespace, s.path.clone().unwrap_or_default()))
+                    .unwrap_or_default()
+            });
+            webhooks.push(WebhookRow {
+                configuration: mwc.metadata.name.clone().unwrap_or_default(),
+                webhook: w.name,
+                target,
+                failure_policy: w.failure_policy.unwrap_or_default(),
+            });
+        }
+    }
+    Ok(Status {
+        nodes: rows,
+        policies,
+        webhooks,
+    })
+}
+
+fn table_of(headers: &[&str], rows: Vec<Vec<String>>) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.len());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<w$}", w = widths[i]))
+            .collect::<Vec<_>>()
+            .join("   ")
+            .trim_end()
+            .to_owned()
+            + "\n"
+    };
+    let mut out = line(headers.iter().map(|h| (*h).to_owned()).collect());
+    for r in rows {
+        out.push_str(&line(r));
+    }
+    out
+}
+
+/// kubectl-style tables.
+pub fn table(s: &Status) -> String {
+    let mut out = String::from("NODES\n");
+    out.push_str(&table_of(
+        &["GATE", "NODE", "AGENTS", "STATE", "TAINTED", "RESOURCE"],
+        s.nodes
+            .iter()
+            .map(|r| {
+                vec![
+                    r.gate.clone(),
+                    r.node.clone(),
+                    r.agents_ready.clone(),
+                    r.state.clone(),
+                    r.tainted.to_string(),
+                    r.resource.clone().unwrap_or_else(|| "-".into()),
+                ]
+            })
+            .collect(),
+    ));
+    out.push_str("\nPOLICIES\n");
+    out.push_str(&table_of(
+        &["POLICY", "KINDS", "READY", "EXISTING-MATCHED", "EXISTING-MUTATED", "LAST-APPLIED"],
+        s.policies
+            .iter()
+            .map(|r| {
+                vec![
+                    r.policy.clone(),
+                    r.kinds.clone(),
+                    r.ready.clone(),
+                    r.existing_matched.to_string(),
+                    r.existing_mutated.to_string(),
+                    r.last_applied.clone(),
+                ]
+            })
+            .collect(),
+    ));
+    out.push_str("\nWEBHOOKS\n");
+    out.push_str(&table_of(
+        &["CONFIGURATION", "WEBHOOK", "TARGET", "FAILURE-POLICY"],
+        s.webhooks
+            .iter()
+            .map(|r| vec![r.configuration.clone(), r.webhook.clone(), r.target.clone(), r.failure_policy.clone()])
+            .collect(),
+    ));
+    out
+}
