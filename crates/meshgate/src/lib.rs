@@ -3,6 +3,7 @@
 pub mod crds;
 pub mod demo;
 pub mod discovery;
+pub mod install;
 pub mod logging;
 pub mod render;
 pub mod run;

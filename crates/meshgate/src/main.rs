@@ -83,6 +83,23 @@ enum Command {
         #[arg(long)]
         patch: bool,
     },
+    /// Render meshgate's manifests for a profile (YAML on stdout), or apply them.
+    Install {
+        #[arg(long, value_parser = meshgate::install::PROFILES)]
+        profile: String,
+        #[arg(long, default_value = "meshgate-system")]
+        namespace: String,
+        #[arg(long, default_value = "ghcr.io/meshgate/meshgate:latest")]
+        image: String,
+        /// Apply with server-side apply instead of printing.
+        #[arg(long)]
+        apply: bool,
+        /// With --apply: validate on the server, persist nothing.
+        #[arg(long, requires = "apply")]
+        dry_run: bool,
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+    },
     /// Show the startup race and its fix on a local real control plane (nothing to install).
     Demo {
         /// Leave the control plane and meshgate running; print how to reach and stop them.
@@ -130,6 +147,18 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+async fn client_for(kubeconfig: Option<PathBuf>) -> anyhow::Result<kube::Client> {
+    Ok(match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(&path)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
+            kube::Client::try_from(config)?
+        }
+        None => kube::Client::try_default().await?,
+    })
 }
 
 fn print_notes(notes: &[String]) {
@@ -232,17 +261,33 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             print!("{out}");
             Ok(())
         }
+        Command::Install {
+            profile,
+            namespace,
+            image,
+            apply,
+            dry_run,
+            kubeconfig,
+        } => {
+            let docs = meshgate::install::render(&meshgate::install::InstallOptions { profile, namespace, image })?;
+            if !apply {
+                print!("{}", render::to_yaml_stream(&docs)?);
+                return Ok(());
+            }
+            let client = client_for(kubeconfig).await?;
+            let total = docs.len();
+            let mut n = 0;
+            meshgate::install::apply(&client, &docs, dry_run, |line| {
+                n += 1;
+                eprintln!("[{n}/{total}] {line}");
+            })
+            .await?;
+            eprintln!("meshgate installed{}", if dry_run { " (dry run: nothing persisted)" } else { "" });
+            Ok(())
+        }
         Command::Demo { keep } => meshgate::demo::run(meshgate::demo::DemoOptions { keep }).await,
         Command::Status { output, kubeconfig } => {
-            let client = match kubeconfig {
-                Some(path) => {
-                    let kc = kube::config::Kubeconfig::read_from(&path)
-                        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-                    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
-                    kube::Client::try_from(config)?
-                }
-                None => kube::Client::try_default().await?,
-            };
+            let client = client_for(kubeconfig).await?;
             let status = meshgate::status::collect(&client).await?;
             match output.as_str() {
                 "json" => println!("{}", serde_json::to_string_pretty(&status)?),

@@ -1,0 +1,299 @@
+//! `meshgate install`: every manifest meshgate needs in a cluster, for a profile.
+//!
+//! Rendered objects, in apply order: Namespace, CRDs, ServiceAccounts, least-privilege RBAC per
+//! component, the gate ConfigMap, the TLS Secret (a CA and serving certificate generated here),
+//! the webhook Service, Deployment (2 replicas) and PodDisruptionBudget, the controller Deployment
+//! (2 replicas, leader election), the MutatingWebhookConfiguration (caBundle = the generated CA),
+//! and the profile's default NodeGate and policies.
+
+use std::time::Duration;
+
+use meshgate_api::config::GateConfig;
+use meshgate_api::{NodeGate, Profile, names};
+use meshgate_core::registration::{Registration, WebhookTarget, webhook_configuration};
+use serde_json::{Value, json};
+
+/// What to render.
+#[derive(Clone, Debug)]
+pub struct InstallOptions {
+    /// `istio-ambient`, `istio-sidecar`, `linkerd` or `kubeflow`.
+    pub profile: String,
+    pub namespace: String,
+    pub image: String,
+}
+
+/// The profiles `install` knows.
+pub const PROFILES: [&str; 4] = ["istio-ambient", "istio-sidecar", "linkerd", "kubeflow"];
+
+const KUBEFLOW_POLICY: &str = include_str!("../../../deploy/policies/kubeflow.yaml");
+
+fn labels(component: &str) -> Value {
+    json!({
+        "app.kubernetes.io/name": "meshgate",
+        "app.kubernetes.io/component": component,
+        names::MANAGED_BY: "meshgate",
+    })
+}
+
+fn meta(name: &str, namespace: Option<&str>, component: &str) -> Value {
+    let mut m = json!({"name": name, "labels": labels(component)});
+    if let Some(ns) = namespace {
+        m["namespace"] = json!(ns);
+    }
+    m
+}
+
+/// The gate configuration of a profile.
+pub fn gate_config(profile: &str, namespace: &str, image: &str) -> anyhow::Result<GateConfig> {
+    let profiles = match profile {
+        "istio-ambient" => vec![Profile::IstioAmbient],
+        "istio-sidecar" | "kubeflow" => vec![Profile::IstioSidecar],
+        "linkerd" => vec![Profile::Linkerd],
+        other => anyhow::bail!("--profile {other:?}: expected one of {}", PROFILES.join(", ")),
+    };
+    let mut config = GateConfig {
+        profiles,
+        ..GateConfig::default()
+    };
+    config.excluded_namespaces = vec!["kube-system".into(), namespace.into()];
+    config.init_gate.image = image.into();
+    config.validate()?;
+    Ok(config)
+}
+
+/// The default NodeGate of a profile: the mesh's agents.
+fn default_gate(profile: &str) -> Option<NodeGate> {
+    let spec = match profile {
+        "istio-ambient" => json!({
+            "agents": [
+                {"name": "cni", "namespace": "istio-system", "selector": {"matchLabels": {"k8s-app": "istio-cni-node"}}, "daemonSet": "istio-cni-node"},
+                {"name": "node-proxy", "namespace": "istio-system", "selector": {"matchLabels": {"app": "ztunnel"}}, "daemonSet": "ztunnel"},
+            ],
+            "mode": "Continuous",
+        }),
+        "istio-sidecar" | "kubeflow" => json!({
+            "agents": [
+                {"name": "cni", "namespace": "istio-system", "selector": {"matchLabels": {"k8s-app": "istio-cni-node"}}, "daemonSet": "istio-cni-node"},
+            ],
+            "mode": "Bootstrap",
+        }),
+        "linkerd" => json!({
+            "agents": [
+                {"name": "cni", "namespace": "linkerd-cni", "selector": {"matchLabels": {"k8s-app": "linkerd-cni"}}, "daemonSet": "linkerd-cni"},
+            ],
+            "mode": "Bootstrap",
+        }),
+        _ => return None,
+    };
+    serde_json::from_value(spec).ok().map(|spec| NodeGate::new("mesh-agents", spec))
+}
+
+/// Every manifest, in apply order.
+pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
+    let ns = o.namespace.as_str();
+    let config = gate_config(&o.profile, ns, &o.image)?;
+    let mut out = vec![json!({"apiVersion": "v1", "kind": "Namespace", "metadata": meta(ns, None, "namespace")})];
+    for (_, yaml) in crate::crds::manifests()? {
+        out.push(serde_yaml::from_str(&yaml)?);
+    }
+    // Identities and least-privilege RBAC, one per component.
+    for c in ["webhook", "controller"] {
+        out.push(json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(&format!("meshgate-{c}"), Some(ns), c)}));
+    }
+    let webhook_rules = json!([
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "nodegates"], "verbs": ["get", "list", "watch"]},
+    ]);
+    let controller_rules = json!([
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch", "delete"]},
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "replicasets"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": ["batch"], "resources": ["jobs", "cronjobs"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": ["meshgate.dev"], "resources": ["nodegates", "mutationpolicies"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["meshgate.dev"], "resources": ["nodegates/status", "mutationpolicies/status"], "verbs": ["patch", "update"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    ]);
+    for (c, rules) in [("webhook", webhook_rules), ("controller", controller_rules)] {
+        let name = format!("meshgate-{c}");
+        out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": meta(&name, None, c), "rules": rules}));
+        out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": meta(&name, None, c),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]}));
+    }
+    out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta("meshgate-controller-lease", Some(ns), "controller"),
+        "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update", "patch"]}]}));
+    out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta("meshgate-controller-lease", Some(ns), "controller"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "meshgate-controller-lease"},
+        "subjects": [{"kind": "ServiceAccount", "name": "meshgate-controller", "namespace": ns}]}));
+
+    // Configuration and certificates.
+    out.push(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("meshgate-config", Some(ns), "webhook"),
+        "data": {"config.yaml": serde_yaml::to_string(&config)?}}));
+    let service = format!("meshgate-webhook.{ns}.svc");
+    let ca = meshgate_pki::Ca::new("meshgate-ca", Duration::from_secs(3 * 365 * 24 * 3600))?;
+    let serving = ca.issue_server(&[&service, &format!("meshgate-webhook.{ns}")], Duration::from_secs(365 * 24 * 3600))?;
+    out.push(json!({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls", "metadata": meta("meshgate-webhook-tls", Some(ns), "webhook"),
+        "stringData": {"tls.crt": serving.cert_pem, "tls.key": serving.key_pem, "ca.crt": ca.certificate().cert_pem}}));
+
+    // The webhook.
+    let selector = json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": "webhook"});
+    out.push(json!({"apiVersion": "v1", "kind": "Service", "metadata": meta("meshgate-webhook", Some(ns), "webhook"),
+        "spec": {"selector": selector, "ports": [{"name": "https", "port": 443, "targetPort": "https"}]}}));
+    out.push(deployment(ns, "webhook", &o.image,
+        json!(["webhook", "--config", "/etc/meshgate/config/config.yaml", "--cert", "/etc/meshgate/tls/tls.crt", "--key", "/etc/meshgate/tls/tls.key", "--log-json"]),
+        json!([{"name": "https", "containerPort": 8443}, {"name": "health", "containerPort": 8080}]),
+        json!([{"name": "tls", "mountPath": "/etc/meshgate/tls", "readOnly": true}, {"name": "config", "mountPath": "/etc/meshgate/config", "readOnly": true}]),
+        json!([{"name": "tls", "secret": {"secretName": "meshgate-webhook-tls"}}, {"name": "config", "configMap": {"name": "meshgate-config"}}])));
+    out.push(json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta("meshgate-webhook", Some(ns), "webhook"),
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": selector}}}));
+    // The controller.
+    out.push(deployment(ns, "controller", &o.image,
+        json!(["controller", "--lease-namespace", ns, "--log-json"]),
+        json!([{"name": "health", "containerPort": 8080}]), json!([]), json!([])));
+    // Registration.
+    let mut mwc = webhook_configuration(&Registration {
+        name: "meshgate",
+        config: &config,
+        target: WebhookTarget::Service { namespace: ns.into(), name: "meshgate-webhook".into(), port: 443 },
+        ca_bundle_pem: &ca.certificate().cert_pem,
+        policies: true,
+        node_taint: true,
+    });
+    mwc["metadata"]["labels"] = labels("webhook");
+    out.push(mwc);
+    // Defaults of the profile.
+    if let Some(gate) = default_gate(&o.profile) {
+        let mut g = serde_json::to_value(gate)?;
+        g["metadata"]["labels"] = labels("defaults");
+        out.push(g);
+    }
+    if o.profile == "kubeflow" {
+        for doc in crate::render::parse_documents("deploy/policies/kubeflow.yaml", KUBEFLOW_POLICY)? {
+            out.push(doc);
+        }
+    }
+    Ok(out)
+}
+
+fn deployment(ns: &str, component: &str, image: &str, args: Value, ports: Value, mounts: Value, volumes: Value) -> Value {
+    let selector = json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": component});
+    json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": meta(&format!("meshgate-{component}"), Some(ns), component),
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": selector},
+            "template": {
+                // meshgate never gates itself.
+                "metadata": {"labels": {"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": component, names::OPT_OUT: "false"}},
+                "spec": {
+                    "serviceAccountName": format!("meshgate-{component}"),
+                    "securityContext": {"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [{
+                        "name": component,
+                        "image": image,
+                        "args": args,
+                        "env": [
+                            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                        ],
+                        "ports": ports,
+                        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "health"}, "periodSeconds": 5},
+                        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "health"}, "periodSeconds": 10},
+                        "resources": {"requests": {"cpu": "50m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+                        "securityContext": {"readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
+                        "volumeMounts": mounts,
+                    }],
+                    "volumes": volumes,
+                },
+            },
+        },
+    })
+}
+
+/// The manifests with generated key material replaced by `<generated>`: stable text for review
+/// (the golden files) and diffs.
+pub fn masked(docs: &[Value]) -> Vec<Value> {
+    docs.iter()
+        .cloned()
+        .map(|mut d| {
+            if d["kind"] == "Secret"
+                && let Some(data) = d["stringData"].as_object_mut()
+            {
+                for v in data.values_mut() {
+                    *v = json!("<generated>");
+                }
+            }
+            if d["kind"] == "MutatingWebhookConfiguration"
+                && let Some(hooks) = d["webhooks"].as_array_mut()
+            {
+                for h in hooks {
+                    h["clientConfig"]["caBundle"] = json!("<generated>");
+                }
+            }
+            if d["kind"] == "ConfigMap" {
+                // Stable already; kept as is.
+            }
+            d
+        })
+        .collect()
+}
+
+/// Applies the manifests with server-side apply (field manager `meshgate`), printing progress;
+/// `dry_run` asks the API server to validate without persisting.
+pub async fn apply(client: &kube::Client, docs: &[Value], dry_run: bool, mut progress: impl FnMut(&str)) -> anyhow::Result<()> {
+    use kube::api::{Api, DynamicObject, Patch, PatchParams};
+    use kube::discovery::{ApiResource, Discovery, Scope};
+    let mut pp = PatchParams::apply("meshgate").force();
+    pp.dry_run = dry_run;
+    let mut discovery = Discovery::new(client.clone()).run().await?;
+    for doc in docs {
+        let api_version = doc["apiVersion"].as_str().unwrap_or_default();
+        let kind = doc["kind"].as_str().unwrap_or_default();
+        let name = doc["metadata"]["name"].as_str().unwrap_or_default();
+        let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+        let gvk = kube::core::GroupVersionKind::gvk(group, version, kind);
+        let found = match discovery.resolve_gvk(&gvk) {
+            Some(f) => Some(f),
+            None => {
+                // Kinds of CRDs applied a moment ago.
+                discovery = Discovery::new(client.clone()).run().await?;
+                discovery.resolve_gvk(&gvk)
+            }
+        };
+        let Some((ar, caps)) = found else {
+            anyhow::bail!("{api_version} {kind} {name}: the API server does not serve this kind");
+        };
+        let ar: ApiResource = ar;
+        let obj: DynamicObject = serde_json::from_value(doc.clone())?;
+        let api: Api<DynamicObject> = match (caps.scope, doc["metadata"]["namespace"].as_str()) {
+            (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client.clone(), ns, &ar),
+            _ => Api::all_with(client.clone(), &ar),
+        };
+        api.patch(name, &pp, &Patch::Apply(&obj))
+            .await
+            .map_err(|e| anyhow::anyhow!("{kind} {name}: {e}"))?;
+        progress(&format!("{kind}/{name} {}", if dry_run { "valid (dry run)" } else { "applied" }));
+        if kind == "CustomResourceDefinition" && !dry_run {
+            let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+                Api::all(client.clone());
+            let start = std::time::Instant::now();
+            loop {
+                let established = crds.get(name).await.ok().and_then(|c| c.status?.conditions).is_some_and(|cs| {
+                    cs.iter().any(|c| c.type_ == "Established" && c.status == "True")
+                });
+                if established {
+                    break;
+                }
+                if start.elapsed() > Duration::from_secs(60) {
+                    anyhow::bail!("CRD {name} not established after 60s");
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,66 @@
+//! `meshgate install`: every profile's manifests pass server-side dry-run apply on the real API
+//! server, and golden files keep them reviewed.
+//!
+//! Run: `cargo test --workspace --test install`. Update the golden files after a reviewed change
+//! with `MESHGATE_UPDATE_GOLDEN=1 cargo test -p meshgate --test install`.
+
+mod common;
+
+use std::path::PathBuf;
+
+use meshgate::install::{InstallOptions, PROFILES, apply, masked, render};
+
+fn options(profile: &str) -> InstallOptions {
+    InstallOptions {
+        profile: profile.into(),
+        namespace: "meshgate-system".into(),
+        image: "ghcr.io/meshgate/meshgate:latest".into(),
+    }
+}
+
+#[test]
+fn golden_manifests() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/golden");
+    for profile in PROFILES {
+        let docs = render(&options(profile)).unwrap();
+        let text = meshgate::render::to_yaml_stream(&masked(&docs)).unwrap();
+        let path = dir.join(format!("{profile}.yaml"));
+        if std::env::var_os("MESHGATE_UPDATE_GOLDEN").is_some() {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&path, &text).unwrap();
+        }
+        let golden = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(golden == text, "{} differs from the rendered manifests; review and update with MESHGATE_UPDATE_GOLDEN=1", path.display());
+    }
+}
+
+#[test]
+fn an_unknown_profile_is_named() {
+    let err = render(&options("consul")).unwrap_err().to_string();
+    assert!(err.contains("\"consul\"") && err.contains("istio-ambient"), "{err}");
+}
+
+#[tokio::test]
+async fn every_profile_passes_server_side_dry_run_apply() {
+    let cp = common::control_plane(false).await;
+    let client = cp.client().await.unwrap();
+    for profile in PROFILES {
+        let docs = render(&options(profile)).unwrap();
+        // The namespace and the CRDs for real (namespaced objects and custom resources need
+        // them to exist), everything else as a dry run.
+        let (real, rest): (Vec<_>, Vec<_>) = docs
+            .into_iter()
+            .partition(|d| d["kind"] == "Namespace" || d["kind"] == "CustomResourceDefinition");
+        apply(&client, &real, false, |_| {}).await.unwrap();
+        let mut applied = Vec::new();
+        apply(&client, &rest, true, |line| applied.push(line.to_owned()))
+            .await
+            .unwrap_or_else(|e| panic!("profile {profile}: {e}"));
+        assert_eq!(applied.len(), rest.len(), "profile {profile}: every object validated");
+        assert!(applied.iter().any(|l| l.starts_with("Deployment/meshgate-webhook")));
+        assert!(applied.iter().any(|l| l.starts_with("MutatingWebhookConfiguration/meshgate")));
+    }
+    // Dry run persisted nothing.
+    let mwcs = kube::Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(client.clone());
+    assert!(mwcs.get_opt("meshgate").await.unwrap().is_none());
+}
