@@ -1,8 +1,10 @@
 //! The HTTPS admission server and the plain health/metrics server.
 
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -16,6 +18,7 @@ use meshgate_core::gate::{PodPlan, PodRequest, plan_pod};
 use meshgate_core::patch::JsonPatch;
 use meshgate_core::registration::paths;
 use serde_json::Value;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tracing::Instrument;
 
 use crate::admission::{self, Request, ReviewError};
@@ -292,9 +295,146 @@ pub enum ServerError {
     Serve(std::io::Error),
 }
 
+/// Connections taken but not yet read from.
+///
+/// axum-server's graceful shutdown drops such connections unanswered (those still in the TLS
+/// handshake, and those hyper has not yet read far enough to tell HTTP/1 from HTTP/2), although
+/// their client may already have sent a review. [`Server::shutdown`] therefore first stops taking
+/// connections and waits for the taken ones to be read from.
+#[derive(Clone, Default)]
+struct Fresh(Arc<FreshState>);
+
+#[derive(Default)]
+struct FreshState {
+    draining: AtomicBool,
+    count: AtomicUsize,
+}
+
+impl Fresh {
+    /// Stops taking connections; waits (at most `limit`) until every taken one has been read from.
+    async fn drain(&self, limit: Duration) {
+        self.0.draining.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + limit;
+        while self.0.count.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Counts one connection in [`Fresh`] until dropped.
+struct FreshGuard(Fresh);
+
+impl FreshGuard {
+    fn new(fresh: &Fresh) -> Self {
+        fresh.0.count.fetch_add(1, Ordering::SeqCst);
+        Self(fresh.clone())
+    }
+}
+
+impl Drop for FreshGuard {
+    fn drop(&mut self) {
+        self.0.0.count.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Wraps the TLS acceptor: counts each connection in [`Fresh`] until its first read, and
+/// closes new connections once draining.
+#[derive(Clone)]
+struct FreshAcceptor<A> {
+    inner: A,
+    fresh: Fresh,
+}
+
+impl<A, I, S> axum_server::accept::Accept<I, S> for FreshAcceptor<A>
+where
+    A: axum_server::accept::Accept<I, S>,
+    A::Future: Send + 'static,
+    A::Stream: Send + 'static,
+    A::Service: Send + 'static,
+{
+    type Stream = FirstRead<A::Stream>;
+    type Service = A::Service;
+    type Future =
+        futures::future::BoxFuture<'static, std::io::Result<(Self::Stream, Self::Service)>>;
+
+    fn accept(&self, stream: I, service: S) -> Self::Future {
+        // Count first, then check: `drain` sets the flag first, then reads the count.
+        let guard = FreshGuard::new(&self.fresh);
+        if self.fresh.0.draining.load(Ordering::SeqCst) {
+            return Box::pin(std::future::ready(Err(std::io::Error::other(
+                "shutting down",
+            ))));
+        }
+        let accept = self.inner.accept(stream, service);
+        Box::pin(async move {
+            let (inner, service) = accept.await?;
+            Ok((
+                FirstRead {
+                    inner,
+                    fresh: Some(guard),
+                },
+                service,
+            ))
+        })
+    }
+}
+
+/// A connection's stream that stops counting as fresh once data has been read from it (by
+/// then hyper has the request bytes, and a graceful shutdown lets it answer them).
+struct FirstRead<S> {
+    inner: S,
+    fresh: Option<FreshGuard>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for FirstRead<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.fresh = None;
+        }
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for FirstRead<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 /// A running webhook.
 pub struct Server {
     handle: axum_server::Handle<SocketAddr>,
+    fresh: Fresh,
     app: App,
     /// The bound HTTPS address.
     pub addr: SocketAddr,
@@ -325,6 +465,7 @@ impl Server {
         let health = tokio::net::TcpListener::from_std(health).map_err(ServerError::Serve)?;
 
         let handle = axum_server::Handle::new();
+        let fresh = Fresh::default();
         let reload = tokio::spawn(tls::reload_loop(
             tls_config.clone(),
             options.certs.clone(),
@@ -334,6 +475,10 @@ impl Server {
         ));
         let https = axum_server::from_tcp_rustls(listener, tls_config)
             .map_err(ServerError::Serve)?
+            .map(|inner| FreshAcceptor {
+                inner,
+                fresh: fresh.clone(),
+            })
             .handle(handle.clone())
             .serve(router(app.clone(), options.request_timeout).into_make_service());
         let health_router = health_router(app.clone());
@@ -360,6 +505,7 @@ impl Server {
         tracing::info!(%addr, %health_addr, "webhook serving");
         Ok(Self {
             handle,
+            fresh,
             app,
             addr,
             health_addr,
@@ -368,10 +514,14 @@ impl Server {
     }
 
     /// Graceful stop: readiness goes to 503, no new connections are accepted, in-flight reviews
-    /// finish (at most `grace`), then the server ends.
+    /// finish (at most `grace`), then the server ends. A connection already accepted whose
+    /// request has not been read yet counts as in flight (it is read within half of `grace`).
     pub async fn shutdown(self, grace: Duration) -> Result<(), ServerError> {
+        let start = Instant::now();
         self.app.ready.store(false, Ordering::Release);
-        self.handle.graceful_shutdown(Some(grace));
+        // Connections not yet read from may carry a review already: let them be read first.
+        self.fresh.drain(grace / 2).await;
+        self.handle.graceful_shutdown(Some(grace.saturating_sub(start.elapsed())));
         self.task
             .await
             .map_err(|e| ServerError::Serve(std::io::Error::other(e.to_string())))?
