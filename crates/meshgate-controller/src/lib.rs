@@ -10,9 +10,12 @@
 //! the result with optimistic locking.
 
 pub mod agents;
+pub mod certs;
 pub mod leader;
 pub mod metrics;
 pub mod nodegate;
+pub mod policies;
+pub mod repair;
 
 pub use metrics::Metrics;
 

@@ -10,4 +10,5 @@ pub mod nodegate;
 pub mod patch;
 pub mod policy;
 pub mod registration;
+pub mod repair;
 pub mod select;

@@ -19,6 +19,8 @@ pub enum PkiError {
     Rcgen(#[from] rcgen::Error),
     #[error("invalid subject alternative name {0:?}")]
     San(String),
+    #[error("not a PEM certificate: {0}")]
+    Parse(String),
 }
 
 /// A certificate and its private key, PEM encoded.
@@ -155,6 +157,14 @@ impl Ca {
     }
 }
 
+/// The end of validity (Unix seconds) of the first certificate in a PEM text.
+pub fn not_after_unix(cert_pem: &str) -> Result<i64, PkiError> {
+    let (_, pem) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes())
+        .map_err(|e| PkiError::Parse(e.to_string()))?;
+    let cert = pem.parse_x509().map_err(|e| PkiError::Parse(e.to_string()))?;
+    Ok(cert.validity().not_after.timestamp())
+}
+
 /// RFC 1123 host names, with an optional leading `*.` wildcard label.
 fn is_dns_name(name: &str) -> bool {
     let name = name.strip_prefix("*.").unwrap_or(name);
@@ -200,5 +210,8 @@ mod tests {
         .unwrap();
         again.issue_client("admin", &["system:masters"], Duration::from_secs(60)).unwrap();
         assert!(ca.issue_server(&["bad name!"], Duration::from_secs(1)).is_err());
+        // The validity read back from the PEM is what was issued.
+        assert_eq!(not_after_unix(&server.cert_pem).unwrap(), server.not_after_unix);
+        assert!(not_after_unix("garbage").is_err());
     }
 }

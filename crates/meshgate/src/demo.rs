@@ -149,6 +149,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                     status_interval: Duration::from_secs(1),
                     ..Default::default()
                 },
+                certs: None,
+                repair: Default::default(),
             },
             async move {
                 let _ = stop_rx.await;

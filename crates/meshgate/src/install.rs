@@ -1,7 +1,8 @@
 //! `meshgate install`: every manifest meshgate needs in a cluster, for a profile.
 //!
 //! Rendered objects, in apply order: Namespace, CRDs, ServiceAccounts, least-privilege RBAC per
-//! component, the gate ConfigMap, the TLS Secret (a CA and serving certificate generated here),
+//! component, the gate ConfigMap, the CA and TLS Secrets (generated here; the controller rotates
+//! them before expiry and keeps the caBundle current),
 //! the webhook Service, Deployment (2 replicas) and PodDisruptionBudget, the controller Deployment
 //! (2 replicas, leader election), the MutatingWebhookConfiguration (caBundle = the generated CA),
 //! and the profile's default NodeGate and policies.
@@ -115,6 +116,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         {"apiGroups": ["meshgate.dev"], "resources": ["nodegates", "mutationpolicies"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["meshgate.dev"], "resources": ["nodegates/status", "mutationpolicies/status"], "verbs": ["patch", "update"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"], "resourceNames": ["meshgate"], "verbs": ["get", "patch"]},
     ]);
     for (c, rules) in [("webhook", webhook_rules), ("controller", controller_rules)] {
         let name = format!("meshgate-{c}");
@@ -124,7 +126,11 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]}));
     }
     out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta("meshgate-controller-lease", Some(ns), "controller"),
-        "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update", "patch"]}]}));
+        "rules": [
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update", "patch"]},
+            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["meshgate-ca", "meshgate-webhook-tls"], "verbs": ["get", "patch", "update"]},
+            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        ]}));
     out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta("meshgate-controller-lease", Some(ns), "controller"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "meshgate-controller-lease"},
         "subjects": [{"kind": "ServiceAccount", "name": "meshgate-controller", "namespace": ns}]}));
@@ -135,6 +141,10 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     let service = format!("meshgate-webhook.{ns}.svc");
     let ca = meshgate_pki::Ca::new("meshgate-ca", Duration::from_secs(3 * 365 * 24 * 3600))?;
     let serving = ca.issue_server(&[&service, &format!("meshgate-webhook.{ns}")], Duration::from_secs(365 * 24 * 3600))?;
+    // The controller renews both before expiry and keeps the caBundle current
+    // (meshgate_controller::certs); these are the first ones, so the webhook can start at once.
+    out.push(json!({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta("meshgate-ca", Some(ns), "controller"),
+        "stringData": {"ca.crt": ca.certificate().cert_pem, "ca.key": ca.certificate().key_pem}}));
     out.push(json!({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls", "metadata": meta("meshgate-webhook-tls", Some(ns), "webhook"),
         "stringData": {"tls.crt": serving.cert_pem, "tls.key": serving.key_pem, "ca.crt": ca.certificate().cert_pem}}));
 
@@ -151,7 +161,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         "spec": {"minAvailable": 1, "selector": {"matchLabels": selector}}}));
     // The controller.
     out.push(deployment(ns, "controller", &o.image,
-        json!(["controller", "--lease-namespace", ns, "--log-json"]),
+        json!(["controller", "--lease-namespace", ns, "--manage-certs", "--log-json"]),
         json!([{"name": "health", "containerPort": 8080}]), json!([]), json!([])));
     // Registration.
     let mut mwc = webhook_configuration(&Registration {
@@ -233,9 +243,6 @@ pub fn masked(docs: &[Value]) -> Vec<Value> {
                 for h in hooks {
                     h["clientConfig"]["caBundle"] = json!("<generated>");
                 }
-            }
-            if d["kind"] == "ConfigMap" {
-                // Stable already; kept as is.
             }
             d
         })

@@ -58,6 +58,21 @@ enum Command {
         lease_seconds: u64,
         #[arg(long, default_value = "0.0.0.0:8080")]
         health_addr: SocketAddr,
+        /// Create and rotate the webhook's CA and serving certificate in the lease namespace and
+        /// keep the webhook configuration's caBundle current.
+        #[arg(long)]
+        manage_certs: bool,
+        /// Repair pods whose gate timed out: label them (or delete them, see --repair-action).
+        #[arg(long)]
+        repair: bool,
+        #[arg(long, default_value = "label", value_parser = ["label", "delete"])]
+        repair_action: String,
+        /// Repair: say what would be done, change nothing.
+        #[arg(long)]
+        repair_dry_run: bool,
+        /// Repair: also pods that started on a node before its agents were Ready.
+        #[arg(long)]
+        repair_started_early: bool,
     },
     /// Print the CRDs, or check or write the checked-in copies.
     Crds {
@@ -210,8 +225,25 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             identity,
             lease_seconds,
             health_addr,
+            manage_certs,
+            repair,
+            repair_action,
+            repair_dry_run,
+            repair_started_early,
         } => {
+            let repair = meshgate_core::repair::RepairSettings {
+                enabled: repair,
+                action: if repair_action == "delete" {
+                    meshgate_core::repair::RepairAction::Delete
+                } else {
+                    meshgate_core::repair::RepairAction::Label
+                },
+                dry_run: repair_dry_run,
+                detect_started_early: repair_started_early,
+                ..Default::default()
+            };
             let client = kube::Client::try_default().await?;
+            let lease_namespace_for_certs = lease_namespace.clone();
             let lease = (!lease_namespace.is_empty()).then(|| LeaseSettings {
                 namespace: lease_namespace,
                 name: lease_name,
@@ -225,6 +257,8 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     lease,
                     health_addr: Some(health_addr),
                     node_gate: Default::default(),
+                    certs: manage_certs.then(|| meshgate_controller::certs::CertSettings::new(&lease_namespace_for_certs)),
+                    repair,
                 },
                 run::shutdown_signal(),
             )

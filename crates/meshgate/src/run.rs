@@ -53,6 +53,10 @@ pub struct ControllerSettings {
     pub lease: Option<LeaseSettings>,
     pub health_addr: Option<SocketAddr>,
     pub node_gate: meshgate_controller::nodegate::Settings,
+    /// Manage the webhook's certificates (in a cluster).
+    pub certs: Option<meshgate_controller::certs::CertSettings>,
+    /// The repair loop (off unless `enabled`).
+    pub repair: meshgate_core::repair::RepairSettings,
 }
 
 /// Runs the controllers (node gate, and the MutationPolicy backfill of existing workloads)
@@ -63,20 +67,30 @@ pub async fn run_controller(
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> anyhow::Result<()> {
     let metrics = meshgate_controller::Metrics::new();
+    let repair_metrics = meshgate_controller::repair::RepairMetrics::new();
+    s.repair.validate().map_err(|e| anyhow::anyhow!("repair settings: {e}"))?;
     let leader = match s.lease {
         Some(lease) => leader::elect(client.clone(), lease).await?,
         None => leader::always(),
     };
     if let Some(addr) = s.health_addr {
-        let m = metrics.clone();
         let listener = tokio::net::TcpListener::bind(addr).await?;
-        let app = axum_router(m);
+        let app = axum_router(metrics.clone(), repair_metrics.clone());
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
     }
-    // Both controllers stop on the same signal.
+    // Every controller stops on the same signal.
     let shutdown = futures::FutureExt::shared(shutdown);
+    if let Some(certs) = s.certs {
+        let (client, leader, stop) = (client.clone(), leader.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = meshgate_controller::certs::run(client, leader, certs) => {},
+                _ = stop => {},
+            }
+        });
+    }
     futures::join!(
         meshgate_controller::nodegate::run(
             client.clone(),
@@ -85,12 +99,16 @@ pub async fn run_controller(
             s.node_gate,
             shutdown.clone(),
         ),
-        meshgate_controller::policies::run(client, leader, shutdown),
+        meshgate_controller::policies::run(client.clone(), leader.clone(), shutdown.clone()),
+        meshgate_controller::repair::run(client, leader, s.repair, repair_metrics, shutdown),
     );
     Ok(())
 }
 
-fn axum_router(metrics: meshgate_controller::Metrics) -> axum::Router {
+fn axum_router(
+    metrics: meshgate_controller::Metrics,
+    repair: meshgate_controller::repair::RepairMetrics,
+) -> axum::Router {
     use axum::routing::get;
     axum::Router::new()
         .route("/healthz", get(|| async { "ok" }))
@@ -98,8 +116,13 @@ fn axum_router(metrics: meshgate_controller::Metrics) -> axum::Router {
         .route(
             "/metrics",
             get(move || {
-                let m = metrics.clone();
-                async move { m.encode() }
+                let (m, r) = (metrics.clone(), repair.clone());
+                // Two registries, one exposition: a single `# EOF` at the end.
+                async move {
+                    let mut text = m.encode().replace("# EOF\n", "");
+                    text.push_str(&r.encode());
+                    text
+                }
             }),
         )
 }

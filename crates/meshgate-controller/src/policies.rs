@@ -1,0 +1,1055 @@
+//! The existing-workload backfill controller for MutationPolicies.
+//!
+//! Reconciles MutationPolicies. A policy whose `metadata.generation` differs from its
+//! `status.observedGeneration` (created, or its spec changed) is handled once:
+//!
+//! * It is validated ([`meshgate_core::policy::validate`]). An invalid policy gets
+//!   `Valid=False` (the messages in the condition) and `Ready=False`, and nothing else happens.
+//! * With `spec.existing.enabled`, one pass goes over every Deployment, StatefulSet, DaemonSet,
+//!   ReplicaSet, Job and CronJob in the cluster:
+//!   - ReplicaSets controlled by a Deployment and Jobs controlled by a CronJob are skipped: their
+//!     template comes from their owner, which is mutated instead.
+//!   - Matching ([`meshgate_core::policy::policy_matches`], namespace labels read from the API):
+//!     an existing workload is treated as if it were created now, so a policy that lists
+//!     `CREATE` (or no operations, which means `CREATE`) matches it; a policy that lists only
+//!     `UPDATE` matches too, since the backfill writes an update. Namespaces the webhook
+//!     excludes ([`Settings::excluded_namespaces`]) and workloads (or pod templates) opted out
+//!     with `meshgate.dev/inject: "false"` are never matched, as at admission.
+//!   - The mutated pod template comes from the same engine as the webhook
+//!     ([`meshgate_core::policy::apply`], with this one policy). A workload whose template does
+//!     not change is `unchanged`. Otherwise the pod template alone is written: a JSON patch of
+//!     the template's differences, preceded by a `test` of the `metadata.resourceVersion` that
+//!     was read (optimistic lock). On a conflict (409, or a 422 after which the object has a
+//!     new resourceVersion) the workload is read again, recomputed and written again, up to
+//!     [`MAX_ATTEMPTS`] times. Writes use the field manager `meshgate` and are spaced to at most
+//!     `spec.existing.ratePerSecond`. The write passes through the `/mutate/policies` webhook
+//!     as an UPDATE, which is harmless: mutations are idempotent.
+//!   - With `spec.existing.dryRun` nothing is written; `mutated` and `changed` report what
+//!     would change.
+//!   - Pods that no controller owns (no ownerReference with `controller: true`) and that the
+//!     policy matches are counted as `bare_pods`; they are never changed or deleted (their
+//!     spec is mostly immutable, and recreating them is the owner's decision).
+//!   - A write that fails for another reason (a Job's pod template is immutable, for example)
+//!     counts as `failed`; the first messages go into the `Ready` condition. Failed workloads
+//!     are not retried until the policy changes again.
+//! * The report goes to `status.existing`, with `status.observedGeneration` and the `Valid` and
+//!   `Ready` conditions, by a merge patch of the status subresource; an Event
+//!   (`ExistingWorkloadsMutated`, or `ExistingWorkloadsDryRun`) on the policy names the counts.
+//!
+//! Only the leader writes: a replica that is not the leader, or loses leadership during a pass,
+//! writes nothing (not even the status), and every policy is reconciled again when leadership is
+//! gained.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, ReplicaSet, StatefulSet};
+use k8s_openapi::api::batch::v1::{CronJob, Job};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference, Time};
+use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams};
+use kube::core::PartialObjectMeta;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use meshgate_api::mutation_policy::{ExistingReport, MutationPolicyStatus, Operation};
+use meshgate_api::{GateConfig, MutationPolicy, MutationPolicySpec, names};
+use meshgate_core::patch::{JsonPatch, escape};
+use meshgate_core::policy::{self, MatchContext, PolicyError, pod_template_path, policy_matches};
+use serde_json::Value;
+use tokio::sync::watch;
+
+/// At most this many workloads are named in `status.existing.changed`.
+pub const MAX_CHANGED: usize = 50;
+/// Writes of one workload (first try and conflict retries).
+pub const MAX_ATTEMPTS: usize = 5;
+/// Failure messages quoted in the `Ready` condition.
+const MAX_FAILURE_MESSAGES: usize = 3;
+/// List page size.
+const PAGE: u32 = 500;
+
+/// Errors of one reconcile; the policy is retried with backoff.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("listing {what}: {source}")]
+    List {
+        what: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("writing the status of policy {policy}: {source}")]
+    Status {
+        policy: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Controller settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Namespaces in which nothing is ever mutated (the webhook's `excludedNamespaces`).
+    pub excluded_namespaces: Vec<String>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            excluded_namespaces: GateConfig::default().excluded_namespaces,
+        }
+    }
+}
+
+struct Ctx {
+    client: kube::Client,
+    leader: watch::Receiver<bool>,
+    recorder: Recorder,
+    settings: Settings,
+}
+
+impl Ctx {
+    fn is_leader(&self) -> bool {
+        *self.leader.borrow()
+    }
+}
+
+/// Runs the backfill controller with default [`Settings`] until `shutdown` resolves.
+pub async fn run(
+    client: kube::Client,
+    leader: watch::Receiver<bool>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    run_with(client, leader, Settings::default(), shutdown).await;
+}
+
+/// Runs the backfill controller until `shutdown` resolves.
+pub async fn run_with(
+    client: kube::Client,
+    leader: watch::Receiver<bool>,
+    settings: Settings,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "meshgate-controller".into(),
+            instance: std::env::var("POD_NAME").ok(),
+        },
+    );
+    // Leadership gained: every policy is looked at again (those already observed are skipped).
+    let gained = tokio_stream::wrappers::WatchStream::new(leader.clone())
+        .filter_map(|is_leader| futures::future::ready(is_leader.then_some(())));
+    let ctx = Arc::new(Ctx {
+        client: client.clone(),
+        leader,
+        recorder,
+        settings,
+    });
+    Controller::new(
+        Api::<MutationPolicy>::all(client),
+        watcher::Config::default(),
+    )
+    .reconcile_all_on(gained)
+    .graceful_shutdown_on(shutdown)
+    .run(reconcile, error_policy, ctx)
+    .for_each(|r| {
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "policy reconcile failed");
+        }
+        futures::future::ready(())
+    })
+    .await;
+}
+
+fn error_policy(policy: Arc<MutationPolicy>, err: &Error, _ctx: Arc<Ctx>) -> Action {
+    tracing::warn!(policy = %policy.name_any(), error = %err, "policy reconcile failed; retrying");
+    Action::requeue(Duration::from_secs(5))
+}
+
+async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    if !ctx.is_leader() {
+        return Ok(Action::await_change());
+    }
+    let generation = policy.metadata.generation.unwrap_or_default();
+    let old = policy.status.clone().unwrap_or_default();
+    if old.observed_generation == generation && generation != 0 {
+        return Ok(Action::await_change());
+    }
+    let name = policy.name_any();
+    let spec = &policy.spec;
+
+    if let Err(errors) = policy::validate(spec) {
+        tracing::warn!(policy = %name, ?errors, "invalid policy");
+        let message = errors.join("; ");
+        let conditions = vec![
+            condition(&old, generation, "Valid", false, "Invalid", &message),
+            condition(
+                &old,
+                generation,
+                "Ready",
+                false,
+                "Invalid",
+                "the policy is invalid (see the Valid condition); nothing is applied",
+            ),
+        ];
+        write_status(&ctx, &name, generation, None, conditions).await?;
+        return Ok(Action::await_change());
+    }
+    let valid = condition(
+        &old,
+        generation,
+        "Valid",
+        true,
+        "Valid",
+        "the policy is valid",
+    );
+
+    if !spec.existing.enabled {
+        let ready = condition(
+            &old,
+            generation,
+            "Ready",
+            true,
+            "AdmissionOnly",
+            "applied at admission only; existing workloads are left alone (spec.existing.enabled is false)",
+        );
+        write_status(&ctx, &name, generation, None, vec![valid, ready]).await?;
+        return Ok(Action::await_change());
+    }
+
+    let Some(pass) = backfill(&ctx, &name, spec).await? else {
+        tracing::info!(policy = %name, "leadership lost during the pass; the new leader repeats it");
+        return Ok(Action::await_change());
+    };
+    let report = &pass.report;
+    tracing::info!(policy = %name, ?report, failures = ?pass.failures, "existing workloads done");
+    let counts = pass.counts();
+    let ready = if report.failed == 0 {
+        let reason = if report.dry_run { "DryRun" } else { "Applied" };
+        condition(&old, generation, "Ready", true, reason, &counts)
+    } else {
+        let quoted: Vec<&str> = pass
+            .failures
+            .iter()
+            .take(MAX_FAILURE_MESSAGES)
+            .map(String::as_str)
+            .collect();
+        let message = format!("{counts}; failures: {}", quoted.join("; "));
+        condition(&old, generation, "Ready", false, "SomeFailed", &message)
+    };
+    if !ctx.is_leader() {
+        return Ok(Action::await_change());
+    }
+    write_status(
+        &ctx,
+        &name,
+        generation,
+        Some(&pass.report),
+        vec![valid, ready],
+    )
+    .await?;
+    let reason = if report.dry_run {
+        "ExistingWorkloadsDryRun"
+    } else {
+        "ExistingWorkloadsMutated"
+    };
+    let type_ = if report.failed == 0 {
+        EventType::Normal
+    } else {
+        EventType::Warning
+    };
+    event(
+        &ctx,
+        &policy,
+        type_,
+        reason,
+        format!("policy {name}: {counts}"),
+    )
+    .await;
+    Ok(Action::await_change())
+}
+
+/// A condition; its transition time is kept when the status does not change.
+fn condition(
+    old: &MutationPolicyStatus,
+    generation: i64,
+    type_: &str,
+    status: bool,
+    reason: &str,
+    message: &str,
+) -> Condition {
+    let status = if status { "True" } else { "False" };
+    let last_transition_time = old
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map(|c| c.last_transition_time.clone())
+        .unwrap_or_else(|| Time(k8s_openapi::jiff::Timestamp::now()));
+    Condition {
+        type_: type_.to_owned(),
+        status: status.to_owned(),
+        reason: reason.to_owned(),
+        // The API server caps condition messages at 32768 bytes.
+        message: truncate(message, 4096),
+        observed_generation: Some(generation),
+        last_transition_time,
+    }
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+/// Merge patch of the status subresource; `existing: None` leaves the last report in place.
+async fn write_status(
+    ctx: &Ctx,
+    name: &str,
+    generation: i64,
+    existing: Option<&ExistingReport>,
+    conditions: Vec<Condition>,
+) -> Result<(), Error> {
+    let mut status = serde_json::json!({
+        "observedGeneration": generation,
+        "conditions": conditions,
+    });
+    if let Some(report) = existing {
+        status["existing"] = serde_json::to_value(report).unwrap_or(Value::Null);
+    }
+    let patch = serde_json::json!({"status": status});
+    let pp = PatchParams {
+        field_manager: Some(names::FIELD_MANAGER.to_owned()),
+        ..PatchParams::default()
+    };
+    Api::<MutationPolicy>::all(ctx.client.clone())
+        .patch_status(name, &pp, &Patch::Merge(&patch))
+        .await
+        .map(|_| ())
+        .map_err(|source| Error::Status {
+            policy: name.to_owned(),
+            source,
+        })
+}
+
+async fn event(ctx: &Ctx, policy: &MutationPolicy, type_: EventType, reason: &str, note: String) {
+    let ev = KubeEvent {
+        type_,
+        reason: reason.into(),
+        note: Some(truncate(&note, 1000)),
+        action: "MutateExisting".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &policy.object_ref(&())).await {
+        tracing::debug!(error = %e, "event not recorded");
+    }
+}
+
+/// The result of one pass.
+#[derive(Debug)]
+struct Pass {
+    report: ExistingReport,
+    /// `Kind ns/name: message` of each failed workload.
+    failures: Vec<String>,
+}
+
+impl Pass {
+    fn counts(&self) -> String {
+        let r = &self.report;
+        let mut s = if r.dry_run {
+            format!(
+                "dry run: {} workloads matched, {} would be mutated, {} already carry the mutation, {} failed",
+                r.matched, r.mutated, r.unchanged, r.failed
+            )
+        } else {
+            format!(
+                "{} workloads matched, {} mutated, {} already carried the mutation, {} failed",
+                r.matched, r.mutated, r.unchanged, r.failed
+            )
+        };
+        if r.bare_pods > 0 {
+            s.push_str(&format!(
+                "; {} bare pods match and are left alone (recreate them to get the mutation)",
+                r.bare_pods
+            ));
+        }
+        s
+    }
+}
+
+/// The workload kinds, in the order they are visited.
+fn workload_resources() -> [(&'static str, ApiResource); 6] {
+    [
+        ("Deployment", ApiResource::erase::<Deployment>(&())),
+        ("StatefulSet", ApiResource::erase::<StatefulSet>(&())),
+        ("DaemonSet", ApiResource::erase::<DaemonSet>(&())),
+        ("ReplicaSet", ApiResource::erase::<ReplicaSet>(&())),
+        ("Job", ApiResource::erase::<Job>(&())),
+        ("CronJob", ApiResource::erase::<CronJob>(&())),
+    ]
+}
+
+/// Spaces writes to at most `rate` per second.
+struct Limiter {
+    interval: Duration,
+    next: Option<tokio::time::Instant>,
+}
+
+impl Limiter {
+    fn new(rate: u32) -> Self {
+        Self {
+            interval: Duration::from_secs(1) / rate.max(1),
+            next: None,
+        }
+    }
+
+    async fn wait(&mut self) {
+        let now = tokio::time::Instant::now();
+        let at = self.next.filter(|n| *n > now).unwrap_or(now);
+        tokio::time::sleep_until(at).await;
+        self.next = Some(at + self.interval);
+    }
+}
+
+/// One pass over existing workloads; `None` when leadership was lost.
+async fn backfill(ctx: &Ctx, name: &str, spec: &MutationPolicySpec) -> Result<Option<Pass>, Error> {
+    let namespaces = namespace_labels(&ctx.client).await?;
+    let dry_run = spec.existing.dry_run;
+    let mut pass = Pass {
+        report: ExistingReport {
+            dry_run,
+            ..ExistingReport::default()
+        },
+        failures: Vec::new(),
+    };
+    let mut limiter = Limiter::new(spec.existing.rate_per_second);
+    let input = PlanInput {
+        policy: name,
+        spec,
+        namespaces: &namespaces,
+        excluded: &ctx.settings.excluded_namespaces,
+    };
+    for (kind, resource) in workload_resources() {
+        let api = Api::<DynamicObject>::all_with(ctx.client.clone(), &resource);
+        let mut token: Option<String> = None;
+        loop {
+            let lp = ListParams {
+                limit: Some(PAGE),
+                continue_token: token.clone(),
+                ..ListParams::default()
+            };
+            let list = api
+                .list(&lp)
+                .await
+                .map_err(|source| Error::List { what: kind, source })?;
+            for obj in list.items {
+                let outcome =
+                    mutate_workload(ctx, &input, kind, &resource, obj, dry_run, &mut limiter).await;
+                if !pass.record(kind, outcome) {
+                    return Ok(None);
+                }
+            }
+            token = list.metadata.continue_.filter(|t| !t.is_empty());
+            if token.is_none() {
+                break;
+            }
+        }
+    }
+    pass.report.bare_pods = count_bare_pods(ctx, &input).await?;
+    pass.report.last_applied = Some(Time(k8s_openapi::jiff::Timestamp::now()));
+    Ok(Some(pass))
+}
+
+impl Pass {
+    /// Counts one workload; `false` when leadership was lost.
+    fn record(&mut self, kind: &str, outcome: Outcome) -> bool {
+        let r = &mut self.report;
+        match outcome {
+            Outcome::Skipped => {}
+            Outcome::Unchanged => {
+                r.matched += 1;
+                r.unchanged += 1;
+            }
+            Outcome::Mutated { namespace, name } => {
+                r.matched += 1;
+                r.mutated += 1;
+                if r.changed.len() < MAX_CHANGED {
+                    r.changed.push(format!("{kind} {namespace}/{name}"));
+                }
+            }
+            Outcome::Failed {
+                namespace,
+                name,
+                message,
+            } => {
+                r.matched += 1;
+                r.failed += 1;
+                tracing::warn!(kind, %namespace, %name, %message, "existing workload not mutated");
+                self.failures
+                    .push(format!("{kind} {namespace}/{name}: {message}"));
+            }
+            Outcome::LostLeadership => return false,
+        }
+        true
+    }
+}
+
+/// What happened to one workload.
+#[derive(Debug)]
+enum Outcome {
+    /// Not matched (or controlled by another workload).
+    Skipped,
+    Unchanged,
+    Mutated {
+        namespace: String,
+        name: String,
+    },
+    Failed {
+        namespace: String,
+        name: String,
+        message: String,
+    },
+    LostLeadership,
+}
+
+/// Reads, plans and writes one workload, retrying on conflicts.
+async fn mutate_workload(
+    ctx: &Ctx,
+    input: &PlanInput<'_>,
+    kind: &str,
+    resource: &ApiResource,
+    obj: DynamicObject,
+    dry_run: bool,
+    limiter: &mut Limiter,
+) -> Outcome {
+    let namespace = obj.namespace().unwrap_or_default();
+    let name = obj.name_any();
+    let failed = |message: String| Outcome::Failed {
+        namespace: namespace.clone(),
+        name: name.clone(),
+        message,
+    };
+    let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &namespace, resource);
+    let mut object = workload_value(&obj, kind, resource);
+    for attempt in 1..=MAX_ATTEMPTS {
+        let (patch, tested) = match plan(input, &object) {
+            Ok(Plan::Skip) => return Outcome::Skipped,
+            // On a retry: someone else wrote the mutation meanwhile.
+            Ok(Plan::Unchanged) => return Outcome::Unchanged,
+            Ok(Plan::Change {
+                patch,
+                resource_version,
+            }) => (patch, resource_version),
+            Err(e) => return failed(e.to_string()),
+        };
+        if dry_run {
+            return Outcome::Mutated {
+                namespace: namespace.clone(),
+                name: name.clone(),
+            };
+        }
+        let patch: json_patch::Patch = match serde_json::from_value(Value::Array(patch.0)) {
+            Ok(p) => p,
+            Err(e) => return failed(format!("building the patch: {e}")),
+        };
+        limiter.wait().await;
+        if !ctx.is_leader() {
+            return Outcome::LostLeadership;
+        }
+        let pp = PatchParams {
+            field_manager: Some(names::FIELD_MANAGER.to_owned()),
+            ..PatchParams::default()
+        };
+        let err = match api.patch(&name, &pp, &Patch::<()>::Json(patch)).await {
+            Ok(_) => {
+                tracing::info!(kind, %namespace, %name, policy = input.policy, "pod template mutated");
+                return Outcome::Mutated {
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                };
+            }
+            Err(e) => e,
+        };
+        let code = match &err {
+            kube::Error::Api(status) => status.code,
+            _ => 0,
+        };
+        if code != 409 && code != 422 {
+            return failed(err.to_string());
+        }
+        // A failed `test` is a 422, like an invalid object: it is a conflict only when the
+        // object has changed since it was read.
+        let fresh = match api.get_opt(&name).await {
+            Ok(Some(fresh)) => fresh,
+            // Deleted meanwhile: nothing to mutate.
+            Ok(None) => return Outcome::Skipped,
+            Err(e) => return failed(format!("{err}; reading it again: {e}")),
+        };
+        if fresh.resource_version().as_deref() == Some(tested.as_str()) {
+            return failed(err.to_string());
+        }
+        tracing::debug!(kind, %namespace, %name, attempt, "conflict; retrying with a fresh read");
+        object = workload_value(&fresh, kind, resource);
+    }
+    failed(format!(
+        "still conflicting after {MAX_ATTEMPTS} attempts (the object keeps changing)"
+    ))
+}
+
+/// The object as JSON, with its `apiVersion` and `kind` (list items may come without them).
+fn workload_value(obj: &DynamicObject, kind: &str, resource: &ApiResource) -> Value {
+    let mut v = serde_json::to_value(obj).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut v {
+        m.insert(
+            "apiVersion".into(),
+            Value::String(resource.api_version.clone()),
+        );
+        m.insert("kind".into(), Value::String(kind.to_owned()));
+    }
+    v
+}
+
+/// Labels of every namespace.
+async fn namespace_labels(
+    client: &kube::Client,
+) -> Result<BTreeMap<String, BTreeMap<String, String>>, Error> {
+    let api = Api::<Namespace>::all(client.clone());
+    let mut out = BTreeMap::new();
+    let mut token: Option<String> = None;
+    loop {
+        let lp = ListParams {
+            limit: Some(PAGE),
+            continue_token: token.clone(),
+            ..ListParams::default()
+        };
+        let list = api.list_metadata(&lp).await.map_err(|source| Error::List {
+            what: "namespaces",
+            source,
+        })?;
+        for ns in list.items {
+            out.insert(ns.name_any(), ns.metadata.labels.unwrap_or_default());
+        }
+        token = list.metadata.continue_.filter(|t| !t.is_empty());
+        if token.is_none() {
+            return Ok(out);
+        }
+    }
+}
+
+/// Pods without a controlling owner that the policy matches.
+async fn count_bare_pods(ctx: &Ctx, input: &PlanInput<'_>) -> Result<u32, Error> {
+    let api = Api::<Pod>::all(ctx.client.clone());
+    let mut count = 0u32;
+    let mut token: Option<String> = None;
+    loop {
+        let lp = ListParams {
+            limit: Some(PAGE),
+            continue_token: token.clone(),
+            ..ListParams::default()
+        };
+        let list = api.list_metadata(&lp).await.map_err(|source| Error::List {
+            what: "pods",
+            source,
+        })?;
+        for pod in &list.items {
+            if is_bare_pod_match(input, pod) {
+                count = count.saturating_add(1);
+            }
+        }
+        token = list.metadata.continue_.filter(|t| !t.is_empty());
+        if token.is_none() {
+            return Ok(count);
+        }
+    }
+}
+
+fn is_bare_pod_match(input: &PlanInput<'_>, pod: &PartialObjectMeta<Pod>) -> bool {
+    if controller_of(pod.metadata.owner_references.as_deref()).is_some() {
+        return false;
+    }
+    let object = serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": serde_json::to_value(&pod.metadata).unwrap_or(Value::Null),
+    });
+    input.operation(&object).is_some()
+}
+
+fn controller_of(owners: Option<&[OwnerReference]>) -> Option<&OwnerReference> {
+    owners?.iter().find(|o| o.controller == Some(true))
+}
+
+/// What a pass needs to decide about one object.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanInput<'a> {
+    /// The policy's name.
+    pub policy: &'a str,
+    pub spec: &'a MutationPolicySpec,
+    /// Labels of every namespace, by name.
+    pub namespaces: &'a BTreeMap<String, BTreeMap<String, String>>,
+    /// Namespaces never mutated.
+    pub excluded: &'a [String],
+}
+
+impl PlanInput<'_> {
+    /// The operation under which the policy matches `object` (an existing object is treated as
+    /// created now, else as updated), or `None` when it does not match, is in an excluded
+    /// namespace, or is opted out.
+    fn operation(&self, object: &Value) -> Option<Operation> {
+        let namespace = object
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        if self.excluded.iter().any(|n| n == namespace) || opted_out(object) {
+            return None;
+        }
+        if let Some(path) = object
+            .get("kind")
+            .and_then(Value::as_str)
+            .and_then(pod_template_path)
+            && !path.is_empty()
+            && path
+                .iter()
+                .try_fold(object, |v, s| v.get(*s))
+                .is_some_and(opted_out)
+        {
+            return None;
+        }
+        let empty = BTreeMap::new();
+        let namespace_labels = self.namespaces.get(namespace).unwrap_or(&empty);
+        [Operation::Create, Operation::Update]
+            .into_iter()
+            .find(|&operation| {
+                policy_matches(
+                    self.spec,
+                    object,
+                    &MatchContext {
+                        operation,
+                        namespace,
+                        namespace_labels,
+                    },
+                )
+            })
+    }
+}
+
+/// What to do with one workload.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Plan {
+    /// Not matched, or controlled by another workload whose template is mutated instead.
+    Skip,
+    /// Matched; its pod template carries the mutation already.
+    Unchanged,
+    /// Matched; write `patch` (a `test` of `resource_version`, then the pod template's changes).
+    Change {
+        patch: JsonPatch,
+        resource_version: String,
+    },
+}
+
+/// Decides about one workload object (with `apiVersion` and `kind`): pure.
+pub fn plan(input: &PlanInput<'_>, object: &Value) -> Result<Plan, PolicyError> {
+    let kind = object
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let owners: Option<Vec<OwnerReference>> = object
+        .pointer("/metadata/ownerReferences")
+        .and_then(|o| serde_json::from_value(o.clone()).ok());
+    let controlled_by = controller_of(owners.as_deref()).map(|o| o.kind.as_str());
+    if matches!(
+        (kind, controlled_by),
+        ("ReplicaSet", Some("Deployment")) | ("Job", Some("CronJob"))
+    ) {
+        return Ok(Plan::Skip);
+    }
+    let Some(path) = pod_template_path(kind).filter(|p| !p.is_empty()) else {
+        return Ok(Plan::Skip);
+    };
+    let Some(operation) = input.operation(object) else {
+        return Ok(Plan::Skip);
+    };
+    let namespace = object
+        .pointer("/metadata/namespace")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let empty = BTreeMap::new();
+    let ctx = MatchContext {
+        operation,
+        namespace,
+        namespace_labels: input.namespaces.get(namespace).unwrap_or(&empty),
+    };
+    let applied = policy::apply([(input.policy, input.spec)], object, &ctx)?;
+    let template_at = |v: &'_ Value| path.iter().try_fold(v, |v, s| v.get(*s)).cloned();
+    let (Some(before), Some(after)) = (template_at(object), template_at(&applied.object)) else {
+        return Ok(Plan::Skip);
+    };
+    if !applied.changed() || before == after {
+        return Ok(Plan::Unchanged);
+    }
+    let resource_version = object
+        .pointer("/metadata/resourceVersion")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    let prefix: String = path.iter().map(|s| format!("/{}", escape(s))).collect();
+    let mut patch = JsonPatch(vec![serde_json::json!({
+        "op": "test", "path": "/metadata/resourceVersion", "value": resource_version,
+    })]);
+    for mut op in JsonPatch::diff(&before, &after).0 {
+        for key in ["path", "from"] {
+            if let Some(Value::String(p)) = op.get_mut(key) {
+                *p = format!("{prefix}{p}");
+            }
+        }
+        patch.0.push(op);
+    }
+    Ok(Plan::Change {
+        patch,
+        resource_version,
+    })
+}
+
+/// `meshgate.dev/inject: "false"` as a label or annotation.
+fn opted_out(object: &Value) -> bool {
+    ["labels", "annotations"].iter().any(|field| {
+        object
+            .get("metadata")
+            .and_then(|m| m.get(*field))
+            .and_then(|m| m.get(names::OPT_OUT))
+            .and_then(Value::as_str)
+            == Some("false")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshgate_api::LabelSelector;
+    use meshgate_api::mutation_policy::{MatchResources, MetadataMutation, Mutation};
+    use serde_json::json;
+
+    const KEY: &str = "traffic.sidecar.istio.io/excludeOutboundIPRanges";
+
+    fn spec(match_: MatchResources) -> MutationPolicySpec {
+        MutationPolicySpec {
+            match_,
+            exclude: None,
+            pod_templates: true,
+            mutations: vec![Mutation {
+                annotations: Some(MetadataMutation {
+                    values: [(KEY.to_owned(), "0.0.0.0/0".to_owned())].into(),
+                    on_conflict: Default::default(),
+                }),
+                ..Mutation::default()
+            }],
+            warning: None,
+            existing: Default::default(),
+        }
+    }
+
+    fn namespaces() -> BTreeMap<String, BTreeMap<String, String>> {
+        [
+            (
+                "mesh".to_owned(),
+                [("mesh".to_owned(), "on".to_owned())].into(),
+            ),
+            ("plain".to_owned(), BTreeMap::new()),
+            (
+                "kube-system".to_owned(),
+                [("mesh".to_owned(), "on".to_owned())].into(),
+            ),
+        ]
+        .into()
+    }
+
+    fn deployment(ns: &str) -> Value {
+        json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "web", "namespace": ns, "resourceVersion": "42"},
+            "spec": {"template": {"metadata": {"labels": {"app": "web"}},
+                                  "spec": {"containers": [{"name": "app", "image": "x"}]}}},
+        })
+    }
+
+    fn input<'a>(
+        spec: &'a MutationPolicySpec,
+        namespaces: &'a BTreeMap<String, BTreeMap<String, String>>,
+        excluded: &'a [String],
+    ) -> PlanInput<'a> {
+        PlanInput {
+            policy: "p",
+            spec,
+            namespaces,
+            excluded,
+        }
+    }
+
+    fn mesh_selector() -> MatchResources {
+        MatchResources {
+            namespace_selector: Some(LabelSelector::labels([("mesh", "on")])),
+            ..MatchResources::default()
+        }
+    }
+
+    #[test]
+    fn a_matching_workload_gets_a_locked_patch_of_its_template_only() {
+        let s = spec(mesh_selector());
+        let ns = namespaces();
+        let plan = plan(&input(&s, &ns, &[]), &deployment("mesh")).unwrap();
+        let Plan::Change {
+            patch,
+            resource_version,
+        } = plan
+        else {
+            panic!("expected a change, got {plan:?}");
+        };
+        assert_eq!(resource_version, "42");
+        assert_eq!(
+            patch.0[0],
+            json!({"op": "test", "path": "/metadata/resourceVersion", "value": "42"})
+        );
+        assert!(patch.len() > 1);
+        for op in &patch.0[1..] {
+            let path = op["path"].as_str().unwrap();
+            assert!(path.starts_with("/spec/template/"), "{path}");
+        }
+        let patched = patch.apply(&deployment("mesh")).unwrap();
+        assert_eq!(
+            patched["spec"]["template"]["metadata"]["annotations"][KEY],
+            "0.0.0.0/0"
+        );
+        assert_eq!(patched["metadata"], deployment("mesh")["metadata"]);
+        // Applying the policy again changes nothing.
+        assert_eq!(plan_of(&s, &ns, &patched), Plan::Unchanged);
+    }
+
+    fn plan_of(
+        s: &MutationPolicySpec,
+        ns: &BTreeMap<String, BTreeMap<String, String>>,
+        object: &Value,
+    ) -> Plan {
+        plan(&input(s, ns, &[]), object).unwrap()
+    }
+
+    #[test]
+    fn cronjob_templates_are_patched_below_the_job_template() {
+        let s = spec(mesh_selector());
+        let ns = namespaces();
+        let cj = json!({
+            "apiVersion": "batch/v1", "kind": "CronJob",
+            "metadata": {"name": "c", "namespace": "mesh", "resourceVersion": "7"},
+            "spec": {"schedule": "* * * * *", "jobTemplate": {"spec": {"template": {
+                "spec": {"containers": [{"name": "app", "image": "x"}]}}}}},
+        });
+        let Plan::Change { patch, .. } = plan_of(&s, &ns, &cj) else {
+            panic!("expected a change");
+        };
+        let patched = patch.apply(&cj).unwrap();
+        assert_eq!(
+            patched["spec"]["jobTemplate"]["spec"]["template"]["metadata"]["annotations"][KEY],
+            "0.0.0.0/0"
+        );
+    }
+
+    #[test]
+    fn unmatched_excluded_opted_out_and_owned_workloads_are_skipped() {
+        let s = spec(mesh_selector());
+        let ns = namespaces();
+        assert_eq!(plan_of(&s, &ns, &deployment("plain")), Plan::Skip);
+        let excluded = GateConfig::default().excluded_namespaces;
+        assert_eq!(
+            plan(&input(&s, &ns, &excluded), &deployment("kube-system")).unwrap(),
+            Plan::Skip
+        );
+        let mut opted = deployment("mesh");
+        opted["spec"]["template"]["metadata"]["labels"][names::OPT_OUT] = json!("false");
+        assert_eq!(plan_of(&s, &ns, &opted), Plan::Skip);
+
+        let owned_by = |kind: &str, owner: &str| {
+            let mut o = deployment("mesh");
+            o["kind"] = json!(kind);
+            o["apiVersion"] = json!(if kind == "Job" { "batch/v1" } else { "apps/v1" });
+            o["metadata"]["ownerReferences"] = json!([{
+                "apiVersion": "apps/v1", "kind": owner, "name": "o", "uid": "u", "controller": true,
+            }]);
+            o
+        };
+        assert_eq!(
+            plan_of(&s, &ns, &owned_by("ReplicaSet", "Deployment")),
+            Plan::Skip
+        );
+        assert_eq!(plan_of(&s, &ns, &owned_by("Job", "CronJob")), Plan::Skip);
+        // A ReplicaSet of another controller is its own workload.
+        assert!(matches!(
+            plan_of(&s, &ns, &owned_by("ReplicaSet", "Rollout")),
+            Plan::Change { .. }
+        ));
+    }
+
+    #[test]
+    fn create_only_and_update_only_policies_both_match_existing_workloads() {
+        let ns = namespaces();
+        for ops in [vec![], vec![Operation::Create], vec![Operation::Update]] {
+            let s = spec(MatchResources {
+                operations: ops.clone(),
+                ..mesh_selector()
+            });
+            assert!(
+                matches!(plan_of(&s, &ns, &deployment("mesh")), Plan::Change { .. }),
+                "{ops:?}"
+            );
+        }
+        // A policy for Pods without podTemplates does not touch workloads.
+        let mut pods_only = spec(mesh_selector());
+        pods_only.pod_templates = false;
+        assert_eq!(plan_of(&pods_only, &ns, &deployment("mesh")), Plan::Skip);
+    }
+
+    #[test]
+    fn bare_pods_are_those_without_a_controller() {
+        let s = spec(mesh_selector());
+        let ns = namespaces();
+        let i = input(&s, &ns, &[]);
+        let pod = |owners: Value| -> PartialObjectMeta<Pod> {
+            serde_json::from_value(json!({
+                "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                "metadata": {"name": "p", "namespace": "mesh", "ownerReferences": owners},
+            }))
+            .unwrap()
+        };
+        assert!(is_bare_pod_match(&i, &pod(json!([]))));
+        assert!(is_bare_pod_match(
+            &i,
+            &pod(json!([{"apiVersion": "v1", "kind": "ConfigMap", "name": "c", "uid": "u"}]))
+        ));
+        assert!(!is_bare_pod_match(
+            &i,
+            &pod(
+                json!([{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "r", "uid": "u",
+                         "controller": true}])
+            )
+        ));
+    }
+
+    #[test]
+    fn limiter_spaces_writes() {
+        let l = Limiter::new(4);
+        assert_eq!(l.interval, Duration::from_millis(250));
+        assert_eq!(Limiter::new(0).interval, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn truncation_respects_char_boundaries() {
+        assert_eq!(truncate("abc", 5), "abc");
+        assert_eq!(truncate("ééé", 3), "é…");
+    }
+}
