@@ -55,9 +55,12 @@ pub fn parse_documents(file: &str, text: &str) -> Result<Vec<Value>, InputError>
     Ok(docs)
 }
 
+/// Named policy specs and the notes of their conversion.
+pub type Policies = (Vec<(String, MutationPolicySpec)>, Vec<String>);
+
 /// Reads policies: meshgate `MutationPolicy` documents and Kyverno `ClusterPolicy`/`Policy`
 /// documents (converted; what cannot be converted is returned as notes).
-pub fn read_policies(path: &Path) -> Result<(Vec<(String, MutationPolicySpec)>, Vec<String>), InputError> {
+pub fn read_policies(path: &Path) -> Result<Policies, InputError> {
     let file = path.display().to_string();
     let mut policies = Vec::new();
     let mut notes = Vec::new();
