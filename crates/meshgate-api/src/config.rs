@@ -26,7 +26,11 @@ pub enum Profile {
 }
 
 impl Profile {
-    pub const ALL: [Profile; 3] = [Profile::IstioAmbient, Profile::IstioSidecar, Profile::Linkerd];
+    pub const ALL: [Profile; 3] = [
+        Profile::IstioAmbient,
+        Profile::IstioSidecar,
+        Profile::Linkerd,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -91,7 +95,10 @@ impl Profile {
                             SelectorOperator::NotIn,
                             &["disabled"],
                         ),
-                        object_selector: LabelSelector::labels([("sidecar.istio.io/inject", "true")]),
+                        object_selector: LabelSelector::labels([(
+                            "sidecar.istio.io/inject",
+                            "true",
+                        )]),
                         ..SelectorClause::default()
                     },
                 ]
@@ -101,7 +108,10 @@ impl Profile {
             Profile::Linkerd => vec![
                 SelectorClause {
                     name: "linkerd-pod".into(),
-                    pod_annotations: BTreeMap::from([("linkerd.io/inject".into(), "enabled".into())]),
+                    pod_annotations: BTreeMap::from([(
+                        "linkerd.io/inject".into(),
+                        "enabled".into(),
+                    )]),
                     ..SelectorClause::default()
                 },
                 SelectorClause {
@@ -294,10 +304,11 @@ pub enum ConfigError {
 impl GateConfig {
     /// Parses YAML (or JSON) and validates; `file` names the source in errors.
     pub fn from_yaml(file: &str, text: &str) -> Result<Self, ConfigError> {
-        let config: GateConfig = serde_yaml::from_str(text).map_err(|source| ConfigError::Parse {
-            file: file.into(),
-            source,
-        })?;
+        let config: GateConfig =
+            serde_yaml::from_str(text).map_err(|source| ConfigError::Parse {
+                file: file.into(),
+                source,
+            })?;
         config.validate()?;
         Ok(config)
     }
@@ -314,7 +325,10 @@ impl GateConfig {
     /// The checks the gate runs: configured ones, else the profiles', without repeats.
     pub fn checks(&self) -> Vec<GateCheck> {
         let mut checks = if self.init_gate.checks.is_empty() {
-            self.profiles.iter().flat_map(|p| p.default_checks()).collect()
+            self.profiles
+                .iter()
+                .flat_map(|p| p.default_checks())
+                .collect()
         } else {
             self.init_gate.checks.clone()
         };
@@ -383,10 +397,16 @@ impl GateConfig {
                 ));
             }
             if gate.timeout_seconds == 0 {
-                return Err(invalid("initGate.timeoutSeconds", "must be positive".into()));
+                return Err(invalid(
+                    "initGate.timeoutSeconds",
+                    "must be positive".into(),
+                ));
             }
             if gate.run_as_user == 0 {
-                return Err(invalid("initGate.runAsUser", "the gate never runs as root".into()));
+                return Err(invalid(
+                    "initGate.runAsUser",
+                    "the gate never runs as root".into(),
+                ));
             }
             if self.checks().is_empty() {
                 return Err(invalid(
@@ -441,11 +461,16 @@ mod tests {
 
     #[test]
     fn errors_name_the_field() {
-        let err = GateConfig::from_yaml("c.yaml", "profiles: [istio-ambient]\ntimeoutSeconds: 99\n")
-            .unwrap_err();
+        let err =
+            GateConfig::from_yaml("c.yaml", "profiles: [istio-ambient]\ntimeoutSeconds: 99\n")
+                .unwrap_err();
         assert_eq!(err.to_string(), "timeoutSeconds: must be 1 to 30, got 99");
         let err = GateConfig::from_yaml("c.yaml", "profiles: [nope]\n").unwrap_err();
-        assert!(err.to_string().starts_with("c.yaml: profiles[0]: unknown variant"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("c.yaml: profiles[0]: unknown variant"),
+            "{err}"
+        );
         let err = GateConfig::from_yaml("c.yaml", "initGate: {checks: []}\n").unwrap_err();
         assert!(err.to_string().starts_with("initGate.checks"), "{err}");
         let err = GateConfig::from_yaml("c.yaml", "profiles: [linkerd]\nbogus: 1\n").unwrap_err();

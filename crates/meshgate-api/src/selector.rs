@@ -152,9 +152,19 @@ mod tests {
             .with("x", SelectorOperator::Exists, &[])
             .with("y", SelectorOperator::DoesNotExist, &[]);
         assert!(s.matches(&l(&[("app", "web"), ("tier", "a"), ("x", "")])));
-        assert!(s.matches(&l(&[("app", "web"), ("tier", "b"), ("x", "1"), ("mode", "m")])));
+        assert!(s.matches(&l(&[
+            ("app", "web"),
+            ("tier", "b"),
+            ("x", "1"),
+            ("mode", "m")
+        ])));
         assert!(!s.matches(&l(&[("app", "web"), ("tier", "c"), ("x", "")])));
-        assert!(!s.matches(&l(&[("app", "web"), ("tier", "a"), ("x", ""), ("mode", "none")])));
+        assert!(!s.matches(&l(&[
+            ("app", "web"),
+            ("tier", "a"),
+            ("x", ""),
+            ("mode", "none")
+        ])));
         assert!(!s.matches(&l(&[("app", "web"), ("tier", "a")])));
         assert!(!s.matches(&l(&[("app", "web"), ("tier", "a"), ("x", ""), ("y", "")])));
         assert!(!s.matches(&l(&[("app", "api"), ("tier", "a"), ("x", "")])));

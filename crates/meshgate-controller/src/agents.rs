@@ -12,9 +12,9 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Node, Pod, PodTemplateSpec};
 use kube::api::Api;
+use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{watcher, watcher::Event};
-use kube::runtime::WatchStreamExt;
 use meshgate_api::node_gate::Agent;
 use meshgate_core::nodegate::{AgentState, daemonset_targets};
 use tokio::sync::mpsc::UnboundedSender;
@@ -43,8 +43,8 @@ fn summarize(pod: &Pod) -> Option<(String, AgentPod)> {
         .as_ref()
         .map_or(0, |t| t.0.as_second());
     // A pod being deleted is not counted as Ready.
-    let ready = pod.metadata.deletion_timestamp.is_none()
-        && ready_cond.is_some_and(|c| c.status == "True");
+    let ready =
+        pod.metadata.deletion_timestamp.is_none() && ready_cond.is_some_and(|c| c.status == "True");
     let since = ready_cond
         .and_then(|c| c.last_transition_time.as_ref())
         .map_or(created, |t| t.0.as_second());
@@ -83,11 +83,15 @@ impl std::fmt::Debug for AgentIndex {
 
 impl AgentIndex {
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
-        self.0.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
-        self.0.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Inserts or updates a pod; returns the nodes whose agents changed.
@@ -189,13 +193,28 @@ impl AgentIndex {
 
     /// Starts watching pods and DaemonSets in `namespace` unless already watched. Node names
     /// whose agents change are sent to `trigger`.
-    pub fn ensure_watch(&self, client: &kube::Client, namespace: &str, trigger: &UnboundedSender<ObjectRef<Node>>) {
+    pub fn ensure_watch(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        trigger: &UnboundedSender<ObjectRef<Node>>,
+    ) {
         if !self.write().watched.insert(namespace.to_owned()) {
             return;
         }
         tracing::info!(namespace, "watching agent pods");
-        let pods = tokio::spawn(watch_pods(self.clone(), client.clone(), namespace.to_owned(), trigger.clone()));
-        let daemonsets = tokio::spawn(watch_daemonsets(self.clone(), client.clone(), namespace.to_owned(), trigger.clone()));
+        let pods = tokio::spawn(watch_pods(
+            self.clone(),
+            client.clone(),
+            namespace.to_owned(),
+            trigger.clone(),
+        ));
+        let daemonsets = tokio::spawn(watch_daemonsets(
+            self.clone(),
+            client.clone(),
+            namespace.to_owned(),
+            trigger.clone(),
+        ));
         self.write().tasks.extend([pods, daemonsets]);
     }
 
@@ -218,10 +237,17 @@ fn send_all(trigger: &UnboundedSender<ObjectRef<Node>>, nodes: Vec<String>) {
     }
 }
 
-async fn watch_pods(index: AgentIndex, client: kube::Client, namespace: String, trigger: UnboundedSender<ObjectRef<Node>>) {
+async fn watch_pods(
+    index: AgentIndex,
+    client: kube::Client,
+    namespace: String,
+    trigger: UnboundedSender<ObjectRef<Node>>,
+) {
     let api = Api::<Pod>::namespaced(client, &namespace);
     let mut relist: Vec<Pod> = Vec::new();
-    let mut stream = watcher(api, watcher::Config::default()).default_backoff().boxed();
+    let mut stream = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .boxed();
     while let Some(event) = stream.next().await {
         match event {
             Ok(Event::Apply(pod)) => send_all(&trigger, index.upsert(&pod)),
@@ -237,19 +263,32 @@ async fn watch_pods(index: AgentIndex, client: kube::Client, namespace: String, 
     }
 }
 
-async fn watch_daemonsets(index: AgentIndex, client: kube::Client, namespace: String, trigger: UnboundedSender<ObjectRef<Node>>) {
+async fn watch_daemonsets(
+    index: AgentIndex,
+    client: kube::Client,
+    namespace: String,
+    trigger: UnboundedSender<ObjectRef<Node>>,
+) {
     let api = Api::<DaemonSet>::namespaced(client, &namespace);
-    let mut stream = watcher(api, watcher::Config::default()).default_backoff().boxed();
+    let mut stream = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .boxed();
     while let Some(event) = stream.next().await {
         let changed = match event {
             Ok(Event::Apply(ds) | Event::InitApply(ds)) => {
-                let key = (namespace.clone(), ds.metadata.name.clone().unwrap_or_default());
+                let key = (
+                    namespace.clone(),
+                    ds.metadata.name.clone().unwrap_or_default(),
+                );
                 let template = ds.spec.map(|s| s.template).unwrap_or_default();
                 index.write().daemonsets.insert(key, template);
                 true
             }
             Ok(Event::Delete(ds)) => {
-                let key = (namespace.clone(), ds.metadata.name.clone().unwrap_or_default());
+                let key = (
+                    namespace.clone(),
+                    ds.metadata.name.clone().unwrap_or_default(),
+                );
                 index.write().daemonsets.remove(&key);
                 true
             }

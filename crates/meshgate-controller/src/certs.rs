@@ -82,17 +82,27 @@ fn secret(name: &str, namespace: &str, type_: &str, data: BTreeMap<String, Strin
         metadata: kube::api::ObjectMeta {
             name: Some(name.into()),
             namespace: Some(namespace.into()),
-            labels: Some(BTreeMap::from([(meshgate_api::names::MANAGED_BY.into(), "meshgate".into())])),
+            labels: Some(BTreeMap::from([(
+                meshgate_api::names::MANAGED_BY.into(),
+                "meshgate".into(),
+            )])),
             ..Default::default()
         },
         type_: Some(type_.into()),
-        data: Some(data.into_iter().map(|(k, v)| (k, ByteString(v.into_bytes()))).collect()),
+        data: Some(
+            data.into_iter()
+                .map(|(k, v)| (k, ByteString(v.into_bytes())))
+                .collect(),
+        ),
         ..Default::default()
     }
 }
 
 /// One pass: create or renew what needs it, and bring the CA bundle up to date.
-pub async fn reconcile_once(client: &kube::Client, s: &CertSettings) -> Result<CertOutcome, CertError> {
+pub async fn reconcile_once(
+    client: &kube::Client,
+    s: &CertSettings,
+) -> Result<CertOutcome, CertError> {
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &s.namespace);
     let pp = PatchParams::apply(meshgate_api::names::FIELD_MANAGER).force();
     let now = crate::now();
@@ -103,7 +113,9 @@ pub async fn reconcile_once(client: &kube::Client, s: &CertSettings) -> Result<C
     let old_ca_pem = text(ca_secret.as_ref(), "ca.crt");
     let current = match (old_ca_pem.clone(), text(ca_secret.as_ref(), "ca.key")) {
         (Some(cert), Some(key)) => match meshgate_pki::not_after_unix(&cert) {
-            Ok(not_after) if !needs_renewal(not_after, now, s.renew_before) => Ca::from_pem(&cert, &key, not_after).ok(),
+            Ok(not_after) if !needs_renewal(not_after, now, s.renew_before) => {
+                Ca::from_pem(&cert, &key, not_after).ok()
+            }
             _ => None,
         },
         _ => None,
@@ -117,7 +129,11 @@ pub async fn reconcile_once(client: &kube::Client, s: &CertSettings) -> Result<C
                 ("ca.key".to_owned(), ca.certificate().key_pem.clone()),
             ]);
             secrets
-                .patch(&s.ca_secret, &pp, &Patch::Apply(secret(&s.ca_secret, &s.namespace, "Opaque", data)))
+                .patch(
+                    &s.ca_secret,
+                    &pp,
+                    &Patch::Apply(secret(&s.ca_secret, &s.namespace, "Opaque", data)),
+                )
                 .await?;
             tracing::info!(secret = %s.ca_secret, "webhook CA created");
             out.ca_rotated = true;
@@ -147,7 +163,16 @@ pub async fn reconcile_once(client: &kube::Client, s: &CertSettings) -> Result<C
             ("ca.crt".to_owned(), ca_pem.clone()),
         ]);
         secrets
-            .patch(&s.tls_secret, &pp, &Patch::Apply(secret(&s.tls_secret, &s.namespace, "kubernetes.io/tls", data)))
+            .patch(
+                &s.tls_secret,
+                &pp,
+                &Patch::Apply(secret(
+                    &s.tls_secret,
+                    &s.namespace,
+                    "kubernetes.io/tls",
+                    data,
+                )),
+            )
             .await?;
         tracing::info!(secret = %s.tls_secret, "webhook serving certificate issued");
         out.cert_rotated = true;
@@ -166,7 +191,10 @@ pub async fn reconcile_once(client: &kube::Client, s: &CertSettings) -> Result<C
         let stale: Vec<usize> = hooks
             .iter()
             .enumerate()
-            .filter(|(_, h)| h.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice()) != Some(bundle.as_bytes()))
+            .filter(|(_, h)| {
+                h.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice())
+                    != Some(bundle.as_bytes())
+            })
             .map(|(i, _)| i)
             .collect();
         if !stale.is_empty() {
@@ -174,13 +202,19 @@ pub async fn reconcile_once(client: &kube::Client, s: &CertSettings) -> Result<C
             let mut ops = Vec::new();
             for i in stale {
                 ops.push(json!({"op": "test", "path": format!("/webhooks/{i}/name"), "value": hooks[i].name}));
-                ops.push(json!({"op": "replace", "path": format!("/webhooks/{i}/clientConfig/caBundle"),
-                                "value": ByteString(bundle.clone().into_bytes())}));
+                ops.push(
+                    json!({"op": "replace", "path": format!("/webhooks/{i}/clientConfig/caBundle"),
+                                "value": ByteString(bundle.clone().into_bytes())}),
+                );
             }
             let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))
                 .map_err(|e| CertError::Pki(meshgate_pki::PkiError::Parse(e.to_string())))?;
-            mwcs.patch(&s.webhook_configuration, &PatchParams::default(), &Patch::<()>::Json(patch))
-                .await?;
+            mwcs.patch(
+                &s.webhook_configuration,
+                &PatchParams::default(),
+                &Patch::<()>::Json(patch),
+            )
+            .await?;
             tracing::info!(configuration = %s.webhook_configuration, "caBundle updated");
             out.bundle_updated = true;
         }

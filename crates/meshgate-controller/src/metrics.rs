@@ -61,10 +61,22 @@ impl Metrics {
             "Time from a node's agents being Ready to its startup taint being removed",
             ready_to_untaint.clone(),
         );
-        r.register("operations", "Writes to nodes, by operation", operations.clone());
-        r.register("errors", "Failed writes and reconciles, by operation", errors.clone());
+        r.register(
+            "operations",
+            "Writes to nodes, by operation",
+            operations.clone(),
+        );
+        r.register(
+            "errors",
+            "Failed writes and reconciles, by operation",
+            errors.clone(),
+        );
         r.register("reconciles", "Node reconciles run", reconciles.clone());
-        r.register("leader", "1 while this replica holds the leader lease", leader.clone());
+        r.register(
+            "leader",
+            "1 while this replica holds the leader lease",
+            leader.clone(),
+        );
         Self {
             nodes,
             ready_to_untaint,

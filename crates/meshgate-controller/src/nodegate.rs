@@ -93,18 +93,24 @@ pub async fn run(
         let agents = agents.clone();
         let client = client.clone();
         let trigger = trigger_tx.clone();
-        reflector::reflector(gate_writer, watcher(Api::<NodeGate>::all(client.clone()), watcher::Config::default()))
-            .default_backoff()
-            .touched_objects()
-            .for_each(move |g| {
-                if let Ok(gate) = g {
-                    for a in &gate.spec.agents {
-                        agents.ensure_watch(&client, &a.namespace, &trigger);
-                    }
-                    let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
+        reflector::reflector(
+            gate_writer,
+            watcher(
+                Api::<NodeGate>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+        )
+        .default_backoff()
+        .touched_objects()
+        .for_each(move |g| {
+            if let Ok(gate) = g {
+                for a in &gate.spec.agents {
+                    agents.ensure_watch(&client, &a.namespace, &trigger);
                 }
-                futures::future::ready(())
-            })
+                let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
+            }
+            futures::future::ready(())
+        })
     };
 
     let recorder = Recorder::new(
@@ -135,14 +141,19 @@ pub async fn run(
     };
 
     let fan_out_nodes = nodes.clone();
-    let triggers = tokio_stream::wrappers::UnboundedReceiverStream::new(trigger_rx).flat_map(move |r| {
-        let refs: Vec<ObjectRef<Node>> = if r.name == RESYNC_ALL {
-            fan_out_nodes.state().iter().map(|n| ObjectRef::from_obj(n.as_ref())).collect()
-        } else {
-            vec![r]
-        };
-        futures::stream::iter(refs)
-    });
+    let triggers =
+        tokio_stream::wrappers::UnboundedReceiverStream::new(trigger_rx).flat_map(move |r| {
+            let refs: Vec<ObjectRef<Node>> = if r.name == RESYNC_ALL {
+                fan_out_nodes
+                    .state()
+                    .iter()
+                    .map(|n| ObjectRef::from_obj(n.as_ref()))
+                    .collect()
+            } else {
+                vec![r]
+            };
+            futures::stream::iter(refs)
+        });
 
     let ctx = Arc::new(Ctx {
         client: client.clone(),
@@ -198,7 +209,11 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
             .map(|a| ctx.agents.state(a, &node, &spec.taint.key))
             .collect();
         let empty = BTreeMap::new();
-        let taints = node.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
+        let taints = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.clone())
+            .unwrap_or_default();
         let resource_advertised = spec.resource.as_ref().is_some_and(|r| {
             node.status
                 .as_ref()
@@ -212,7 +227,11 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
                 labels: node.metadata.labels.as_ref().unwrap_or(&empty),
                 annotations: node.metadata.annotations.as_ref().unwrap_or(&empty),
                 taints: &taints,
-                created: node.metadata.creation_timestamp.as_ref().map_or(now, |t| t.0.as_second()),
+                created: node
+                    .metadata
+                    .creation_timestamp
+                    .as_ref()
+                    .map_or(now, |t| t.0.as_second()),
                 agents: &agents,
                 resource_advertised,
                 now,
@@ -221,12 +240,18 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
         tracing::debug!(node = %name, gate = %gate_name, state = decision.state.as_str(), ?decision, "decided");
         node = apply(&ctx, &api, gate, node, &taints, &decision).await?;
         if let Some(after) = decision.requeue_after {
-            requeue = requeue.min(Duration::from_secs(u64::try_from(after.max(1)).unwrap_or(1)));
+            requeue = requeue.min(Duration::from_secs(
+                u64::try_from(after.max(1)).unwrap_or(1),
+            ));
         }
     }
     // Taints of gates that no longer apply to this node.
     let empty = BTreeMap::new();
-    let taints = node.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
+    let taints = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
     let orphans = orphaned_taints(
         gates.iter().map(|g| &g.spec),
         node.metadata.labels.as_ref().unwrap_or(&empty),
@@ -236,12 +261,21 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
         if let Some(gate) = gates.iter().find(|g| g.spec.taint.key == key)
             && let Some(patch) = taint_patch(&gate.spec, &taints, false)
         {
-            let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(patch.0))
-                .map_err(|e| Error::Patch(e.to_string()))?;
+            let patch: json_patch::Patch =
+                serde_json::from_value(serde_json::Value::Array(patch.0))
+                    .map_err(|e| Error::Patch(e.to_string()))?;
             api.patch(&name, &PatchParams::default(), &Patch::<()>::Json(patch))
                 .await
-                .map_err(|source| Error::Write { node: name.clone(), source })?;
-            ctx.metrics.operations.get_or_create(&OperationLabels { operation: "untaint" }).inc();
+                .map_err(|source| Error::Write {
+                    node: name.clone(),
+                    source,
+                })?;
+            ctx.metrics
+                .operations
+                .get_or_create(&OperationLabels {
+                    operation: "untaint",
+                })
+                .inc();
             tracing::info!(node = %name, taint = %key, "removed the taint of a gate that no longer selects the node");
             // One write per reconcile: the next one starts from a fresh read.
             return Ok(Action::requeue(Duration::from_millis(10)));
@@ -265,16 +299,31 @@ async fn apply(
         node: name.clone(),
         source,
     };
-    let count = |op: &'static str| ctx.metrics.operations.get_or_create(&OperationLabels { operation: op }).inc();
-    let count_err = |op: &'static str| ctx.metrics.errors.get_or_create(&OperationLabels { operation: op }).inc();
+    let count = |op: &'static str| {
+        ctx.metrics
+            .operations
+            .get_or_create(&OperationLabels { operation: op })
+            .inc()
+    };
+    let count_err = |op: &'static str| {
+        ctx.metrics
+            .errors
+            .get_or_create(&OperationLabels { operation: op })
+            .inc()
+    };
 
     if let Some(since) = d.mark_ready_since {
-        let ts = k8s_openapi::jiff::Timestamp::from_second(since).unwrap_or_default().to_string();
+        let ts = k8s_openapi::jiff::Timestamp::from_second(since)
+            .unwrap_or_default()
+            .to_string();
         let patch = serde_json::json!({"metadata": {"annotations": {names::NODE_READY_SINCE: ts}}});
-        node = api.patch(&name, &pp, &Patch::Merge(&patch)).await.map_err(|e| {
-            count_err("mark-ready");
-            write_err(e)
-        })?;
+        node = api
+            .patch(&name, &pp, &Patch::Merge(&patch))
+            .await
+            .map_err(|e| {
+                count_err("mark-ready");
+                write_err(e)
+            })?;
         count("mark-ready");
     }
     if let Some(want) = d.taint
@@ -283,34 +332,65 @@ async fn apply(
         let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(patch.0))
             .map_err(|e| Error::Patch(e.to_string()))?;
         let op = if want { "taint" } else { "untaint" };
-        node = api.patch(&name, &pp, &Patch::<()>::Json(patch)).await.map_err(|e| {
-            count_err(op);
-            write_err(e)
-        })?;
+        node = api
+            .patch(&name, &pp, &Patch::<()>::Json(patch))
+            .await
+            .map_err(|e| {
+                count_err(op);
+                write_err(e)
+            })?;
         count(op);
         if !want && let Some(since) = d.ready_since {
             let waited = (crate::now_precise() - since as f64).max(0.0);
             ctx.metrics.ready_to_untaint.observe(waited);
         }
         let (reason, note) = if want {
-            ("TaintAdded", format!("node gate {}: agents not ready; added taint {}", gate.name_any(), spec.taint.key))
+            (
+                "TaintAdded",
+                format!(
+                    "node gate {}: agents not ready; added taint {}",
+                    gate.name_any(),
+                    spec.taint.key
+                ),
+            )
         } else {
-            ("TaintRemoved", format!("node gate {}: agents ready; removed taint {}", gate.name_any(), spec.taint.key))
+            (
+                "TaintRemoved",
+                format!(
+                    "node gate {}: agents ready; removed taint {}",
+                    gate.name_any(),
+                    spec.taint.key
+                ),
+            )
         };
         event(ctx, &node, reason, note).await;
     }
     if let (Some(want), Some(res)) = (d.resource, &spec.resource) {
         let patch = resource_patch(&res.name, res.count, want);
         let op = if want { "advertise" } else { "withdraw" };
-        node = api.patch_status(&name, &pp, &Patch::Merge(&patch)).await.map_err(|e| {
-            count_err(op);
-            write_err(e)
-        })?;
+        node = api
+            .patch_status(&name, &pp, &Patch::Merge(&patch))
+            .await
+            .map_err(|e| {
+                count_err(op);
+                write_err(e)
+            })?;
         count(op);
         let (reason, note) = if want {
-            ("ResourceAdvertised", format!("node gate {}: advertising {}={}", gate.name_any(), res.name, res.count))
+            (
+                "ResourceAdvertised",
+                format!(
+                    "node gate {}: advertising {}={}",
+                    gate.name_any(),
+                    res.name,
+                    res.count
+                ),
+            )
         } else {
-            ("ResourceWithdrawn", format!("node gate {}: withdrew {}", gate.name_any(), res.name))
+            (
+                "ResourceWithdrawn",
+                format!("node gate {}: withdrew {}", gate.name_any(), res.name),
+            )
         };
         event(ctx, &node, reason, note).await;
     }
@@ -355,7 +435,11 @@ async fn status_loop(ctx: Arc<Ctx>, nodes: Store<Node>) {
                     continue;
                 }
                 status.nodes += 1;
-                let taints = node.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
+                let taints = node
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.taints.clone())
+                    .unwrap_or_default();
                 if meshgate_core::nodegate::has_taint(&gate.spec, &taints) {
                     status.held_nodes += 1;
                 }
@@ -371,13 +455,20 @@ async fn status_loop(ctx: Arc<Ctx>, nodes: Store<Node>) {
                         labels,
                         annotations: node.metadata.annotations.as_ref().unwrap_or(&empty),
                         taints: &taints,
-                        created: node.metadata.creation_timestamp.as_ref().map_or(now, |t| t.0.as_second()),
+                        created: node
+                            .metadata
+                            .creation_timestamp
+                            .as_ref()
+                            .map_or(now, |t| t.0.as_second()),
                         agents: &agents,
                         resource_advertised: false,
                         now,
                     },
                 );
-                if matches!(d.state, NodeState::Ready | NodeState::Released | NodeState::Releasing) {
+                if matches!(
+                    d.state,
+                    NodeState::Ready | NodeState::Released | NodeState::Releasing
+                ) {
                     status.ready_nodes += 1;
                 }
                 *by_state.entry(d.state).or_default() += 1;
@@ -401,7 +492,11 @@ async fn status_loop(ctx: Arc<Ctx>, nodes: Store<Node>) {
             );
             let old = gate.status.clone().unwrap_or_default();
             let previous = old.conditions.iter().find(|c| c.type_ == "Ready");
-            let condition_status = if status.ready_nodes == status.nodes { "True" } else { "False" };
+            let condition_status = if status.ready_nodes == status.nodes {
+                "True"
+            } else {
+                "False"
+            };
             let transition = previous
                 .filter(|c| c.status == condition_status)
                 .map(|c| c.last_transition_time.clone())
@@ -409,7 +504,11 @@ async fn status_loop(ctx: Arc<Ctx>, nodes: Store<Node>) {
             status.conditions = vec![Condition {
                 type_: "Ready".into(),
                 status: condition_status.into(),
-                reason: if condition_status == "True" { "AllNodesReady".into() } else { "NodesWaiting".into() },
+                reason: if condition_status == "True" {
+                    "AllNodesReady".into()
+                } else {
+                    "NodesWaiting".into()
+                },
                 message,
                 observed_generation: gate.metadata.generation,
                 last_transition_time: transition,

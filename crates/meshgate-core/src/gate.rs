@@ -90,7 +90,11 @@ pub fn plan_pod(config: &GateConfig, req: &PodRequest<'_>) -> PodPlan {
     if req.operation != "CREATE" {
         return PodPlan::Skip(Skip::Operation);
     }
-    if config.excluded_namespaces.iter().any(|n| n == req.namespace) {
+    if config
+        .excluded_namespaces
+        .iter()
+        .any(|n| n == req.namespace)
+    {
         return PodPlan::Skip(Skip::ExcludedNamespace);
     }
     let Some(spec) = req.pod.get("spec").filter(|s| s.is_object()) else {
@@ -160,7 +164,10 @@ fn plan_init_gate(config: &GateConfig, spec: &Value) -> JsonPatch {
                 .position(|c| c.get("name").and_then(Value::as_str) == Some(names::GATE_CONTAINER));
             match existing {
                 Some(0) => {}
-                Some(i) => patch.move_to(format!("/spec/initContainers/{i}"), "/spec/initContainers/0"),
+                Some(i) => patch.move_to(
+                    format!("/spec/initContainers/{i}"),
+                    "/spec/initContainers/0",
+                ),
                 None => patch.add("/spec/initContainers/0", gate_container(config)),
             }
         }
@@ -178,7 +185,10 @@ fn plan_resource_request(resource: &str, spec: &Value) -> JsonPatch {
     let res = escape(resource);
     let base = "/spec/containers/0/resources";
     let Some(resources) = container.get("resources").filter(|r| r.is_object()) else {
-        patch.add(base, json!({"requests": {resource: "1"}, "limits": {resource: "1"}}));
+        patch.add(
+            base,
+            json!({"requests": {resource: "1"}, "limits": {resource: "1"}}),
+        );
         return patch;
     };
     for field in ["requests", "limits"] {
@@ -251,14 +261,21 @@ mod tests {
         assert_eq!(init_names(&out), ["meshgate-wait"]);
         let gate = &out["spec"]["initContainers"][0];
         assert_eq!(gate["command"], json!(["/meshgate-wait"]));
-        assert_eq!(gate["args"], json!(["--tcp-listening", "15008", "--timeout", "120s"]));
+        assert_eq!(
+            gate["args"],
+            json!(["--tcp-listening", "15008", "--timeout", "120s"])
+        );
         let sc = &gate["securityContext"];
         assert_eq!(sc["runAsNonRoot"], true);
         assert_eq!(sc["readOnlyRootFilesystem"], true);
         assert_eq!(sc["allowPrivilegeEscalation"], false);
         assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
         assert_eq!(gate["resources"]["limits"]["memory"], "16Mi");
-        assert_eq!(out["spec"]["containers"], pod()["spec"]["containers"], "app untouched");
+        assert_eq!(
+            out["spec"]["containers"],
+            pod()["spec"]["containers"],
+            "app untouched"
+        );
     }
 
     #[test]
@@ -298,20 +315,38 @@ mod tests {
     fn left_untouched() {
         let c = config();
         let none = Meta::default();
-        assert_eq!(plan(&c, "apps", &none, &pod()), PodPlan::Skip(Skip::NotSelected));
-        assert_eq!(plan(&c, "kube-system", &ambient(), &pod()), PodPlan::Skip(Skip::ExcludedNamespace));
+        assert_eq!(
+            plan(&c, "apps", &none, &pod()),
+            PodPlan::Skip(Skip::NotSelected)
+        );
+        assert_eq!(
+            plan(&c, "kube-system", &ambient(), &pod()),
+            PodPlan::Skip(Skip::ExcludedNamespace)
+        );
         let mut host = pod();
         host["spec"]["hostNetwork"] = json!(true);
-        assert_eq!(plan(&c, "apps", &ambient(), &host), PodPlan::Skip(Skip::HostNetwork));
+        assert_eq!(
+            plan(&c, "apps", &ambient(), &host),
+            PodPlan::Skip(Skip::HostNetwork)
+        );
         let mut out = pod();
         out["metadata"]["labels"] = json!({"meshgate.dev/inject": "false"});
-        assert_eq!(plan(&c, "apps", &ambient(), &out), PodPlan::Skip(Skip::OptedOut));
+        assert_eq!(
+            plan(&c, "apps", &ambient(), &out),
+            PodPlan::Skip(Skip::OptedOut)
+        );
         let mut out = pod();
         out["metadata"]["annotations"] = json!({"meshgate.dev/inject": "false"});
-        assert_eq!(plan(&c, "apps", &ambient(), &out), PodPlan::Skip(Skip::OptedOut));
+        assert_eq!(
+            plan(&c, "apps", &ambient(), &out),
+            PodPlan::Skip(Skip::OptedOut)
+        );
         let mut none_mode = pod();
         none_mode["metadata"]["labels"] = json!({"istio.io/dataplane-mode": "none"});
-        assert_eq!(plan(&c, "apps", &ambient(), &none_mode), PodPlan::Skip(Skip::NotSelected));
+        assert_eq!(
+            plan(&c, "apps", &ambient(), &none_mode),
+            PodPlan::Skip(Skip::NotSelected)
+        );
         for op in ["UPDATE", "DELETE", "CONNECT"] {
             let req = PodRequest {
                 operation: op,
@@ -326,8 +361,14 @@ mod tests {
     #[test]
     fn missing_fields_do_not_break_planning() {
         let c = config();
-        assert_eq!(plan(&c, "apps", &ambient(), &json!({})), PodPlan::Skip(Skip::NotAPod));
-        assert_eq!(plan(&c, "apps", &ambient(), &json!({"spec": 3})), PodPlan::Skip(Skip::NotAPod));
+        assert_eq!(
+            plan(&c, "apps", &ambient(), &json!({})),
+            PodPlan::Skip(Skip::NotAPod)
+        );
+        assert_eq!(
+            plan(&c, "apps", &ambient(), &json!({"spec": 3})),
+            PodPlan::Skip(Skip::NotAPod)
+        );
         // No metadata, no containers: the gate still goes in, the resource gate has no target.
         let mut rc = c.clone();
         rc.resource_gate.enabled = true;
@@ -336,7 +377,10 @@ mod tests {
         assert_eq!(init_names(&out), ["meshgate-wait"]);
         // Labels that are not strings are ignored, not a crash.
         let odd = json!({"metadata": {"labels": {"a": 1}}, "spec": {"containers": []}});
-        assert!(matches!(plan(&c, "apps", &ambient(), &odd), PodPlan::Mutate { .. }));
+        assert!(matches!(
+            plan(&c, "apps", &ambient(), &odd),
+            PodPlan::Mutate { .. }
+        ));
     }
 
     #[test]
@@ -344,7 +388,10 @@ mod tests {
         let mut p = pod();
         p["spec"]["ephemeralContainers"] = json!([{"name": "debug", "image": "busybox"}]);
         let out = mutated(&config(), &p);
-        assert_eq!(out["spec"]["ephemeralContainers"], p["spec"]["ephemeralContainers"]);
+        assert_eq!(
+            out["spec"]["ephemeralContainers"],
+            p["spec"]["ephemeralContainers"]
+        );
     }
 
     #[test]
@@ -361,7 +408,10 @@ mod tests {
         p["spec"]["containers"][0]["resources"] = json!({"requests": {"cpu": "1"}});
         let out = mutated(&c, &p);
         let r = &out["spec"]["containers"][0]["resources"];
-        assert_eq!(r["requests"], json!({"cpu": "1", "meshgate.dev/mesh-ready": "1"}));
+        assert_eq!(
+            r["requests"],
+            json!({"cpu": "1", "meshgate.dev/mesh-ready": "1"})
+        );
         assert_eq!(r["limits"], json!({"meshgate.dev/mesh-ready": "1"}));
     }
 
@@ -370,13 +420,22 @@ mod tests {
         let mut c = config();
         c.init_gate.checks = vec![
             GateCheck::TcpListening { port: 15008 },
-            GateCheck::File { path: "/var/run/ready".into() },
+            GateCheck::File {
+                path: "/var/run/ready".into(),
+            },
         ];
         c.init_gate.timeout_seconds = 30;
         let gate = gate_container(&c);
         assert_eq!(
             gate["args"],
-            json!(["--tcp-listening", "15008", "--file", "/var/run/ready", "--timeout", "30s"])
+            json!([
+                "--tcp-listening",
+                "15008",
+                "--file",
+                "/var/run/ready",
+                "--timeout",
+                "30s"
+            ])
         );
     }
 }

@@ -145,7 +145,9 @@ pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
     let mut unready_since: Option<i64> = None;
     for a in node.agents {
         match a {
-            AgentState::Ready { since } => ready_since = Some(ready_since.map_or(*since, |r| r.max(*since))),
+            AgentState::Ready { since } => {
+                ready_since = Some(ready_since.map_or(*since, |r| r.max(*since)))
+            }
             AgentState::NotTargeted => {}
             AgentState::NotReady { since } => {
                 unready_since = Some(unready_since.map_or(*since, |u| u.min(*since)));
@@ -229,7 +231,11 @@ pub fn orphaned_taints<'s>(
 
 /// The JSON patch that makes the node's taints `want_present` for the gate's taint, with a
 /// `test` of the list it was computed from (optimistic lock). `None` when nothing changes.
-pub fn taint_patch(spec: &NodeGateSpec, current: &[Taint], want_present: bool) -> Option<JsonPatch> {
+pub fn taint_patch(
+    spec: &NodeGateSpec,
+    current: &[Taint],
+    want_present: bool,
+) -> Option<JsonPatch> {
     let present = has_taint(spec, current);
     if present == want_present {
         return None;
@@ -260,7 +266,11 @@ pub fn taint_patch(spec: &NodeGateSpec, current: &[Taint], want_present: bool) -
 /// The merge patch for the Node `status` subresource that advertises (`count` units) or
 /// withdraws the gate resource in `capacity` and `allocatable`.
 pub fn resource_patch(resource: &str, count: u32, advertise: bool) -> Value {
-    let value = if advertise { json!(count.to_string()) } else { Value::Null };
+    let value = if advertise {
+        json!(count.to_string())
+    } else {
+        Value::Null
+    };
     json!({"status": {"capacity": {resource: value}, "allocatable": {resource: value}}})
 }
 
@@ -296,7 +306,10 @@ pub fn daemonset_targets(
         .affinity
         .as_ref()
         .and_then(|a| a.node_affinity.as_ref())
-        .and_then(|na| na.required_during_scheduling_ignored_during_execution.as_ref());
+        .and_then(|na| {
+            na.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        });
     if let Some(required) = required {
         // Terms are ORed, the requirements of a term ANDed.
         let any = required.node_selector_terms.iter().any(|term| {
@@ -304,11 +317,9 @@ pub fn daemonset_targets(
                 .iter()
                 .flatten()
                 .all(|r| requirement_matches(r, |k| labels.get(k).map(String::as_str)))
-                && term
-                    .match_fields
-                    .iter()
-                    .flatten()
-                    .all(|r| requirement_matches(r, |k| (k == "metadata.name").then_some(node_name)))
+                && term.match_fields.iter().flatten().all(|r| {
+                    requirement_matches(r, |k| (k == "metadata.name").then_some(node_name))
+                })
         });
         if !any {
             return false;
@@ -322,7 +333,10 @@ pub fn daemonset_targets(
         .all(|t| tolerations.iter().any(|tol| tolerates(tol, t)))
 }
 
-fn requirement_matches<'v>(r: &NodeSelectorRequirement, get: impl Fn(&str) -> Option<&'v str>) -> bool {
+fn requirement_matches<'v>(
+    r: &NodeSelectorRequirement,
+    get: impl Fn(&str) -> Option<&'v str>,
+) -> bool {
     let value = get(&r.key);
     let values = r.values.as_deref().unwrap_or_default();
     match r.operator.as_str() {
@@ -337,7 +351,11 @@ fn requirement_matches<'v>(r: &NodeSelectorRequirement, get: impl Fn(&str) -> Op
             ) else {
                 return false;
             };
-            if r.operator == "Gt" { v > bound } else { v < bound }
+            if r.operator == "Gt" {
+                v > bound
+            } else {
+                v < bound
+            }
         }
         _ => false,
     }
@@ -357,7 +375,11 @@ pub fn tolerates(tol: &Toleration, taint: &Taint) -> bool {
     }
     match tol.operator.as_deref().unwrap_or("Equal") {
         "Exists" => true,
-        "Equal" => key == taint.key && tol.value.as_deref().unwrap_or_default() == taint.value.as_deref().unwrap_or_default(),
+        "Equal" => {
+            key == taint.key
+                && tol.value.as_deref().unwrap_or_default()
+                    == taint.value.as_deref().unwrap_or_default()
+        }
         _ => false,
     }
 }
@@ -365,8 +387,8 @@ pub fn tolerates(tol: &Toleration, taint: &Taint) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshgate_api::node_gate::{Agent, GateResource, GateTaint, TaintEffect};
     use meshgate_api::LabelSelector;
+    use meshgate_api::node_gate::{Agent, GateResource, GateTaint, TaintEffect};
 
     fn spec(mode: GateMode) -> NodeGateSpec {
         NodeGateSpec {
@@ -382,16 +404,28 @@ mod tests {
             grace_period_seconds: 10,
             removal_delay_seconds: 0,
             taint_on_create: true,
-            resource: Some(GateResource { name: "meshgate.dev/mesh-ready".into(), count: 100 }),
+            resource: Some(GateResource {
+                name: "meshgate.dev/mesh-ready".into(),
+                count: 100,
+            }),
         }
     }
 
     fn gate_taint() -> Taint {
-        Taint { key: meshgate_api::names::DEFAULT_TAINT_KEY.into(), effect: "NoSchedule".into(), ..Taint::default() }
+        Taint {
+            key: meshgate_api::names::DEFAULT_TAINT_KEY.into(),
+            effect: "NoSchedule".into(),
+            ..Taint::default()
+        }
     }
 
     fn foreign() -> Taint {
-        Taint { key: "example.com/dedicated".into(), value: Some("gpu".into()), effect: "NoSchedule".into(), ..Taint::default() }
+        Taint {
+            key: "example.com/dedicated".into(),
+            value: Some("gpu".into()),
+            effect: "NoSchedule".into(),
+            ..Taint::default()
+        }
     }
 
     struct Fixture {
@@ -405,24 +439,37 @@ mod tests {
 
     impl Fixture {
         fn new(taints: Vec<Taint>, agents: Vec<AgentState>) -> Self {
-            Self { labels: BTreeMap::new(), annotations: BTreeMap::new(), taints, agents, advertised: false, now: 1000 }
+            Self {
+                labels: BTreeMap::new(),
+                annotations: BTreeMap::new(),
+                taints,
+                agents,
+                advertised: false,
+                now: 1000,
+            }
         }
         fn decide(&self, spec: &NodeGateSpec) -> NodeDecision {
-            decide(spec, &NodeObservation {
-                labels: &self.labels,
-                annotations: &self.annotations,
-                taints: &self.taints,
-                created: 900,
-                agents: &self.agents,
-                resource_advertised: self.advertised,
-                now: self.now,
-            })
+            decide(
+                spec,
+                &NodeObservation {
+                    labels: &self.labels,
+                    annotations: &self.annotations,
+                    taints: &self.taints,
+                    created: 900,
+                    agents: &self.agents,
+                    resource_advertised: self.advertised,
+                    now: self.now,
+                },
+            )
         }
     }
 
     #[test]
     fn ready_agents_release_the_node() {
-        let f = Fixture::new(vec![gate_taint(), foreign()], vec![AgentState::Ready { since: 990 }]);
+        let f = Fixture::new(
+            vec![gate_taint(), foreign()],
+            vec![AgentState::Ready { since: 990 }],
+        );
         let d = f.decide(&spec(GateMode::Bootstrap));
         assert_eq!(d.state, NodeState::Ready);
         assert_eq!(d.taint, Some(false));
@@ -433,7 +480,10 @@ mod tests {
 
     #[test]
     fn unready_agent_keeps_the_node_held() {
-        for agents in [vec![AgentState::Missing], vec![AgentState::NotReady { since: 950 }]] {
+        for agents in [
+            vec![AgentState::Missing],
+            vec![AgentState::NotReady { since: 950 }],
+        ] {
             let f = Fixture::new(vec![gate_taint()], agents);
             let d = f.decide(&spec(GateMode::Continuous));
             assert_eq!(d.state, NodeState::Waiting);
@@ -459,7 +509,8 @@ mod tests {
     fn continuous_mode_retaints_after_grace() {
         let s = spec(GateMode::Continuous);
         let mut f = Fixture::new(vec![foreign()], vec![AgentState::NotReady { since: 995 }]);
-        f.annotations.insert(meshgate_api::names::NODE_READY_SINCE.into(), "x".into());
+        f.annotations
+            .insert(meshgate_api::names::NODE_READY_SINCE.into(), "x".into());
         f.advertised = true;
         let d = f.decide(&s);
         assert_eq!(d.state, NodeState::Degraded);
@@ -475,7 +526,8 @@ mod tests {
     fn bootstrap_mode_never_retaints() {
         let s = spec(GateMode::Bootstrap);
         let mut f = Fixture::new(vec![], vec![AgentState::NotReady { since: 100 }]);
-        f.annotations.insert(meshgate_api::names::NODE_READY_SINCE.into(), "x".into());
+        f.annotations
+            .insert(meshgate_api::names::NODE_READY_SINCE.into(), "x".into());
         f.advertised = true;
         let d = f.decide(&s);
         assert_eq!(d.state, NodeState::Released);
@@ -501,7 +553,10 @@ mod tests {
         let mut other = s.clone();
         other.node_selector = LabelSelector::default();
         assert!(orphaned_taints([&s, &other], &f.labels, &f.taints).is_empty());
-        assert_eq!(orphaned_taints([&s], &f.labels, &f.taints), [meshgate_api::names::DEFAULT_TAINT_KEY]);
+        assert_eq!(
+            orphaned_taints([&s], &f.labels, &f.taints),
+            [meshgate_api::names::DEFAULT_TAINT_KEY]
+        );
         let p = taint_patch(&s, &f.taints, false).unwrap();
         let node = json!({"spec": {"taints": f.taints}});
         let out = p.apply(&node).unwrap();
@@ -517,17 +572,27 @@ mod tests {
         let out = p.apply(&node).unwrap();
         assert_eq!(out["spec"]["taints"], json!([foreign(), gate_taint()]));
         // The list changed under us: the patch does not apply.
-        let changed = json!({"spec": {"taints": [foreign(), {"key": "new", "effect": "NoSchedule"}]}});
+        let changed =
+            json!({"spec": {"taints": [foreign(), {"key": "new", "effect": "NoSchedule"}]}});
         assert!(p.apply(&changed).is_err());
         // Nothing to do.
         assert!(taint_patch(&s, &[foreign(), gate_taint()], true).is_none());
         // No taints yet.
         let p = taint_patch(&s, &[], true).unwrap();
-        assert_eq!(p.apply(&json!({"spec": {}})).unwrap()["spec"]["taints"], json!([gate_taint()]));
+        assert_eq!(
+            p.apply(&json!({"spec": {}})).unwrap()["spec"]["taints"],
+            json!([gate_taint()])
+        );
         let mut s2 = s.clone();
-        s2.taint = GateTaint { key: "custom/key".into(), effect: TaintEffect::NoExecute };
+        s2.taint = GateTaint {
+            key: "custom/key".into(),
+            effect: TaintEffect::NoExecute,
+        };
         let p = taint_patch(&s2, &[], true).unwrap();
-        assert_eq!(p.0[0]["value"][0], json!({"key": "custom/key", "effect": "NoExecute"}));
+        assert_eq!(
+            p.0[0]["value"][0],
+            json!({"key": "custom/key", "effect": "NoExecute"})
+        );
     }
 
     #[test]
@@ -539,15 +604,58 @@ mod tests {
                 "nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "NotIn", "values": ["gpu"]}]}]}}},
             "tolerations": [{"key": "example.com/dedicated", "operator": "Exists"}],
         }})).unwrap();
-        let l = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect::<BTreeMap<_, _>>();
+        let l = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect::<BTreeMap<_, _>>()
+        };
         let key = meshgate_api::names::DEFAULT_TAINT_KEY;
-        assert!(daemonset_targets(&tpl, "n", &l(&[("kubernetes.io/os", "linux")]), &[gate_taint(), foreign()], key));
-        assert!(!daemonset_targets(&tpl, "n", &l(&[("kubernetes.io/os", "windows")]), &[], key));
-        assert!(!daemonset_targets(&tpl, "n", &l(&[("kubernetes.io/os", "linux"), ("pool", "gpu")]), &[], key));
-        let other = Taint { key: "example.com/other".into(), effect: "NoExecute".into(), ..Taint::default() };
-        assert!(!daemonset_targets(&tpl, "n", &l(&[("kubernetes.io/os", "linux")]), &[other], key));
-        let prefer = Taint { key: "x".into(), effect: "PreferNoSchedule".into(), ..Taint::default() };
-        assert!(daemonset_targets(&tpl, "n", &l(&[("kubernetes.io/os", "linux")]), &[prefer], key));
+        assert!(daemonset_targets(
+            &tpl,
+            "n",
+            &l(&[("kubernetes.io/os", "linux")]),
+            &[gate_taint(), foreign()],
+            key
+        ));
+        assert!(!daemonset_targets(
+            &tpl,
+            "n",
+            &l(&[("kubernetes.io/os", "windows")]),
+            &[],
+            key
+        ));
+        assert!(!daemonset_targets(
+            &tpl,
+            "n",
+            &l(&[("kubernetes.io/os", "linux"), ("pool", "gpu")]),
+            &[],
+            key
+        ));
+        let other = Taint {
+            key: "example.com/other".into(),
+            effect: "NoExecute".into(),
+            ..Taint::default()
+        };
+        assert!(!daemonset_targets(
+            &tpl,
+            "n",
+            &l(&[("kubernetes.io/os", "linux")]),
+            &[other],
+            key
+        ));
+        let prefer = Taint {
+            key: "x".into(),
+            effect: "PreferNoSchedule".into(),
+            ..Taint::default()
+        };
+        assert!(daemonset_targets(
+            &tpl,
+            "n",
+            &l(&[("kubernetes.io/os", "linux")]),
+            &[prefer],
+            key
+        ));
     }
 
     #[test]
@@ -558,12 +666,14 @@ mod tests {
         let p = resource_patch("meshgate.dev/mesh-ready", 100, false);
         assert!(p["status"]["capacity"]["meshgate.dev/mesh-ready"].is_null());
     }
-
 }
 
 /// The admission mutation of a Node CREATE: the startup taint of every gate that selects the
 /// node and asks for `taintOnCreate`, unless the node carries it already.
-pub fn taints_on_create<'s>(gates: impl IntoIterator<Item = &'s NodeGateSpec>, node: &Value) -> JsonPatch {
+pub fn taints_on_create<'s>(
+    gates: impl IntoIterator<Item = &'s NodeGateSpec>,
+    node: &Value,
+) -> JsonPatch {
     let labels = crate::select::Meta::of(node).labels;
     let existing: Vec<&str> = node
         .pointer("/spec/taints")
@@ -585,7 +695,11 @@ pub fn taints_on_create<'s>(gates: impl IntoIterator<Item = &'s NodeGateSpec>, n
     if new.is_empty() {
         return patch;
     }
-    if node.pointer("/spec/taints").and_then(Value::as_array).is_some() {
+    if node
+        .pointer("/spec/taints")
+        .and_then(Value::as_array)
+        .is_some()
+    {
         for t in new {
             patch.add("/spec/taints/-", t);
         }
@@ -605,7 +719,10 @@ mod create_tests {
 
     fn gate(key: &str, selector: LabelSelector) -> NodeGateSpec {
         NodeGateSpec {
-            taint: GateTaint { key: key.into(), ..GateTaint::default() },
+            taint: GateTaint {
+                key: key.into(),
+                ..GateTaint::default()
+            },
             agents: vec![Agent {
                 name: "cni".into(),
                 namespace: "kube-system".into(),
@@ -627,7 +744,10 @@ mod create_tests {
         let b = gate("b/not-ready", LabelSelector::labels([("pool", "mesh")]));
         let node = json!({"metadata": {"name": "n", "labels": {"pool": "other"}}, "spec": {}});
         let out = taints_on_create([&a, &b], &node).apply(&node).unwrap();
-        assert_eq!(out["spec"]["taints"], json!([{"key": "a/not-ready", "effect": "NoSchedule"}]));
+        assert_eq!(
+            out["spec"]["taints"],
+            json!([{"key": "a/not-ready", "effect": "NoSchedule"}])
+        );
         assert!(taints_on_create([&a, &b], &out).is_empty(), "idempotent");
         let node = json!({"metadata": {"labels": {"pool": "mesh"}},
                           "spec": {"taints": [{"key": "x", "effect": "NoExecute"}]}});

@@ -18,11 +18,13 @@ impl JsonPatch {
     }
 
     pub fn add(&mut self, path: impl Into<String>, value: Value) {
-        self.0.push(json!({"op": "add", "path": path.into(), "value": value}));
+        self.0
+            .push(json!({"op": "add", "path": path.into(), "value": value}));
     }
 
     pub fn move_to(&mut self, from: impl Into<String>, path: impl Into<String>) {
-        self.0.push(json!({"op": "move", "from": from.into(), "path": path.into()}));
+        self.0
+            .push(json!({"op": "move", "from": from.into(), "path": path.into()}));
     }
 
     /// Appends the operations of another patch.
@@ -68,7 +70,10 @@ mod tests {
 
     #[test]
     fn escapes_pointer_segments() {
-        assert_eq!(escape("meshgate.dev/mesh-ready"), "meshgate.dev~1mesh-ready");
+        assert_eq!(
+            escape("meshgate.dev/mesh-ready"),
+            "meshgate.dev~1mesh-ready"
+        );
         assert_eq!(escape("a~b"), "a~0b");
     }
 

@@ -69,7 +69,11 @@ fn client_config(r: &Registration<'_>, path: &str) -> Value {
 fn with_exclusions(mut ns: LabelSelector, excluded: &[String]) -> LabelSelector {
     if !excluded.is_empty() {
         let values: Vec<&str> = excluded.iter().map(String::as_str).collect();
-        ns = ns.with("kubernetes.io/metadata.name", SelectorOperator::NotIn, &values);
+        ns = ns.with(
+            "kubernetes.io/metadata.name",
+            SelectorOperator::NotIn,
+            &values,
+        );
     }
     ns
 }
@@ -91,10 +95,11 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
     }]);
     if c.init_gate.enabled || c.resource_gate.enabled {
         for clause in c.clauses() {
-            let object = clause
-                .object_selector
-                .clone()
-                .with(names::OPT_OUT, SelectorOperator::NotIn, &["false"]);
+            let object = clause.object_selector.clone().with(
+                names::OPT_OUT,
+                SelectorOperator::NotIn,
+                &["false"],
+            );
             webhooks.push(json!({
                 "name": format!("{}.gate.{}", clause.name, meshgate_api::DOMAIN),
                 "admissionReviewVersions": ["v1"],
@@ -202,7 +207,8 @@ pub fn node_taint_policy(gate_name: &str, gate: &NodeGateSpec, api: PolicyApi) -
     });
     let mut match_resources = json!({});
     if !gate.node_selector.is_empty() {
-        match_resources["objectSelector"] = serde_json::to_value(gate.node_selector.to_k8s()).unwrap_or(Value::Null);
+        match_resources["objectSelector"] =
+            serde_json::to_value(gate.node_selector.to_k8s()).unwrap_or(Value::Null);
     }
     let binding = json!({
         "apiVersion": api.api_version(),
@@ -274,7 +280,10 @@ mod tests {
         assert_eq!(gate["failurePolicy"], "Ignore");
         assert_eq!(gate["timeoutSeconds"], 5);
         assert_eq!(gate["clientConfig"]["service"]["path"], "/mutate/pod-gate");
-        assert_eq!(gate["namespaceSelector"]["matchLabels"]["istio-injection"], "enabled");
+        assert_eq!(
+            gate["namespaceSelector"]["matchLabels"]["istio-injection"],
+            "enabled"
+        );
         let excl = &gate["namespaceSelector"]["matchExpressions"][0];
         assert_eq!(excl["key"], "kubernetes.io/metadata.name");
         assert_eq!(excl["values"], json!(["kube-system", "meshgate-system"]));
@@ -297,11 +306,17 @@ mod tests {
         let obj_sel: LabelSelector =
             serde_json::from_value(mwc["webhooks"][0]["objectSelector"].clone()).unwrap();
         let meta = |pairs: &[(&str, &str)]| Meta {
-            labels: pairs.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect(),
+            labels: pairs
+                .iter()
+                .map(|(k, v)| ((*k).into(), (*v).into()))
+                .collect(),
             ..Meta::default()
         };
         let namespaces = [
-            meta(&[("istio.io/dataplane-mode", "ambient"), ("kubernetes.io/metadata.name", "a")]),
+            meta(&[
+                ("istio.io/dataplane-mode", "ambient"),
+                ("kubernetes.io/metadata.name", "a"),
+            ]),
             meta(&[("kubernetes.io/metadata.name", "b")]),
         ];
         let pods = [meta(&[]), meta(&[("istio.io/dataplane-mode", "none")])];
@@ -325,10 +340,18 @@ mod tests {
         .unwrap();
         let [policy, binding] = node_taint_policy("default", &gate, PolicyApi::V1);
         assert_eq!(policy["apiVersion"], "admissionregistration.k8s.io/v1");
-        let expr = policy["spec"]["mutations"][0]["jsonPatch"]["expression"].as_str().unwrap();
-        assert!(expr.contains("\"node.meshgate.dev/agent-not-ready\""), "{expr}");
+        let expr = policy["spec"]["mutations"][0]["jsonPatch"]["expression"]
+            .as_str()
+            .unwrap();
+        assert!(
+            expr.contains("\"node.meshgate.dev/agent-not-ready\""),
+            "{expr}"
+        );
         assert_eq!(binding["spec"]["policyName"], "meshgate-node-taint-default");
-        assert_eq!(binding["spec"]["matchResources"]["objectSelector"]["matchLabels"]["pool"], "mesh");
+        assert_eq!(
+            binding["spec"]["matchResources"]["objectSelector"]["matchLabels"]["pool"],
+            "mesh"
+        );
         assert_eq!(cel_string("a\"b\\"), "\"a\\\"b\\\\\"");
     }
 }

@@ -103,10 +103,17 @@ impl Ca {
     }
 
     /// A TLS server certificate for these DNS names and IP addresses.
-    pub fn issue_server(&self, names: &[&str], valid_for: Duration) -> Result<CertifiedKey, PkiError> {
+    pub fn issue_server(
+        &self,
+        names: &[&str],
+        valid_for: Duration,
+    ) -> Result<CertifiedKey, PkiError> {
         let mut params = CertificateParams::default();
         let mut dn = DistinguishedName::new();
-        dn.push(DnType::CommonName, names.first().copied().unwrap_or("meshgate"));
+        dn.push(
+            DnType::CommonName,
+            names.first().copied().unwrap_or("meshgate"),
+        );
         params.distinguished_name = dn;
         for name in names {
             let san = match name.parse::<IpAddr>() {
@@ -145,7 +152,11 @@ impl Ca {
         self.sign(params, valid_for)
     }
 
-    fn sign(&self, mut params: CertificateParams, valid_for: Duration) -> Result<CertifiedKey, PkiError> {
+    fn sign(
+        &self,
+        mut params: CertificateParams,
+        valid_for: Duration,
+    ) -> Result<CertifiedKey, PkiError> {
         let key = KeyPair::generate()?;
         let not_after_unix = validity(&mut params, valid_for);
         let cert = params.signed_by(&key, &self.issuer)?;
@@ -161,7 +172,9 @@ impl Ca {
 pub fn not_after_unix(cert_pem: &str) -> Result<i64, PkiError> {
     let (_, pem) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes())
         .map_err(|e| PkiError::Parse(e.to_string()))?;
-    let cert = pem.parse_x509().map_err(|e| PkiError::Parse(e.to_string()))?;
+    let cert = pem
+        .parse_x509()
+        .map_err(|e| PkiError::Parse(e.to_string()))?;
     Ok(cert.validity().not_after.timestamp())
 }
 
@@ -175,7 +188,9 @@ fn is_dns_name(name: &str) -> bool {
                 && label.len() <= 63
                 && !label.starts_with('-')
                 && !label.ends_with('-')
-                && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
         })
 }
 
@@ -197,7 +212,10 @@ mod tests {
     fn issues_pem_certificates() {
         let ca = Ca::new("test-ca", Duration::from_secs(3600)).unwrap();
         let server = ca
-            .issue_server(&["127.0.0.1", "meshgate.meshgate-system.svc"], Duration::from_secs(600))
+            .issue_server(
+                &["127.0.0.1", "meshgate.meshgate-system.svc"],
+                Duration::from_secs(600),
+            )
             .unwrap();
         assert!(server.cert_pem.starts_with("-----BEGIN CERTIFICATE-----"));
         assert!(server.key_pem.contains("PRIVATE KEY"));
@@ -208,10 +226,18 @@ mod tests {
             ca.certificate().not_after_unix,
         )
         .unwrap();
-        again.issue_client("admin", &["system:masters"], Duration::from_secs(60)).unwrap();
-        assert!(ca.issue_server(&["bad name!"], Duration::from_secs(1)).is_err());
+        again
+            .issue_client("admin", &["system:masters"], Duration::from_secs(60))
+            .unwrap();
+        assert!(
+            ca.issue_server(&["bad name!"], Duration::from_secs(1))
+                .is_err()
+        );
         // The validity read back from the PEM is what was issued.
-        assert_eq!(not_after_unix(&server.cert_pem).unwrap(), server.not_after_unix);
+        assert_eq!(
+            not_after_unix(&server.cert_pem).unwrap(),
+            server.not_after_unix
+        );
         assert!(not_after_unix("garbage").is_err());
     }
 }

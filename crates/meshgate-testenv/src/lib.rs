@@ -145,7 +145,9 @@ impl ControlPlane {
         };
         remove_stale_dirs(&parent);
         let dir = match Path::new("/dev/shm").is_dir() {
-            true => tempfile::Builder::new().prefix("meshgate-cp-").tempdir_in("/dev/shm"),
+            true => tempfile::Builder::new()
+                .prefix("meshgate-cp-")
+                .tempdir_in("/dev/shm"),
             false => tempfile::Builder::new().prefix("meshgate-cp-").tempdir(),
         }
         .map_err(io("creating the control plane's directory"))?;
@@ -160,7 +162,12 @@ impl ControlPlane {
 
         let ca = meshgate_pki::Ca::new("meshgate-test-ca", CERT_LIFETIME)?;
         let serving = ca.issue_server(
-            &["127.0.0.1", "localhost", "kubernetes", "kubernetes.default.svc"],
+            &[
+                "127.0.0.1",
+                "localhost",
+                "kubernetes",
+                "kubernetes.default.svc",
+            ],
             CERT_LIFETIME,
         )?;
         let admin = ca.issue_client("meshgate-test-admin", &["system:masters"], CERT_LIFETIME)?;
@@ -192,7 +199,12 @@ impl ControlPlane {
             ],
             &d.join("etcd.log"),
         )?;
-        wait_http(&etcd, &format!("{etcd_url}/health"), Duration::from_secs(30)).await?;
+        wait_http(
+            &etcd,
+            &format!("{etcd_url}/health"),
+            Duration::from_secs(30),
+        )
+        .await?;
 
         // kube-apiserver
         let port = free_port()?;
@@ -208,7 +220,10 @@ impl ControlPlane {
             format!("--client-ca-file={}", ca_file.display()),
             "--authorization-mode=RBAC".into(),
             format!("--service-account-key-file={}", sa_pub_file.display()),
-            format!("--service-account-signing-key-file={}", sa_key_file.display()),
+            format!(
+                "--service-account-signing-key-file={}",
+                sa_key_file.display()
+            ),
             "--service-account-issuer=https://kubernetes.default.svc".into(),
             "--disable-admission-plugins=ServiceAccount".into(),
             "--service-cluster-ip-range=10.96.0.0/16".into(),
@@ -284,18 +299,31 @@ impl ControlPlane {
             &self.bin.join("kube-scheduler"),
             &[
                 format!("--kubeconfig={}", self.kubeconfig_path.display()),
-                format!("--authentication-kubeconfig={}", self.kubeconfig_path.display()),
-                format!("--authorization-kubeconfig={}", self.kubeconfig_path.display()),
+                format!(
+                    "--authentication-kubeconfig={}",
+                    self.kubeconfig_path.display()
+                ),
+                format!(
+                    "--authorization-kubeconfig={}",
+                    self.kubeconfig_path.display()
+                ),
                 "--bind-address=127.0.0.1".into(),
                 format!("--secure-port={port}"),
-                format!("--cert-dir={}", self.dir().join("scheduler-certs").display()),
+                format!(
+                    "--cert-dir={}",
+                    self.dir().join("scheduler-certs").display()
+                ),
                 "--leader-elect=false".into(),
                 "--v=2".into(),
             ],
             &self.dir().join("kube-scheduler.log"),
         )?;
-        wait_http(&p, &format!("https://127.0.0.1:{port}/healthz"), Duration::from_secs(60))
-            .await?;
+        wait_http(
+            &p,
+            &format!("https://127.0.0.1:{port}/healthz"),
+            Duration::from_secs(60),
+        )
+        .await?;
         *slot = Some(p);
         Ok(())
     }
@@ -513,7 +541,10 @@ pub async fn make_node_ready(client: &Client, name: &str) -> Result<(), Error> {
     loop {
         let node = nodes.get(name).await?;
         let taints = node.spec.and_then(|s| s.taints).unwrap_or_default();
-        if !taints.iter().any(|t| t.key == "node.kubernetes.io/not-ready") {
+        if !taints
+            .iter()
+            .any(|t| t.key == "node.kubernetes.io/not-ready")
+        {
             return Ok(());
         }
         let kept: Vec<_> = taints

@@ -137,7 +137,10 @@ impl Process {
     /// Sends SIGTERM (a graceful stop), then waits for the exit.
     pub fn terminate(&self) {
         let pid = self.pid();
-        let _ = Command::new("kill").arg("-TERM").arg(pid.to_string()).status();
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(pid.to_string())
+            .status();
         if let Ok(mut c) = self.child.lock() {
             let _ = c.wait();
         }

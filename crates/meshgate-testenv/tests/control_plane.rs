@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::routing::post;
+use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhook, MutatingWebhookConfiguration, RuleWithOperations, WebhookClientConfig,
 };
 use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use k8s_openapi::ByteString;
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
 use meshgate_testenv::{ControlPlane, Options, shared};
 use serde_json::{Value, json};
@@ -75,7 +75,10 @@ where
 {
     let start = std::time::Instant::now();
     while !f().await {
-        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -92,7 +95,10 @@ async fn creates_namespace_node_and_pod() {
         .create(&PostParams::default(), &node(&name, &ns, vec![]))
         .await
         .unwrap();
-    assert_eq!(nodes.get(&name).await.unwrap().metadata.name.as_deref(), Some(name.as_str()));
+    assert_eq!(
+        nodes.get(&name).await.unwrap().metadata.name.as_deref(),
+        Some(name.as_str())
+    );
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     pods.create(&PostParams::default(), &pod("p", &[("app", "x")]))
@@ -106,7 +112,15 @@ async fn creates_namespace_node_and_pod() {
         .get(&ns)
         .await
         .unwrap();
-    assert_eq!(stored_ns.metadata.labels.unwrap().get("team").map(String::as_str), Some("a"));
+    assert_eq!(
+        stored_ns
+            .metadata
+            .labels
+            .unwrap()
+            .get("team")
+            .map(String::as_str),
+        Some("a")
+    );
     nodes.delete(&name, &DeleteParams::default()).await.unwrap();
 }
 
@@ -138,10 +152,18 @@ async fn scheduler_binds_to_schedulable_node_and_respects_taints() {
         spec.node_selector = selector(&free_group).node_selector;
     }
     pods.create(&PostParams::default(), &p).await.unwrap();
-    wait_for("the scheduler to bind the pod", Duration::from_secs(60), || async {
-        pods.get("bound").await.ok().and_then(|p| p.spec?.node_name).as_deref()
-            == Some(free.as_str())
-    })
+    wait_for(
+        "the scheduler to bind the pod",
+        Duration::from_secs(60),
+        || async {
+            pods.get("bound")
+                .await
+                .ok()
+                .and_then(|p| p.spec?.node_name)
+                .as_deref()
+                == Some(free.as_str())
+        },
+    )
     .await;
 
     // The only matching node is tainted NoSchedule: the pod stays Pending and unbound, and the
@@ -154,7 +176,10 @@ async fn scheduler_binds_to_schedulable_node_and_respects_taints() {
         ..Taint::default()
     };
     nodes
-        .create(&PostParams::default(), &node(&tainted, &tainted_group, vec![taint]))
+        .create(
+            &PostParams::default(),
+            &node(&tainted, &tainted_group, vec![taint]),
+        )
         .await
         .unwrap();
     make_node_ready(&nodes, &tainted).await;
@@ -163,16 +188,26 @@ async fn scheduler_binds_to_schedulable_node_and_respects_taints() {
         spec.node_selector = selector(&tainted_group).node_selector;
     }
     pods.create(&PostParams::default(), &p).await.unwrap();
-    wait_for("the scheduler to report the pod unschedulable", Duration::from_secs(60), || async {
-        pods.get("pending").await.ok().and_then(|p| p.status?.conditions).is_some_and(|cs| {
-            cs.iter().any(|c| {
-                c.type_ == "PodScheduled"
-                    && c.status == "False"
-                    && c.reason.as_deref() == Some("Unschedulable")
-                    && c.message.as_deref().is_some_and(|m| m.contains("untolerated taint"))
-            })
-        })
-    })
+    wait_for(
+        "the scheduler to report the pod unschedulable",
+        Duration::from_secs(60),
+        || async {
+            pods.get("pending")
+                .await
+                .ok()
+                .and_then(|p| p.status?.conditions)
+                .is_some_and(|cs| {
+                    cs.iter().any(|c| {
+                        c.type_ == "PodScheduled"
+                            && c.status == "False"
+                            && c.reason.as_deref() == Some("Unschedulable")
+                            && c.message
+                                .as_deref()
+                                .is_some_and(|m| m.contains("untolerated taint"))
+                    })
+                })
+        },
+    )
     .await;
     let pending = pods.get("pending").await.unwrap();
     assert_eq!(pending.spec.unwrap().node_name, None);
@@ -209,12 +244,17 @@ async fn review(Json(review): Json<Value>) -> Json<Value> {
 async fn api_server_calls_a_tls_webhook_and_applies_its_patch() {
     let cp = control_plane().await;
     let client = cp.client().await.unwrap();
-    let ns = cp.namespace("webhook", &[("webhook-test", "on")]).await.unwrap();
+    let ns = cp
+        .namespace("webhook", &[("webhook-test", "on")])
+        .await
+        .unwrap();
 
     // The webhook: a TLS server on loopback with a certificate from a CA made here.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let ca = meshgate_pki::Ca::new("webhook-test-ca", Duration::from_secs(3600)).unwrap();
-    let serving = ca.issue_server(&["127.0.0.1"], Duration::from_secs(3600)).unwrap();
+    let serving = ca
+        .issue_server(&["127.0.0.1"], Duration::from_secs(3600))
+        .unwrap();
     let tls = axum_server::tls_rustls::RustlsConfig::from_pem(
         serving.cert_pem.into_bytes(),
         serving.key_pem.into_bytes(),
@@ -269,7 +309,10 @@ async fn api_server_calls_a_tls_webhook_and_applies_its_patch() {
         }]),
     };
     let configs: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-    configs.create(&PostParams::default(), &config).await.unwrap();
+    configs
+        .create(&PostParams::default(), &config)
+        .await
+        .unwrap();
 
     // The API server picks up new webhook configurations asynchronously: retry the create of a
     // probe pod until it comes back mutated.
@@ -284,7 +327,11 @@ async fn api_server_calls_a_tls_webhook_and_applies_its_patch() {
                 .create(&PostParams::default(), &pod(&probe, &[]))
                 .await
                 .expect("pod created");
-            created.metadata.labels.unwrap_or_default().contains_key("mutated-by")
+            created
+                .metadata
+                .labels
+                .unwrap_or_default()
+                .contains_key("mutated-by")
         }
     })
     .await;
@@ -294,13 +341,26 @@ async fn api_server_calls_a_tls_webhook_and_applies_its_patch() {
         .await
         .unwrap();
     let labels = created.metadata.labels.unwrap();
-    assert_eq!(labels.get("mutated-by").map(String::as_str), Some("test-webhook"));
-    assert_eq!(labels.get("app").map(String::as_str), Some("web"), "existing labels kept");
+    assert_eq!(
+        labels.get("mutated-by").map(String::as_str),
+        Some("test-webhook")
+    );
+    assert_eq!(
+        labels.get("app").map(String::as_str),
+        Some("web"),
+        "existing labels kept"
+    );
     // What the API server stored, not only what it answered.
     let stored = pods.get("app").await.unwrap().metadata.labels.unwrap();
-    assert_eq!(stored.get("mutated-by").map(String::as_str), Some("test-webhook"));
+    assert_eq!(
+        stored.get("mutated-by").map(String::as_str),
+        Some("test-webhook")
+    );
     assert!(calls.load(std::sync::atomic::Ordering::SeqCst) >= 2);
 
-    configs.delete(&name, &DeleteParams::default()).await.unwrap();
+    configs
+        .delete(&name, &DeleteParams::default())
+        .await
+        .unwrap();
     server.abort();
 }

@@ -46,24 +46,40 @@ pub fn parse(review: &Value) -> Result<Request<'_>, ReviewError> {
         ));
     }
     let Some(request) = review.get("request").filter(|r| r.is_object()) else {
-        return Err(ReviewError::Unanswerable("AdmissionReview has no request object".into()));
+        return Err(ReviewError::Unanswerable(
+            "AdmissionReview has no request object".into(),
+        ));
     };
-    let Some(uid) = request.get("uid").and_then(Value::as_str).filter(|u| !u.is_empty()) else {
-        return Err(ReviewError::Unanswerable("request.uid is missing or not a string".into()));
+    let Some(uid) = request
+        .get("uid")
+        .and_then(Value::as_str)
+        .filter(|u| !u.is_empty())
+    else {
+        return Err(ReviewError::Unanswerable(
+            "request.uid is missing or not a string".into(),
+        ));
     };
     let invalid = |message: String| ReviewError::Invalid {
         uid: uid.to_owned(),
         message,
     };
-    let api_version = review.get("apiVersion").and_then(Value::as_str).unwrap_or_default();
+    let api_version = review
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
     if api_version != API_VERSION {
         return Err(invalid(format!(
             "apiVersion {api_version:?} is not supported: this webhook speaks {API_VERSION}"
         )));
     }
-    let kind_field = review.get("kind").and_then(Value::as_str).unwrap_or_default();
+    let kind_field = review
+        .get("kind")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
     if kind_field != "AdmissionReview" {
-        return Err(invalid(format!("kind {kind_field:?} is not AdmissionReview")));
+        return Err(invalid(format!(
+            "kind {kind_field:?} is not AdmissionReview"
+        )));
     }
     let str_field = |path: &str| request.pointer(path).and_then(Value::as_str);
     let Some(kind) = str_field("/kind/kind") else {
@@ -73,11 +89,15 @@ pub fn parse(review: &Value) -> Result<Request<'_>, ReviewError> {
         return Err(invalid("request.operation is missing".into()));
     };
     if !["CREATE", "UPDATE", "DELETE", "CONNECT"].contains(&operation) {
-        return Err(invalid(format!("request.operation {operation:?} is not an admission operation")));
+        return Err(invalid(format!(
+            "request.operation {operation:?} is not an admission operation"
+        )));
     }
     let object = request.get("object").unwrap_or(&NULL);
     if matches!(operation, "CREATE" | "UPDATE") && !object.is_object() {
-        return Err(invalid(format!("request.object must be an object for {operation}")));
+        return Err(invalid(format!(
+            "request.object must be an object for {operation}"
+        )));
     }
     Ok(Request {
         uid,
@@ -86,9 +106,16 @@ pub fn parse(review: &Value) -> Result<Request<'_>, ReviewError> {
         namespace: str_field("/namespace").unwrap_or_default(),
         name: str_field("/name")
             .or_else(|| object.pointer("/metadata/name").and_then(Value::as_str))
-            .or_else(|| object.pointer("/metadata/generateName").and_then(Value::as_str))
+            .or_else(|| {
+                object
+                    .pointer("/metadata/generateName")
+                    .and_then(Value::as_str)
+            })
             .unwrap_or_default(),
-        dry_run: request.get("dryRun").and_then(Value::as_bool).unwrap_or(false),
+        dry_run: request
+            .get("dryRun")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
         object,
     })
 }
@@ -136,14 +163,20 @@ mod tests {
     fn reads_a_review() {
         let v = good();
         let r = parse(&v).unwrap();
-        assert_eq!((r.uid, r.kind, r.operation, r.namespace, r.name, r.dry_run), ("u1", "Pod", "CREATE", "ns", "web-", true));
+        assert_eq!(
+            (r.uid, r.kind, r.operation, r.namespace, r.name, r.dry_run),
+            ("u1", "Pod", "CREATE", "ns", "web-", true)
+        );
     }
 
     #[test]
     fn names_what_is_wrong() {
         let cases: Vec<(Value, &str)> = vec![
             (json!([]), "expected a JSON object"),
-            (json!({"apiVersion": "admission.k8s.io/v1"}), "no request object"),
+            (
+                json!({"apiVersion": "admission.k8s.io/v1"}),
+                "no request object",
+            ),
             (json!({"request": {"uid": 3}}), "request.uid"),
         ];
         for (v, want) in cases {
@@ -154,10 +187,14 @@ mod tests {
         }
         let mut v = good();
         v["apiVersion"] = json!("admission.k8s.io/v1beta1");
-        assert!(matches!(parse(&v), Err(ReviewError::Invalid { message, .. }) if message.contains("v1beta1")));
+        assert!(
+            matches!(parse(&v), Err(ReviewError::Invalid { message, .. }) if message.contains("v1beta1"))
+        );
         let mut v = good();
         v["request"]["object"] = json!("x");
-        assert!(matches!(parse(&v), Err(ReviewError::Invalid { message, .. }) if message.contains("request.object")));
+        assert!(
+            matches!(parse(&v), Err(ReviewError::Invalid { message, .. }) if message.contains("request.object"))
+        );
         let mut v = good();
         v["request"]["operation"] = json!("PATCH");
         assert!(parse(&v).is_err());

@@ -65,20 +65,36 @@ impl Metrics {
         let cert_reload_errors = Counter::default();
         let in_flight = Gauge::default();
         let mut registry = Registry::with_prefix("meshgate_webhook");
-        registry.register("reviews", "Admission reviews answered, by path and outcome", reviews.clone());
+        registry.register(
+            "reviews",
+            "Admission reviews answered, by path and outcome",
+            reviews.clone(),
+        );
         registry.register(
             "review_duration_seconds",
             "Time to answer one admission review, by path",
             latency.clone(),
         );
-        registry.register("mutations", "Mutations applied, by kind of mutation", mutations.clone());
-        registry.register("cert_reloads", "Serving certificate reloads", cert_reloads.clone());
+        registry.register(
+            "mutations",
+            "Mutations applied, by kind of mutation",
+            mutations.clone(),
+        );
+        registry.register(
+            "cert_reloads",
+            "Serving certificate reloads",
+            cert_reloads.clone(),
+        );
         registry.register(
             "cert_reload_errors",
             "Serving certificate reloads that failed (the old certificate stays)",
             cert_reload_errors.clone(),
         );
-        registry.register("in_flight_reviews", "Reviews being answered", in_flight.clone());
+        registry.register(
+            "in_flight_reviews",
+            "Reviews being answered",
+            in_flight.clone(),
+        );
         Self {
             reviews,
             latency,

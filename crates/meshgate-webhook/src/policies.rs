@@ -30,7 +30,12 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
     if !SUPPORTED_KINDS.contains(&req.kind) {
         return Ok(unchanged("unsupported-kind"));
     }
-    if app.config.excluded_namespaces.iter().any(|n| n == req.namespace) {
+    if app
+        .config
+        .excluded_namespaces
+        .iter()
+        .any(|n| n == req.namespace)
+    {
         return Ok(unchanged("excluded-namespace"));
     }
     let policies = app.sources.policies();
@@ -47,7 +52,11 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
         namespace: req.namespace,
         namespace_labels: &ns.labels,
     };
-    match policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), req.object, &ctx) {
+    match policy::apply(
+        policies.iter().map(|(n, s)| (n.as_str(), s)),
+        req.object,
+        &ctx,
+    ) {
         Ok(applied) if applied.changed() => {
             if !req.dry_run {
                 app.metrics

@@ -82,7 +82,10 @@ pub fn health_router(app: App) -> Router {
             "/metrics",
             get(|State(app): State<App>| async move {
                 (
-                    [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+                    [(
+                        header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
                     app.metrics.encode(),
                 )
             }),
@@ -91,7 +94,12 @@ pub fn health_router(app: App) -> Router {
 }
 
 fn plain(status: StatusCode, message: String) -> Response {
-    (status, [(header::CONTENT_TYPE, "text/plain; charset=utf-8")], message).into_response()
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        message,
+    )
+        .into_response()
 }
 
 fn json_response(v: &Value) -> Response {
@@ -101,7 +109,13 @@ fn json_response(v: &Value) -> Response {
 
 /// Reads the body as a review, handles it with `f`, and records metrics. `f` returns the patch,
 /// warnings, the outcome word for metrics and the mutation kinds applied.
-async fn serve<F>(app: &App, path: &'static str, headers: &HeaderMap, body: &Bytes, f: F) -> Response
+async fn serve<F>(
+    app: &App,
+    path: &'static str,
+    headers: &HeaderMap,
+    body: &Bytes,
+    f: F,
+) -> Response
 where
     F: AsyncFnOnce(Request<'_>) -> Result<Handled, (u16, String)>,
 {
@@ -158,7 +172,10 @@ where
         Ok(r) => r,
         Err(ReviewError::Unanswerable(m)) => return (plain(StatusCode::BAD_REQUEST, m), "invalid"),
         Err(ReviewError::Invalid { uid, message }) => {
-            return (json_response(&admission::deny(&uid, 400, &message)), "invalid");
+            return (
+                json_response(&admission::deny(&uid, 400, &message)),
+                "invalid",
+            );
         }
     };
     let uid = request.uid.to_owned();
@@ -177,11 +194,17 @@ where
         Ok(h) => {
             span.record("decision", h.outcome);
             span.in_scope(|| tracing::debug!(ops = h.patch.len(), "answered"));
-            (json_response(&admission::allow(&uid, &h.patch, &h.warnings)), h.outcome)
+            (
+                json_response(&admission::allow(&uid, &h.patch, &h.warnings)),
+                h.outcome,
+            )
         }
         Err((code, message)) => {
             span.in_scope(|| tracing::warn!(code, %message, "refused"));
-            (json_response(&admission::deny(&uid, code, &message)), "error")
+            (
+                json_response(&admission::deny(&uid, code, &message)),
+                "error",
+            )
         }
     }
 }
@@ -218,7 +241,9 @@ async fn pod_gate(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Re
         if !patch.is_empty() && !req.dry_run {
             a.metrics
                 .mutations
-                .get_or_create(&MutationLabels { mutation: "init-gate" })
+                .get_or_create(&MutationLabels {
+                    mutation: "init-gate",
+                })
                 .inc();
         }
         Ok(Handled {
@@ -242,11 +267,17 @@ async fn node_taint(State(app): State<App>, headers: HeaderMap, body: Bytes) -> 
         }
         let gates = a.sources.node_gates();
         let patch = meshgate_core::nodegate::taints_on_create(gates.iter(), req.object);
-        let outcome = if patch.is_empty() { "unchanged" } else { "mutated" };
+        let outcome = if patch.is_empty() {
+            "unchanged"
+        } else {
+            "mutated"
+        };
         if !patch.is_empty() && !req.dry_run {
             a.metrics
                 .mutations
-                .get_or_create(&MutationLabels { mutation: "node-taint" })
+                .get_or_create(&MutationLabels {
+                    mutation: "node-taint",
+                })
                 .inc();
         }
         Ok(Handled {
@@ -445,7 +476,9 @@ pub struct Server {
 
 impl std::fmt::Debug for Server {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Server").field("addr", &self.addr).finish_non_exhaustive()
+        f.debug_struct("Server")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
     }
 }
 
@@ -521,10 +554,10 @@ impl Server {
         self.app.ready.store(false, Ordering::Release);
         // Connections not yet read from may carry a review already: let them be read first.
         self.fresh.drain(grace / 2).await;
-        self.handle.graceful_shutdown(Some(grace.saturating_sub(start.elapsed())));
+        self.handle
+            .graceful_shutdown(Some(grace.saturating_sub(start.elapsed())));
         self.task
             .await
             .map_err(|e| ServerError::Serve(std::io::Error::other(e.to_string())))?
     }
 }
-

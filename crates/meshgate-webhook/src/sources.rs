@@ -52,7 +52,10 @@ pub struct SourceError {
     source: kube::Error,
 }
 
-fn meta_of(labels: Option<&BTreeMap<String, String>>, annotations: Option<&BTreeMap<String, String>>) -> Meta {
+fn meta_of(
+    labels: Option<&BTreeMap<String, String>>,
+    annotations: Option<&BTreeMap<String, String>>,
+) -> Meta {
     Meta {
         labels: labels.cloned().unwrap_or_default(),
         annotations: annotations.cloned().unwrap_or_default(),
@@ -90,13 +93,19 @@ impl Sources {
         .for_each(|_| async {});
         let pol_stream = reflector::reflector(
             pol_writer,
-            watcher(Api::<MutationPolicy>::all(client.clone()), watcher::Config::default()),
+            watcher(
+                Api::<MutationPolicy>::all(client.clone()),
+                watcher::Config::default(),
+            ),
         )
         .default_backoff()
         .for_each(|_| async {});
         let gate_stream = reflector::reflector(
             gate_writer,
-            watcher(Api::<NodeGate>::all(client.clone()), watcher::Config::default()),
+            watcher(
+                Api::<NodeGate>::all(client.clone()),
+                watcher::Config::default(),
+            ),
         )
         .default_backoff()
         .for_each(|_| async {});
@@ -135,12 +144,17 @@ impl Sources {
     /// A namespace's labels and annotations (empty for an unknown namespace in fixed data).
     pub async fn namespace(&self, name: &str) -> Result<Meta, SourceError> {
         match &*self.0 {
-            Inner::Fixed { namespaces, .. } => Ok(namespaces.get(name).cloned().unwrap_or_default()),
+            Inner::Fixed { namespaces, .. } => {
+                Ok(namespaces.get(name).cloned().unwrap_or_default())
+            }
             Inner::Cluster {
                 client, namespaces, ..
             } => {
                 if let Some(ns) = namespaces.get(&ObjectRef::new(name)) {
-                    return Ok(meta_of(ns.metadata.labels.as_ref(), ns.metadata.annotations.as_ref()));
+                    return Ok(meta_of(
+                        ns.metadata.labels.as_ref(),
+                        ns.metadata.annotations.as_ref(),
+                    ));
                 }
                 let ns = Api::<Namespace>::all(client.clone())
                     .get_metadata(name)
@@ -149,7 +163,10 @@ impl Sources {
                         name: name.to_owned(),
                         source,
                     })?;
-                Ok(meta_of(ns.metadata.labels.as_ref(), ns.metadata.annotations.as_ref()))
+                Ok(meta_of(
+                    ns.metadata.labels.as_ref(),
+                    ns.metadata.annotations.as_ref(),
+                ))
             }
         }
     }

@@ -47,7 +47,11 @@ fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
 }
 
 /// A rustls server configuration (TLS 1.2 and 1.3, ring, ALPN h2 and http/1.1) from PEM.
-pub fn server_config(cert_pem: &[u8], key_pem: &[u8], files: &CertFiles) -> Result<Arc<ServerConfig>, TlsError> {
+pub fn server_config(
+    cert_pem: &[u8],
+    key_pem: &[u8],
+    files: &CertFiles,
+) -> Result<Arc<ServerConfig>, TlsError> {
     let cert_path = files.cert.display().to_string();
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_pem)
         .collect::<Result<_, _>>()
@@ -87,7 +91,13 @@ fn fingerprint(cert: &[u8], key: &[u8]) -> u64 {
 }
 
 /// Polls the files every `interval` and reloads `config` when their content changes.
-pub async fn reload_loop(config: RustlsConfig, files: CertFiles, mut current: u64, interval: Duration, metrics: Metrics) {
+pub async fn reload_loop(
+    config: RustlsConfig,
+    files: CertFiles,
+    mut current: u64,
+    interval: Duration,
+    metrics: Metrics,
+) {
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

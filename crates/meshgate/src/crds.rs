@@ -9,8 +9,14 @@ use meshgate_api::{MutationPolicy, NodeGate};
 /// `(file name, YAML)` of every CRD.
 pub fn manifests() -> anyhow::Result<Vec<(&'static str, String)>> {
     Ok(vec![
-        ("nodegates.meshgate.dev.yaml", serde_yaml::to_string(&NodeGate::crd())?),
-        ("mutationpolicies.meshgate.dev.yaml", serde_yaml::to_string(&MutationPolicy::crd())?),
+        (
+            "nodegates.meshgate.dev.yaml",
+            serde_yaml::to_string(&NodeGate::crd())?,
+        ),
+        (
+            "mutationpolicies.meshgate.dev.yaml",
+            serde_yaml::to_string(&MutationPolicy::crd())?,
+        ),
     ])
 }
 

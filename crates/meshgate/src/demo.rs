@@ -30,7 +30,11 @@ struct Story {
 impl Story {
     fn say(&mut self, text: &str) {
         self.step += 1;
-        println!("[{:>6.1}s] {}. {text}", self.start.elapsed().as_secs_f64(), self.step);
+        println!(
+            "[{:>6.1}s] {}. {text}",
+            self.start.elapsed().as_secs_f64(),
+            self.step
+        );
     }
     fn detail(&self, text: &str) {
         println!("           {text}");
@@ -58,7 +62,11 @@ fn taint_keys(n: &Node) -> Vec<String> {
     n.spec
         .as_ref()
         .and_then(|s| s.taints.as_ref())
-        .map(|ts| ts.iter().map(|t| format!("{}:{}", t.key, t.effect)).collect())
+        .map(|ts| {
+            ts.iter()
+                .map(|t| format!("{}:{}", t.key, t.effect))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -88,7 +96,12 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         let crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition =
             serde_yaml::from_str(&yaml)?;
         let name = crd.metadata.name.clone().unwrap_or_default();
-        crds.patch(&name, &PatchParams::apply("meshgate").force(), &Patch::Apply(&crd)).await?;
+        crds.patch(
+            &name,
+            &PatchParams::apply("meshgate").force(),
+            &Patch::Apply(&crd),
+        )
+        .await?;
         poll(&format!("CRD {name}"), Duration::from_secs(30), || {
             let crds = crds.clone();
             let name = name.clone();
@@ -133,10 +146,17 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         policies: true,
         node_taint: true,
     });
-    let mwc: k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration = serde_json::from_value(mwc)?;
-    Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(client.clone())
-        .patch("meshgate", &PatchParams::apply("meshgate").force(), &Patch::Apply(&mwc))
-        .await?;
+    let mwc: k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration =
+        serde_json::from_value(mwc)?;
+    Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(
+        client.clone(),
+    )
+    .patch(
+        "meshgate",
+        &PatchParams::apply("meshgate").force(),
+        &Patch::Apply(&mwc),
+    )
+    .await?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let controller_client = client.clone();
     let controller = tokio::spawn(async move {
@@ -189,16 +209,23 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
             "mode": "Continuous",
         },
     }))?;
-    Api::<NodeGate>::all(client.clone()).create(&PostParams::default(), &gate).await?;
+    Api::<NodeGate>::all(client.clone())
+        .create(&PostParams::default(), &gate)
+        .await?;
     // The webhook learns the gate through its watch.
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     story.say("A new node registers (think: the autoscaler added it)");
     let nodes: Api<Node> = Api::all(client.clone());
-    let node: Node = serde_json::from_value(json!({"metadata": {"name": "node-1", "labels": {"kubernetes.io/os": "linux"}}}))?;
+    let node: Node = serde_json::from_value(
+        json!({"metadata": {"name": "node-1", "labels": {"kubernetes.io/os": "linux"}}}),
+    )?;
     let created = nodes.create(&PostParams::default(), &node).await?;
     meshgate_testenv::make_node_ready(&client, "node-1").await?;
-    story.detail(&format!("node-1 registered with taints {:?}", taint_keys(&created)));
+    story.detail(&format!(
+        "node-1 registered with taints {:?}",
+        taint_keys(&created)
+    ));
     story.detail("the kubelet reports Ready; the mesh agents on node-1 are still starting");
 
     story.say("A mesh pod is created in namespace shop (ambient mode)");
@@ -215,21 +242,29 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         .map(|cs| cs.iter().map(|c| c.name.clone()).collect())
         .unwrap_or_default();
     story.detail(&format!("stored with init containers {inits:?}"));
-    let why = poll("the scheduler to hold the pod back", Duration::from_secs(30), || {
-        let pods = pods.clone();
-        async move {
-            let p = pods.get("web").await.ok()?;
-            p.status?.conditions?.into_iter().find_map(|c| {
-                (c.type_ == "PodScheduled" && c.status == "False").then(|| c.message.unwrap_or_default())
-            })
-        }
-    })
+    let why = poll(
+        "the scheduler to hold the pod back",
+        Duration::from_secs(30),
+        || {
+            let pods = pods.clone();
+            async move {
+                let p = pods.get("web").await.ok()?;
+                p.status?.conditions?.into_iter().find_map(|c| {
+                    (c.type_ == "PodScheduled" && c.status == "False")
+                        .then(|| c.message.unwrap_or_default())
+                })
+            }
+        },
+    )
     .await?;
     story.detail(&format!("Pending: {why}"));
 
     story.say("The CNI agent and the node proxy on node-1 become Ready");
     let agents: Api<Pod> = Api::namespaced(client.clone(), "mesh-system");
-    for (name, app) in [("mesh-cni-node-1", "mesh-cni"), ("mesh-node-proxy-node-1", "mesh-node-proxy")] {
+    for (name, app) in [
+        ("mesh-cni-node-1", "mesh-cni"),
+        ("mesh-node-proxy-node-1", "mesh-node-proxy"),
+    ] {
         let p: Pod = serde_json::from_value(json!({
             "metadata": {"name": name, "labels": {"app": app}},
             "spec": {"nodeName": "node-1", "tolerations": [{"operator": "Exists"}],
@@ -242,22 +277,33 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         let now = k8s_openapi::jiff::Timestamp::now().to_string();
         let status = json!({"status": {"phase": "Running", "conditions": [
             {"type": "Ready", "status": "True", "lastTransitionTime": now}]}});
-        agents.patch_status(name, &PatchParams::default(), &Patch::Merge(&status)).await?;
+        agents
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await?;
     }
     poll("the taint to be removed", Duration::from_secs(30), || {
         let nodes = nodes.clone();
         async move {
             let n = nodes.get("node-1").await.ok()?;
-            (!taint_keys(&n).iter().any(|t| t.starts_with("node.meshgate.dev/"))).then_some(())
+            (!taint_keys(&n)
+                .iter()
+                .any(|t| t.starts_with("node.meshgate.dev/")))
+            .then_some(())
         }
     })
     .await?;
     let untaint_ms = ready_at.elapsed().as_millis();
-    story.detail(&format!("meshgate removed the startup taint {untaint_ms} ms after the agents were Ready"));
-    let bound = poll("the scheduler to bind the pod", Duration::from_secs(30), || {
-        let pods = pods.clone();
-        async move { pods.get("web").await.ok()?.spec?.node_name }
-    })
+    story.detail(&format!(
+        "meshgate removed the startup taint {untaint_ms} ms after the agents were Ready"
+    ));
+    let bound = poll(
+        "the scheduler to bind the pod",
+        Duration::from_secs(30),
+        || {
+            let pods = pods.clone();
+            async move { pods.get("web").await.ok()?.spec?.node_name }
+        },
+    )
     .await?;
     story.detail(&format!("shop/web scheduled to {bound}; its first init container meshgate-wait holds the app until the node proxy's listener exists in the pod"));
 
@@ -287,21 +333,33 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         .get("traffic.sidecar.istio.io/excludeOutboundIPRanges")
         .cloned()
         .unwrap_or_else(|| "<missing>".into());
-    story.detail(&format!("kubeflow-user/notebook: traffic.sidecar.istio.io/excludeOutboundIPRanges = {annotation}"));
+    story.detail(&format!(
+        "kubeflow-user/notebook: traffic.sidecar.istio.io/excludeOutboundIPRanges = {annotation}"
+    ));
 
     story.say("Summary");
     let status = crate::status::collect(&client).await?;
     print!("{}", crate::status::table(&status));
     println!();
-    println!("  node-1 was held by its startup taint until both agents were Ready; the taint lifted after {untaint_ms} ms;");
+    println!(
+        "  node-1 was held by its startup taint until both agents were Ready; the taint lifted after {untaint_ms} ms;"
+    );
     println!("  shop/web waited Pending, then ran on node-1 behind its meshgate-wait gate;");
-    println!("  kubeflow-user/notebook got {annotation:?} from the kubeflow policy (trade-off: all its outbound traffic bypasses the mesh).");
+    println!(
+        "  kubeflow-user/notebook got {annotation:?} from the kubeflow policy (trade-off: all its outbound traffic bypasses the mesh)."
+    );
 
     if options.keep {
         println!();
         println!("The control plane and meshgate keep running. Try:");
-        println!("  kubectl --kubeconfig {} get nodegates,mutationpolicies,nodes,pods -A", cp.kubeconfig_path.display());
-        println!("  meshgate status --kubeconfig {}", cp.kubeconfig_path.display());
+        println!(
+            "  kubectl --kubeconfig {} get nodegates,mutationpolicies,nodes,pods -A",
+            cp.kubeconfig_path.display()
+        );
+        println!(
+            "  meshgate status --kubeconfig {}",
+            cp.kubeconfig_path.display()
+        );
         println!("Stop with Ctrl-C (or SIGTERM): everything is torn down.");
         crate::run::shutdown_signal().await;
     }

@@ -9,7 +9,10 @@ pub async fn policy_api(client: &kube::Client) -> Option<PolicyApi> {
         (PolicyApi::V1beta1, "admissionregistration.k8s.io/v1beta1"),
     ] {
         if let Ok(list) = client.list_api_group_resources(group_version).await
-            && list.resources.iter().any(|r| r.name == "mutatingadmissionpolicies")
+            && list
+                .resources
+                .iter()
+                .any(|r| r.name == "mutatingadmissionpolicies")
         {
             return Some(api);
         }

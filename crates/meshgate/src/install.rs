@@ -50,7 +50,10 @@ pub fn gate_config(profile: &str, namespace: &str, image: &str) -> anyhow::Resul
         "istio-ambient" => vec![Profile::IstioAmbient],
         "istio-sidecar" | "kubeflow" => vec![Profile::IstioSidecar],
         "linkerd" => vec![Profile::Linkerd],
-        other => anyhow::bail!("--profile {other:?}: expected one of {}", PROFILES.join(", ")),
+        other => anyhow::bail!(
+            "--profile {other:?}: expected one of {}",
+            PROFILES.join(", ")
+        ),
     };
     let mut config = GateConfig {
         profiles,
@@ -86,14 +89,18 @@ fn default_gate(profile: &str) -> Option<NodeGate> {
         }),
         _ => return None,
     };
-    serde_json::from_value(spec).ok().map(|spec| NodeGate::new("mesh-agents", spec))
+    serde_json::from_value(spec)
+        .ok()
+        .map(|spec| NodeGate::new("mesh-agents", spec))
 }
 
 /// Every manifest, in apply order.
 pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     let ns = o.namespace.as_str();
     let config = gate_config(&o.profile, ns, &o.image)?;
-    let mut out = vec![json!({"apiVersion": "v1", "kind": "Namespace", "metadata": meta(ns, None, "namespace")})];
+    let mut out = vec![
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": meta(ns, None, "namespace")}),
+    ];
     for (_, yaml) in crate::crds::manifests()? {
         out.push(serde_yaml::from_str(&yaml)?);
     }
@@ -140,7 +147,10 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         "data": {"config.yaml": serde_yaml::to_string(&config)?}}));
     let service = format!("meshgate-webhook.{ns}.svc");
     let ca = meshgate_pki::Ca::new("meshgate-ca", Duration::from_secs(3 * 365 * 24 * 3600))?;
-    let serving = ca.issue_server(&[&service, &format!("meshgate-webhook.{ns}")], Duration::from_secs(365 * 24 * 3600))?;
+    let serving = ca.issue_server(
+        &[&service, &format!("meshgate-webhook.{ns}")],
+        Duration::from_secs(365 * 24 * 3600),
+    )?;
     // The controller renews both before expiry and keeps the caBundle current
     // (meshgate_controller::certs); these are the first ones, so the webhook can start at once.
     out.push(json!({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta("meshgate-ca", Some(ns), "controller"),
@@ -149,7 +159,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         "stringData": {"tls.crt": serving.cert_pem, "tls.key": serving.key_pem, "ca.crt": ca.certificate().cert_pem}}));
 
     // The webhook.
-    let selector = json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": "webhook"});
+    let selector =
+        json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": "webhook"});
     out.push(json!({"apiVersion": "v1", "kind": "Service", "metadata": meta("meshgate-webhook", Some(ns), "webhook"),
         "spec": {"selector": selector, "ports": [{"name": "https", "port": 443, "targetPort": "https"}]}}));
     out.push(deployment(ns, "webhook", &o.image,
@@ -160,14 +171,30 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     out.push(json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta("meshgate-webhook", Some(ns), "webhook"),
         "spec": {"minAvailable": 1, "selector": {"matchLabels": selector}}}));
     // The controller.
-    out.push(deployment(ns, "controller", &o.image,
-        json!(["controller", "--lease-namespace", ns, "--manage-certs", "--log-json"]),
-        json!([{"name": "health", "containerPort": 8080}]), json!([]), json!([])));
+    out.push(deployment(
+        ns,
+        "controller",
+        &o.image,
+        json!([
+            "controller",
+            "--lease-namespace",
+            ns,
+            "--manage-certs",
+            "--log-json"
+        ]),
+        json!([{"name": "health", "containerPort": 8080}]),
+        json!([]),
+        json!([]),
+    ));
     // Registration.
     let mut mwc = webhook_configuration(&Registration {
         name: "meshgate",
         config: &config,
-        target: WebhookTarget::Service { namespace: ns.into(), name: "meshgate-webhook".into(), port: 443 },
+        target: WebhookTarget::Service {
+            namespace: ns.into(),
+            name: "meshgate-webhook".into(),
+            port: 443,
+        },
         ca_bundle_pem: &ca.certificate().cert_pem,
         policies: true,
         node_taint: true,
@@ -181,15 +208,25 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         out.push(g);
     }
     if o.profile == "kubeflow" {
-        for doc in crate::render::parse_documents("deploy/policies/kubeflow.yaml", KUBEFLOW_POLICY)? {
+        for doc in crate::render::parse_documents("deploy/policies/kubeflow.yaml", KUBEFLOW_POLICY)?
+        {
             out.push(doc);
         }
     }
     Ok(out)
 }
 
-fn deployment(ns: &str, component: &str, image: &str, args: Value, ports: Value, mounts: Value, volumes: Value) -> Value {
-    let selector = json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": component});
+fn deployment(
+    ns: &str,
+    component: &str,
+    image: &str,
+    args: Value,
+    ports: Value,
+    mounts: Value,
+    volumes: Value,
+) -> Value {
+    let selector =
+        json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": component});
     json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": meta(&format!("meshgate-{component}"), Some(ns), component),
@@ -251,7 +288,12 @@ pub fn masked(docs: &[Value]) -> Vec<Value> {
 
 /// Applies the manifests with server-side apply (field manager `meshgate`), printing progress;
 /// `dry_run` asks the API server to validate without persisting.
-pub async fn apply(client: &kube::Client, docs: &[Value], dry_run: bool, mut progress: impl FnMut(&str)) -> anyhow::Result<()> {
+pub async fn apply(
+    client: &kube::Client,
+    docs: &[Value],
+    dry_run: bool,
+    mut progress: impl FnMut(&str),
+) -> anyhow::Result<()> {
     use kube::api::{Api, DynamicObject, Patch, PatchParams};
     use kube::discovery::{ApiResource, Discovery, Scope};
     let mut pp = PatchParams::apply("meshgate").force();
@@ -283,15 +325,28 @@ pub async fn apply(client: &kube::Client, docs: &[Value], dry_run: bool, mut pro
         api.patch(name, &pp, &Patch::Apply(&obj))
             .await
             .map_err(|e| anyhow::anyhow!("{kind} {name}: {e}"))?;
-        progress(&format!("{kind}/{name} {}", if dry_run { "valid (dry run)" } else { "applied" }));
+        progress(&format!(
+            "{kind}/{name} {}",
+            if dry_run {
+                "valid (dry run)"
+            } else {
+                "applied"
+            }
+        ));
         if kind == "CustomResourceDefinition" && !dry_run {
             let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
                 Api::all(client.clone());
             let start = std::time::Instant::now();
             loop {
-                let established = crds.get(name).await.ok().and_then(|c| c.status?.conditions).is_some_and(|cs| {
-                    cs.iter().any(|c| c.type_ == "Established" && c.status == "True")
-                });
+                let established = crds
+                    .get(name)
+                    .await
+                    .ok()
+                    .and_then(|c| c.status?.conditions)
+                    .is_some_and(|cs| {
+                        cs.iter()
+                            .any(|c| c.type_ == "Established" && c.status == "True")
+                    });
                 if established {
                     break;
                 }

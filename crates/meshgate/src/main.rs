@@ -146,9 +146,13 @@ enum ImportFrom {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo tells its own story on stdout; only problems go to the log.
-    let quiet = matches!(cli.command, Command::Demo { .. }) && std::env::var_os("RUST_LOG").is_none();
+    let quiet =
+        matches!(cli.command, Command::Demo { .. }) && std::env::var_os("RUST_LOG").is_none();
     logging::init(cli.log_json, if quiet { "warn" } else { "info" });
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("meshgate: cannot start the async runtime: {e}");
@@ -257,7 +261,9 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     lease,
                     health_addr: Some(health_addr),
                     node_gate: Default::default(),
-                    certs: manage_certs.then(|| meshgate_controller::certs::CertSettings::new(&lease_namespace_for_certs)),
+                    certs: manage_certs.then(|| {
+                        meshgate_controller::certs::CertSettings::new(&lease_namespace_for_certs)
+                    }),
                     repair,
                 },
                 run::shutdown_signal(),
@@ -285,7 +291,10 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 let mut parts = item.splitn(3, '=');
                 match (parts.next(), parts.next(), parts.next()) {
                     (Some(ns), Some(k), Some(v)) if !ns.is_empty() && !k.is_empty() => {
-                        labels.entry(ns.into()).or_default().insert(k.into(), v.into());
+                        labels
+                            .entry(ns.into())
+                            .or_default()
+                            .insert(k.into(), v.into());
                     }
                     _ => anyhow::bail!("--namespace-label {item:?}: expected NS=key=value"),
                 }
@@ -303,7 +312,11 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             dry_run,
             kubeconfig,
         } => {
-            let docs = meshgate::install::render(&meshgate::install::InstallOptions { profile, namespace, image })?;
+            let docs = meshgate::install::render(&meshgate::install::InstallOptions {
+                profile,
+                namespace,
+                image,
+            })?;
             if !apply {
                 print!("{}", render::to_yaml_stream(&docs)?);
                 return Ok(());
@@ -316,7 +329,14 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 eprintln!("[{n}/{total}] {line}");
             })
             .await?;
-            eprintln!("meshgate installed{}", if dry_run { " (dry run: nothing persisted)" } else { "" });
+            eprintln!(
+                "meshgate installed{}",
+                if dry_run {
+                    " (dry run: nothing persisted)"
+                } else {
+                    ""
+                }
+            );
             Ok(())
         }
         Command::Demo { keep } => meshgate::demo::run(meshgate::demo::DemoOptions { keep }).await,

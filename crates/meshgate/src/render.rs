@@ -70,7 +70,10 @@ pub fn read_policies(path: &Path) -> Result<Policies, InputError> {
             index,
             message,
         };
-        let api_version = doc.get("apiVersion").and_then(Value::as_str).unwrap_or_default();
+        let api_version = doc
+            .get("apiVersion")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
         let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
         if api_version.starts_with("kyverno.io/") {
             let imported = meshgate_core::kyverno::import(&doc).map_err(|e| err(e.to_string()))?;
@@ -108,7 +111,12 @@ pub fn to_yaml_stream(docs: &[Value]) -> Result<String, serde_yaml::Error> {
 }
 
 /// The `render` command: the mutated objects (or their patches) as YAML.
-pub fn render(manifests: &[std::path::PathBuf], policy_files: &[std::path::PathBuf], ns_labels: &BTreeMap<String, BTreeMap<String, String>>, patches: bool) -> anyhow::Result<(String, Vec<String>)> {
+pub fn render(
+    manifests: &[std::path::PathBuf],
+    policy_files: &[std::path::PathBuf],
+    ns_labels: &BTreeMap<String, BTreeMap<String, String>>,
+    patches: bool,
+) -> anyhow::Result<(String, Vec<String>)> {
     let mut policies = Vec::new();
     let mut notes = Vec::new();
     for p in policy_files {
@@ -119,11 +127,17 @@ pub fn render(manifests: &[std::path::PathBuf], policy_files: &[std::path::PathB
     let mut out = Vec::new();
     for m in manifests {
         let docs = read_documents(m)?;
-        let rendered = meshgate_core::policy::render(docs, &policies, &|ns| ns_labels.get(ns).cloned().unwrap_or_default())
-            .map_err(|e| anyhow::anyhow!("{}: {e}", m.display()))?;
+        let rendered = meshgate_core::policy::render(docs, &policies, &|ns| {
+            ns_labels.get(ns).cloned().unwrap_or_default()
+        })
+        .map_err(|e| anyhow::anyhow!("{}: {e}", m.display()))?;
         for r in rendered {
             for w in &r.warnings {
-                notes.push(format!("{}: document {}: warning: {w}", m.display(), r.index));
+                notes.push(format!(
+                    "{}: document {}: warning: {w}",
+                    m.display(),
+                    r.index
+                ));
             }
             if patches {
                 out.push(serde_json::json!({
@@ -146,7 +160,8 @@ pub fn import_kyverno(path: &Path) -> anyhow::Result<(String, Vec<String>)> {
     let mut out = Vec::new();
     let mut notes = Vec::new();
     for (index, doc) in read_documents(path)?.into_iter().enumerate() {
-        let imported = meshgate_core::kyverno::import(&doc).map_err(|e| anyhow::anyhow!("{file}: document {index}: {e}"))?;
+        let imported = meshgate_core::kyverno::import(&doc)
+            .map_err(|e| anyhow::anyhow!("{file}: document {index}: {e}"))?;
         notes.extend(imported.notes);
         for (name, spec) in imported.policies {
             let p = MutationPolicy::new(&name, spec);
@@ -177,6 +192,9 @@ mod tests {
         .unwrap();
         let err = read_policies(&p).unwrap_err().to_string();
         assert!(err.contains("p.yaml: document 0: "), "{err}");
-        assert!(err.contains("onConflict") || err.contains("Sometimes"), "{err}");
+        assert!(
+            err.contains("onConflict") || err.contains("Sometimes"),
+            "{err}"
+        );
     }
 }

@@ -68,7 +68,9 @@ pub async fn run_controller(
 ) -> anyhow::Result<()> {
     let metrics = meshgate_controller::Metrics::new();
     let repair_metrics = meshgate_controller::repair::RepairMetrics::new();
-    s.repair.validate().map_err(|e| anyhow::anyhow!("repair settings: {e}"))?;
+    s.repair
+        .validate()
+        .map_err(|e| anyhow::anyhow!("repair settings: {e}"))?;
     let leader = match s.lease {
         Some(lease) => leader::elect(client.clone(), lease).await?,
         None => leader::always(),

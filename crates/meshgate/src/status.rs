@@ -59,8 +59,12 @@ fn ready(p: &Pod) -> bool {
 
 /// Reads the cluster.
 pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
-    let gates = Api::<NodeGate>::all(client.clone()).list(&ListParams::default()).await?;
-    let nodes = Api::<Node>::all(client.clone()).list(&ListParams::default()).await?;
+    let gates = Api::<NodeGate>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    let nodes = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
     let mut pods_by_ns: BTreeMap<String, Vec<Pod>> = BTreeMap::new();
     for g in &gates {
         for a in &g.spec.agents {
@@ -91,8 +95,14 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
                         .get(&a.namespace)
                         .into_iter()
                         .flatten()
-                        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(name.as_str()))
-                        .filter(|p| a.selector.matches(p.metadata.labels.as_ref().unwrap_or(&empty)))
+                        .filter(|p| {
+                            p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+                                == Some(name.as_str())
+                        })
+                        .filter(|p| {
+                            a.selector
+                                .matches(p.metadata.labels.as_ref().unwrap_or(&empty))
+                        })
                         .collect();
                     if on_node.iter().any(|p| ready(p)) {
                         AgentState::Ready { since: now }
@@ -103,7 +113,11 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
                     }
                 })
                 .collect();
-            let taints = n.spec.as_ref().and_then(|s| s.taints.clone()).unwrap_or_default();
+            let taints = n
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.clone())
+                .unwrap_or_default();
             let resource = g.spec.resource.as_ref().map(|r| {
                 n.status
                     .as_ref()
@@ -117,7 +131,11 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
                     labels,
                     annotations: n.metadata.annotations.as_ref().unwrap_or(&empty),
                     taints: &taints,
-                    created: n.metadata.creation_timestamp.as_ref().map_or(now, |t| t.0.as_second()),
+                    created: n
+                        .metadata
+                        .creation_timestamp
+                        .as_ref()
+                        .map_or(now, |t| t.0.as_second()),
                     agents: &agents,
                     resource_advertised: resource.as_deref().is_some_and(|r| r != "-"),
                     now,
@@ -147,7 +165,11 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
             let existing = status.existing.clone().unwrap_or_default();
             PolicyRow {
                 policy: p.metadata.name.clone().unwrap_or_default(),
-                kinds: if p.spec.match_.kinds.is_empty() { "Pod".into() } else { p.spec.match_.kinds.join(",") },
+                kinds: if p.spec.match_.kinds.is_empty() {
+                    "Pod".into()
+                } else {
+                    p.spec.match_.kinds.join(",")
+                },
                 ready: status
                     .conditions
                     .iter()
@@ -155,7 +177,9 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
                     .map_or_else(|| "-".into(), |c| c.status.clone()),
                 existing_matched: existing.matched,
                 existing_mutated: existing.mutated,
-                last_applied: existing.last_applied.map_or_else(|| "-".into(), |t| t.0.to_string()),
+                last_applied: existing
+                    .last_applied
+                    .map_or_else(|| "-".into(), |t| t.0.to_string()),
             }
         })
         .collect();
@@ -169,7 +193,14 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
                 w.client_config
                     .service
                     .as_ref()
-                    .map(|s| format!("svc/{}.{}{}", s.name, s.namespace, s.path.clone().unwrap_or_default()))
+                    .map(|s| {
+                        format!(
+                            "svc/{}.{}{}",
+                            s.name,
+                            s.namespace,
+                            s.path.clone().unwrap_or_default()
+                        )
+                    })
                     .unwrap_or_default()
             });
             webhooks.push(WebhookRow {
@@ -233,7 +264,14 @@ pub fn table(s: &Status) -> String {
     ));
     out.push_str("\nPOLICIES\n");
     out.push_str(&table_of(
-        &["POLICY", "KINDS", "READY", "EXISTING-MATCHED", "EXISTING-MUTATED", "LAST-APPLIED"],
+        &[
+            "POLICY",
+            "KINDS",
+            "READY",
+            "EXISTING-MATCHED",
+            "EXISTING-MUTATED",
+            "LAST-APPLIED",
+        ],
         s.policies
             .iter()
             .map(|r| {
@@ -253,7 +291,14 @@ pub fn table(s: &Status) -> String {
         &["CONFIGURATION", "WEBHOOK", "TARGET", "FAILURE-POLICY"],
         s.webhooks
             .iter()
-            .map(|r| vec![r.configuration.clone(), r.webhook.clone(), r.target.clone(), r.failure_policy.clone()])
+            .map(|r| {
+                vec![
+                    r.configuration.clone(),
+                    r.webhook.clone(),
+                    r.target.clone(),
+                    r.failure_policy.clone(),
+                ]
+            })
             .collect(),
     ));
     out

@@ -42,28 +42,62 @@ async fn creates_rotates_and_keeps_the_bundle_current() {
 
     // First pass: everything is created and the bundle is the new CA.
     let out = reconcile_once(&client, &s).await.unwrap();
-    assert_eq!(out, CertOutcome { ca_rotated: true, cert_rotated: true, bundle_updated: true });
+    assert_eq!(
+        out,
+        CertOutcome {
+            ca_rotated: true,
+            cert_rotated: true,
+            bundle_updated: true
+        }
+    );
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
     let ca = text(&secrets.get("meshgate-ca").await.unwrap(), "ca.crt");
     let tls = secrets.get("meshgate-webhook-tls").await.unwrap();
     assert_eq!(text(&tls, "ca.crt"), ca);
     let not_after = meshgate_pki::not_after_unix(&text(&tls, "tls.crt")).unwrap();
-    assert!(not_after > meshgate_controller::now() + 80 * 86_400, "90-day serving certificate");
+    assert!(
+        not_after > meshgate_controller::now() + 80 * 86_400,
+        "90-day serving certificate"
+    );
     let bundle = |m: &MutatingWebhookConfiguration| {
-        String::from_utf8(m.webhooks.as_ref().unwrap()[0].client_config.ca_bundle.clone().unwrap().0).unwrap()
+        String::from_utf8(
+            m.webhooks.as_ref().unwrap()[0]
+                .client_config
+                .ca_bundle
+                .clone()
+                .unwrap()
+                .0,
+        )
+        .unwrap()
     };
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
     assert_eq!(bundle(&mwcs.get(&name).await.unwrap()), ca);
 
     // Nothing to do on the next pass.
-    assert_eq!(reconcile_once(&client, &s).await.unwrap(), CertOutcome::default());
+    assert_eq!(
+        reconcile_once(&client, &s).await.unwrap(),
+        CertOutcome::default()
+    );
 
     // Serving certificate inside the renewal window: renewed, same CA, bundle unchanged.
     let mut short = s.clone();
     short.renew_before = Duration::from_secs(100 * 86_400);
     let out = reconcile_once(&client, &short).await.unwrap();
-    assert_eq!(out, CertOutcome { ca_rotated: false, cert_rotated: true, bundle_updated: false });
-    assert_ne!(text(&secrets.get("meshgate-webhook-tls").await.unwrap(), "tls.crt"), text(&tls, "tls.crt"));
+    assert_eq!(
+        out,
+        CertOutcome {
+            ca_rotated: false,
+            cert_rotated: true,
+            bundle_updated: false
+        }
+    );
+    assert_ne!(
+        text(
+            &secrets.get("meshgate-webhook-tls").await.unwrap(),
+            "tls.crt"
+        ),
+        text(&tls, "tls.crt")
+    );
 
     // CA inside its renewal window: a new CA, a new certificate from it, and a bundle that still
     // trusts the old CA while it is valid.
@@ -71,11 +105,23 @@ async fn creates_rotates_and_keeps_the_bundle_current() {
     ca_short.renew_before = Duration::from_secs(4 * 365 * 86_400);
     ca_short.cert_validity = Duration::from_secs(5 * 365 * 86_400);
     let out = reconcile_once(&client, &ca_short).await.unwrap();
-    assert!(out.ca_rotated && out.cert_rotated && out.bundle_updated, "{out:?}");
+    assert!(
+        out.ca_rotated && out.cert_rotated && out.bundle_updated,
+        "{out:?}"
+    );
     let new_ca = text(&secrets.get("meshgate-ca").await.unwrap(), "ca.crt");
     assert_ne!(new_ca, ca);
-    assert_eq!(text(&secrets.get("meshgate-webhook-tls").await.unwrap(), "ca.crt"), new_ca);
+    assert_eq!(
+        text(
+            &secrets.get("meshgate-webhook-tls").await.unwrap(),
+            "ca.crt"
+        ),
+        new_ca
+    );
     let b = bundle(&mwcs.get(&name).await.unwrap());
-    assert!(b.starts_with(&new_ca) && b.contains(&ca), "bundle has the new and the old CA");
+    assert!(
+        b.starts_with(&new_ca) && b.contains(&ca),
+        "bundle has the new and the old CA"
+    );
     mwcs.delete(&name, &Default::default()).await.unwrap();
 }

@@ -41,7 +41,11 @@ async fn setup() -> (kube::Client, std::sync::Arc<meshgate_testenv::ControlPlane
                 ..GateConfig::default()
             };
             let webhook = start_webhook(&cp, config.clone()).await;
-            register(&client, &webhook.registration("meshgate", &config, false, false)).await;
+            register(
+                &client,
+                &webhook.registration("meshgate", &config, false, false),
+            )
+            .await;
             // Registration reaches the API server's admission chain asynchronously.
             let ns = cp.namespace("warmup", &[AMBIENT]).await.expect("ns");
             let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
@@ -51,8 +55,14 @@ async fn setup() -> (kube::Client, std::sync::Arc<meshgate_testenv::ControlPlane
                 let pods = pods.clone();
                 async move {
                     let p: Pod = serde_json::from_value(pod(&format!("probe-{n}"))).expect("pod");
-                    let dry = PostParams { dry_run: true, ..Default::default() };
-                    pods.create(&dry, &p).await.ok().is_some_and(|p| has_gate(&p))
+                    let dry = PostParams {
+                        dry_run: true,
+                        ..Default::default()
+                    };
+                    pods.create(&dry, &p)
+                        .await
+                        .ok()
+                        .is_some_and(|p| has_gate(&p))
                 }
             })
             .await;
@@ -79,7 +89,9 @@ async fn create(client: &kube::Client, ns: &str, pod: Value) -> Pod {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let p: Pod = serde_json::from_value(pod).expect("pod");
     let name = p.metadata.name.clone().expect("name");
-    pods.create(&PostParams::default(), &p).await.expect("pod created");
+    pods.create(&PostParams::default(), &p)
+        .await
+        .expect("pod created");
     pods.get(&name).await.expect("stored pod")
 }
 
@@ -89,13 +101,30 @@ async fn pod_in_selected_namespace_is_stored_with_the_gate_first() {
     let ns = cp.namespace("gated", &[AMBIENT]).await.unwrap();
     let stored = create(&client, &ns, pod("plain")).await;
     assert_eq!(init_names(&stored), ["meshgate-wait"]);
-    let gate = &stored.spec.as_ref().unwrap().init_containers.as_ref().unwrap()[0];
+    let gate = &stored
+        .spec
+        .as_ref()
+        .unwrap()
+        .init_containers
+        .as_ref()
+        .unwrap()[0];
     let sc = gate.security_context.as_ref().unwrap();
     assert_eq!(sc.run_as_non_root, Some(true));
     assert_eq!(sc.read_only_root_filesystem, Some(true));
     assert_eq!(sc.allow_privilege_escalation, Some(false));
-    assert_eq!(sc.capabilities.as_ref().unwrap().drop.as_deref(), Some(&["ALL".to_owned()][..]));
-    assert!(gate.resources.as_ref().unwrap().limits.as_ref().unwrap().contains_key("memory"));
+    assert_eq!(
+        sc.capabilities.as_ref().unwrap().drop.as_deref(),
+        Some(&["ALL".to_owned()][..])
+    );
+    assert!(
+        gate.resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .as_ref()
+            .unwrap()
+            .contains_key("memory")
+    );
 
     // Existing init containers and native sidecars come after the gate.
     let mut p = pod("with-inits");
@@ -135,11 +164,20 @@ async fn server_side_dry_run_comes_back_mutated_and_stores_nothing() {
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let p: Pod = serde_json::from_value(pod("dry")).unwrap();
     let answered = pods
-        .create(&PostParams { dry_run: true, ..Default::default() }, &p)
+        .create(
+            &PostParams {
+                dry_run: true,
+                ..Default::default()
+            },
+            &p,
+        )
         .await
         .unwrap();
     assert_eq!(init_names(&answered), ["meshgate-wait"]);
-    assert!(pods.get_opt("dry").await.unwrap().is_none(), "dry run stored nothing");
+    assert!(
+        pods.get_opt("dry").await.unwrap().is_none(),
+        "dry run stored nothing"
+    );
 }
 
 /// Another injector, called after meshgate, that puts its own init container first: the API
@@ -148,13 +186,21 @@ async fn server_side_dry_run_comes_back_mutated_and_stores_nothing() {
 #[tokio::test]
 async fn reinvocation_leaves_exactly_one_gate_in_front() {
     let (client, cp) = setup().await;
-    let ns = cp.namespace("reinvoke", &[AMBIENT, ("reinvoke-test", "on")]).await.unwrap();
-
-    let ca = meshgate_pki::Ca::new("injector-ca", Duration::from_secs(3600)).unwrap();
-    let serving = ca.issue_server(&["127.0.0.1"], Duration::from_secs(3600)).unwrap();
-    let tls = axum_server::tls_rustls::RustlsConfig::from_pem(serving.cert_pem.into_bytes(), serving.key_pem.into_bytes())
+    let ns = cp
+        .namespace("reinvoke", &[AMBIENT, ("reinvoke-test", "on")])
         .await
         .unwrap();
+
+    let ca = meshgate_pki::Ca::new("injector-ca", Duration::from_secs(3600)).unwrap();
+    let serving = ca
+        .issue_server(&["127.0.0.1"], Duration::from_secs(3600))
+        .unwrap();
+    let tls = axum_server::tls_rustls::RustlsConfig::from_pem(
+        serving.cert_pem.into_bytes(),
+        serving.key_pem.into_bytes(),
+    )
+    .await
+    .unwrap();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let app = axum::Router::new().route(
@@ -174,12 +220,18 @@ async fn reinvocation_leaves_exactly_one_gate_in_front() {
                         "value": [{"name": "mesh-init", "image": "registry.invalid/init:1"}]}])
             };
             let patch = serde_json::to_vec(&ops).unwrap_or_default();
-            Json(json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            Json(
+                json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
                 "response": {"uid": review["request"]["uid"], "allowed": true,
-                             "patchType": "JSONPatch", "patch": k8s_openapi::ByteString(patch)}}))
+                             "patchType": "JSONPatch", "patch": k8s_openapi::ByteString(patch)}}),
+            )
         }),
     );
-    let server = tokio::spawn(axum_server::from_tcp_rustls(listener, tls).unwrap().serve(app.into_make_service()));
+    let server = tokio::spawn(
+        axum_server::from_tcp_rustls(listener, tls)
+            .unwrap()
+            .serve(app.into_make_service()),
+    );
     let mwc = json!({
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
         "metadata": {"name": "zz-other-injector"},
@@ -196,31 +248,51 @@ async fn reinvocation_leaves_exactly_one_gate_in_front() {
     register(&client, &mwc).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let mut n = 0;
-    wait_for("the other injector to be active", Duration::from_secs(30), || {
-        n += 1;
-        let pods = pods.clone();
-        async move {
-            let p: Pod = serde_json::from_value(pod(&format!("probe-{n}"))).unwrap();
-            let dry = PostParams { dry_run: true, ..Default::default() };
-            pods.create(&dry, &p).await.ok().is_some_and(|p| init_names(&p).contains(&"mesh-init".to_owned()))
-        }
-    })
+    wait_for(
+        "the other injector to be active",
+        Duration::from_secs(30),
+        || {
+            n += 1;
+            let pods = pods.clone();
+            async move {
+                let p: Pod = serde_json::from_value(pod(&format!("probe-{n}"))).unwrap();
+                let dry = PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                pods.create(&dry, &p)
+                    .await
+                    .ok()
+                    .is_some_and(|p| init_names(&p).contains(&"mesh-init".to_owned()))
+            }
+        },
+    )
     .await;
 
     let stored = create(&client, &ns, pod("both")).await;
-    assert_eq!(init_names(&stored), ["meshgate-wait", "mesh-init"], "one gate, in front");
+    assert_eq!(
+        init_names(&stored),
+        ["meshgate-wait", "mesh-init"],
+        "one gate, in front"
+    );
 
-    kube::Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(client.clone())
-        .delete("zz-other-injector", &Default::default())
-        .await
-        .unwrap();
+    kube::Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(
+        client.clone(),
+    )
+    .delete("zz-other-injector", &Default::default())
+    .await
+    .unwrap();
     server.abort();
 }
 
 fn meshgate_wait() -> std::path::PathBuf {
     // target/<profile>/deps/init_gate-… → target/<profile>/meshgate-wait
     let exe = std::env::current_exe().expect("test executable");
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target directory").to_owned();
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target directory")
+        .to_owned();
     let bin = dir.join("meshgate-wait");
     if !bin.exists() {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -244,13 +316,25 @@ async fn the_stored_gate_runs() {
     let command = gate.command.unwrap();
     let args = gate.args.unwrap();
     assert_eq!(command, ["/meshgate-wait"]);
-    assert!(args.windows(2).any(|w| w[0] == "--tcp-listening" && w[1] == gate_port().to_string()), "{args:?}");
+    assert!(
+        args.windows(2)
+            .any(|w| w[0] == "--tcp-listening" && w[1] == gate_port().to_string()),
+        "{args:?}"
+    );
     let bin = meshgate_wait();
 
     // Ready: something listens on the port.
     let listener = std::net::TcpListener::bind(("127.0.0.1", gate_port())).unwrap();
-    let out = std::process::Command::new(&bin).args(&args).output().unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new(&bin)
+        .args(&args)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stderr).contains("ready"));
     drop(listener);
 
@@ -258,8 +342,14 @@ async fn the_stored_gate_runs() {
     let mut short = args.clone();
     let i = short.iter().position(|a| a == "--timeout").unwrap();
     short[i + 1] = "500ms".into();
-    let out = std::process::Command::new(&bin).args(&short).output().unwrap();
+    let out = std::process::Command::new(&bin)
+        .args(&short)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1), "timed out exit code");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("timed out") && stderr.contains(&format!("tcp-listening {}", gate_port())), "{stderr}");
+    assert!(
+        stderr.contains("timed out") && stderr.contains(&format!("tcp-listening {}", gate_port())),
+        "{stderr}"
+    );
 }

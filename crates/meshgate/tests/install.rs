@@ -30,14 +30,21 @@ fn golden_manifests() {
             std::fs::write(&path, &text).unwrap();
         }
         let golden = std::fs::read_to_string(&path).unwrap_or_default();
-        assert!(golden == text, "{} differs from the rendered manifests; review and update with MESHGATE_UPDATE_GOLDEN=1", path.display());
+        assert!(
+            golden == text,
+            "{} differs from the rendered manifests; review and update with MESHGATE_UPDATE_GOLDEN=1",
+            path.display()
+        );
     }
 }
 
 #[test]
 fn an_unknown_profile_is_named() {
     let err = render(&options("consul")).unwrap_err().to_string();
-    assert!(err.contains("\"consul\"") && err.contains("istio-ambient"), "{err}");
+    assert!(
+        err.contains("\"consul\"") && err.contains("istio-ambient"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
@@ -56,11 +63,26 @@ async fn every_profile_passes_server_side_dry_run_apply() {
         apply(&client, &rest, true, |line| applied.push(line.to_owned()))
             .await
             .unwrap_or_else(|e| panic!("profile {profile}: {e}"));
-        assert_eq!(applied.len(), rest.len(), "profile {profile}: every object validated");
-        assert!(applied.iter().any(|l| l.starts_with("Deployment/meshgate-webhook")));
-        assert!(applied.iter().any(|l| l.starts_with("MutatingWebhookConfiguration/meshgate")));
+        assert_eq!(
+            applied.len(),
+            rest.len(),
+            "profile {profile}: every object validated"
+        );
+        assert!(
+            applied
+                .iter()
+                .any(|l| l.starts_with("Deployment/meshgate-webhook"))
+        );
+        assert!(
+            applied
+                .iter()
+                .any(|l| l.starts_with("MutatingWebhookConfiguration/meshgate"))
+        );
     }
     // Dry run persisted nothing.
-    let mwcs = kube::Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(client.clone());
+    let mwcs =
+        kube::Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(
+            client.clone(),
+        );
     assert!(mwcs.get_opt("meshgate").await.unwrap().is_none());
 }

@@ -75,7 +75,11 @@ async fn start_replica(kubeconfig: std::path::PathBuf, identity: &str) -> Replic
 
 /// Control plane with scheduler, CRDs, meshgate's webhook (node taint path, resource gate for
 /// ambient namespaces), and two controller replicas sharing a lease.
-async fn setup() -> (kube::Client, Arc<meshgate_testenv::ControlPlane>, &'static Shared) {
+async fn setup() -> (
+    kube::Client,
+    Arc<meshgate_testenv::ControlPlane>,
+    &'static Shared,
+) {
     static SHARED: OnceCell<Shared> = OnceCell::const_new();
     let cp = control_plane(true).await;
     let client = cp.client().await.expect("client");
@@ -95,7 +99,11 @@ async fn setup() -> (kube::Client, Arc<meshgate_testenv::ControlPlane>, &'static
                 ..GateConfig::default()
             };
             let webhook = start_webhook(&cp, config.clone()).await;
-            register(&client, &webhook.registration("meshgate", &config, false, true)).await;
+            register(
+                &client,
+                &webhook.registration("meshgate", &config, false, true),
+            )
+            .await;
             std::mem::forget(webhook);
             let replicas = vec![
                 start_replica(cp.kubeconfig_path.clone(), "replica-a").await,
@@ -139,7 +147,12 @@ fn foreign_taint() -> Value {
 }
 
 /// Registers a node as kubelet would (with a foreign taint of the user's), then makes it Ready.
-async fn create_node(client: &kube::Client, name: &str, pool: &str, extra_labels: &[(&str, &str)]) -> Node {
+async fn create_node(
+    client: &kube::Client,
+    name: &str,
+    pool: &str,
+    extra_labels: &[(&str, &str)],
+) -> Node {
     let mut labels = json!({"pool": pool});
     for (k, v) in extra_labels {
         labels[*k] = json!(v);
@@ -154,7 +167,9 @@ async fn create_node(client: &kube::Client, name: &str, pool: &str, extra_labels
         .create(&PostParams::default(), &node)
         .await
         .expect("node created");
-    meshgate_testenv::make_node_ready(client, name).await.expect("node ready");
+    meshgate_testenv::make_node_ready(client, name)
+        .await
+        .expect("node ready");
     created
 }
 
@@ -167,7 +182,10 @@ fn taint_keys(node: &Node) -> Vec<String> {
 }
 
 async fn node_has_taint(client: &kube::Client, name: &str) -> bool {
-    let node = Api::<Node>::all(client.clone()).get(name).await.expect("node");
+    let node = Api::<Node>::all(client.clone())
+        .get(name)
+        .await
+        .expect("node");
     assert!(
         taint_keys(&node).contains(&"example.com/dedicated".to_owned()),
         "the foreign taint survives every operation: {:?}",
@@ -247,15 +265,20 @@ async fn new_node_is_tainted_until_its_agents_are_ready_then_the_pod_binds() {
 
     let node = format!("{pool}-node");
     let created = create_node(&client, &node, &pool, &[]).await;
-    assert!(taint_keys(&created).contains(&TAINT.to_owned()), "tainted at creation by the webhook");
+    assert!(
+        taint_keys(&created).contains(&TAINT.to_owned()),
+        "tainted at creation by the webhook"
+    );
 
     Api::<Pod>::namespaced(client.clone(), &apps_ns)
         .create(&PostParams::default(), &mesh_pod("web", &pool))
         .await
         .unwrap();
-    wait_for("the pod to be held back by the taint", Duration::from_secs(30), || {
-        unschedulable_because(&client, &apps_ns, "web", "untolerated taint")
-    })
+    wait_for(
+        "the pod to be held back by the taint",
+        Duration::from_secs(30),
+        || unschedulable_because(&client, &apps_ns, "web", "untolerated taint"),
+    )
     .await;
     assert_eq!(node_of(&client, &apps_ns, "web").await, None);
 
@@ -264,7 +287,10 @@ async fn new_node_is_tainted_until_its_agents_are_ready_then_the_pod_binds() {
     set_ready(&client, &agents_ns, "cni-1", true).await;
     // One agent Ready is not enough.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(node_has_taint(&client, &node).await, "still held with one agent unready");
+    assert!(
+        node_has_taint(&client, &node).await,
+        "still held with one agent unready"
+    );
 
     set_ready(&client, &agents_ns, "proxy-1", true).await;
     let ready_at = Instant::now();
@@ -274,7 +300,10 @@ async fn new_node_is_tainted_until_its_agents_are_ready_then_the_pod_binds() {
         if !taint_keys(&n).contains(&TAINT.to_owned()) {
             break;
         }
-        assert!(ready_at.elapsed() < Duration::from_secs(30), "taint not removed");
+        assert!(
+            ready_at.elapsed() < Duration::from_secs(30),
+            "taint not removed"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     eprintln!(
@@ -282,13 +311,18 @@ async fn new_node_is_tainted_until_its_agents_are_ready_then_the_pod_binds() {
         ready_at.elapsed().as_millis()
     );
     assert!(!node_has_taint(&client, &node).await);
-    wait_for("the scheduler to bind the pod", Duration::from_secs(30), || async {
-        node_of(&client, &apps_ns, "web").await.as_deref() == Some(node.as_str())
-    })
+    wait_for(
+        "the scheduler to bind the pod",
+        Duration::from_secs(30),
+        || async { node_of(&client, &apps_ns, "web").await.as_deref() == Some(node.as_str()) },
+    )
     .await;
     let n = nodes.get(&node).await.unwrap();
     assert!(
-        n.metadata.annotations.unwrap_or_default().contains_key("meshgate.dev/agents-ready-since"),
+        n.metadata
+            .annotations
+            .unwrap_or_default()
+            .contains_key("meshgate.dev/agents-ready-since"),
         "bootstrap completion recorded on the node"
     );
 }
@@ -296,12 +330,22 @@ async fn new_node_is_tainted_until_its_agents_are_ready_then_the_pod_binds() {
 #[tokio::test]
 async fn admission_policy_taints_new_nodes_without_the_webhook() {
     let (client, cp, _) = setup().await;
-    let api = meshgate::discovery::policy_api(&client).await.expect("the API server serves MutatingAdmissionPolicy");
-    assert_eq!(api, meshgate_core::registration::PolicyApi::V1, "v1 on Kubernetes 1.36");
+    let api = meshgate::discovery::policy_api(&client)
+        .await
+        .expect("the API server serves MutatingAdmissionPolicy");
+    assert_eq!(
+        api,
+        meshgate_core::registration::PolicyApi::V1,
+        "v1 on Kubernetes 1.36"
+    );
     let agents_ns = cp.namespace("agents-map", &[]).await.unwrap();
     let pool = format!("map-{agents_ns}");
     // The webhook does not taint these nodes: only the admission policy does.
-    let spec = gate_spec(&pool, &agents_ns, json!({"taintOnCreate": false, "taint": {"key": "map.meshgate.dev/not-ready"}}));
+    let spec = gate_spec(
+        &pool,
+        &agents_ns,
+        json!({"taintOnCreate": false, "taint": {"key": "map.meshgate.dev/not-ready"}}),
+    );
     create_gate(&client, &pool, spec.clone()).await;
     for doc in meshgate_core::registration::node_taint_policy(&pool, &spec, api) {
         let ar = kube::core::ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(
@@ -324,20 +368,50 @@ async fn admission_policy_taints_new_nodes_without_the_webhook() {
         "spec": {"taints": [foreign_taint()]},
     }))
     .unwrap();
-    wait_for("the admission policy to be active", Duration::from_secs(30), || async {
-        let dry = PostParams { dry_run: true, ..Default::default() };
-        nodes.create(&dry, &probe).await.ok().is_some_and(|n| taint_keys(&n).contains(&"map.meshgate.dev/not-ready".to_owned()))
-    })
+    wait_for(
+        "the admission policy to be active",
+        Duration::from_secs(30),
+        || async {
+            let dry = PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            nodes
+                .create(&dry, &probe)
+                .await
+                .ok()
+                .is_some_and(|n| taint_keys(&n).contains(&"map.meshgate.dev/not-ready".to_owned()))
+        },
+    )
     .await;
     let created = nodes.create(&PostParams::default(), &probe).await.unwrap();
     let keys = taint_keys(&created);
-    assert!(keys.contains(&"map.meshgate.dev/not-ready".to_owned()), "{keys:?}");
-    assert!(keys.contains(&"example.com/dedicated".to_owned()), "{keys:?}");
-    assert!(!keys.contains(&TAINT.to_owned()), "the webhook did not add its taint: {keys:?}");
+    assert!(
+        keys.contains(&"map.meshgate.dev/not-ready".to_owned()),
+        "{keys:?}"
+    );
+    assert!(
+        keys.contains(&"example.com/dedicated".to_owned()),
+        "{keys:?}"
+    );
+    assert!(
+        !keys.contains(&TAINT.to_owned()),
+        "the webhook did not add its taint: {keys:?}"
+    );
     // Another pool's node is not touched by this policy.
     let other: Node = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": format!("{pool}-other"), "labels": {"pool": "elsewhere"}}})).unwrap();
-    let other = nodes.create(&PostParams { dry_run: true, ..Default::default() }, &other).await.unwrap();
+        "metadata": {"name": format!("{pool}-other"), "labels": {"pool": "elsewhere"}}}))
+    .unwrap();
+    let other = nodes
+        .create(
+            &PostParams {
+                dry_run: true,
+                ..Default::default()
+            },
+            &other,
+        )
+        .await
+        .unwrap();
     assert!(!taint_keys(&other).contains(&"map.meshgate.dev/not-ready".to_owned()));
 }
 
@@ -349,7 +423,16 @@ async fn continuous_mode_puts_the_taint_back_and_bootstrap_mode_does_not() {
     let mut nodes = Vec::new();
     for mode in ["Continuous", "Bootstrap"] {
         let pool = format!("{}-{agents_ns}", mode.to_lowercase());
-        create_gate(&client, &pool, gate_spec(&pool, &agents_ns, json!({"mode": mode, "gracePeriodSeconds": grace}))).await;
+        create_gate(
+            &client,
+            &pool,
+            gate_spec(
+                &pool,
+                &agents_ns,
+                json!({"mode": mode, "gracePeriodSeconds": grace}),
+            ),
+        )
+        .await;
         tokio::time::sleep(Duration::from_secs(1)).await;
         let node = format!("{pool}-node");
         create_node(&client, &node, &pool, &[]).await;
@@ -358,7 +441,10 @@ async fn continuous_mode_puts_the_taint_back_and_bootstrap_mode_does_not() {
         agent(&client, &agents_ns, &proxy, "node-proxy", &node).await;
         set_ready(&client, &agents_ns, &cni, true).await;
         set_ready(&client, &agents_ns, &proxy, true).await;
-        wait_for("untaint", Duration::from_secs(30), || async { !node_has_taint(&client, &node).await }).await;
+        wait_for("untaint", Duration::from_secs(30), || async {
+            !node_has_taint(&client, &node).await
+        })
+        .await;
         nodes.push((mode, node, cni));
     }
     for (_, _, cni) in &nodes {
@@ -366,9 +452,11 @@ async fn continuous_mode_puts_the_taint_back_and_bootstrap_mode_does_not() {
     }
     let (_, continuous, _) = &nodes[0];
     let unready_at = Instant::now();
-    wait_for("the continuous gate to re-taint", Duration::from_secs(30), || async {
-        node_has_taint(&client, continuous).await
-    })
+    wait_for(
+        "the continuous gate to re-taint",
+        Duration::from_secs(30),
+        || async { node_has_taint(&client, continuous).await },
+    )
     .await;
     assert!(
         unready_at.elapsed() >= Duration::from_secs(grace - 1),
@@ -378,19 +466,29 @@ async fn continuous_mode_puts_the_taint_back_and_bootstrap_mode_does_not() {
     // Well past the grace period, the bootstrap node is still free.
     tokio::time::sleep(Duration::from_secs(grace * 2)).await;
     let (_, bootstrap, _) = &nodes[1];
-    assert!(!node_has_taint(&client, bootstrap).await, "bootstrap mode never re-taints");
+    assert!(
+        !node_has_taint(&client, bootstrap).await,
+        "bootstrap mode never re-taints"
+    );
 }
 
 #[tokio::test]
 async fn resource_gate_holds_pods_until_the_node_advertises_the_resource() {
     let (client, cp, _) = setup().await;
     let agents_ns = cp.namespace("agents-res", &[]).await.unwrap();
-    let mesh_ns = cp.namespace("mesh-res", &[("istio.io/dataplane-mode", "ambient")]).await.unwrap();
+    let mesh_ns = cp
+        .namespace("mesh-res", &[("istio.io/dataplane-mode", "ambient")])
+        .await
+        .unwrap();
     let pool = format!("res-{agents_ns}");
     create_gate(
         &client,
         &pool,
-        gate_spec(&pool, &agents_ns, json!({"taintOnCreate": false, "resource": {"name": RESOURCE, "count": 50}})),
+        gate_spec(
+            &pool,
+            &agents_ns,
+            json!({"taintOnCreate": false, "resource": {"name": RESOURCE, "count": 50}}),
+        ),
     )
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -401,23 +499,40 @@ async fn resource_gate_holds_pods_until_the_node_advertises_the_resource() {
         .create(&PostParams::default(), &mesh_pod("app", &pool))
         .await
         .unwrap();
-    let requests = created.spec.unwrap().containers[0].resources.clone().unwrap().requests.unwrap();
+    let requests = created.spec.unwrap().containers[0]
+        .resources
+        .clone()
+        .unwrap()
+        .requests
+        .unwrap();
     assert_eq!(requests.get(RESOURCE).map(|q| q.0.as_str()), Some("1"));
-    wait_for("the pod to wait for the resource", Duration::from_secs(30), || {
-        unschedulable_because(&client, &mesh_ns, "app", RESOURCE)
-    })
+    wait_for(
+        "the pod to wait for the resource",
+        Duration::from_secs(30),
+        || unschedulable_because(&client, &mesh_ns, "app", RESOURCE),
+    )
     .await;
-    assert!(!node_has_taint(&client, &node).await, "no taint in this gate: the resource alone holds the pod");
+    assert!(
+        !node_has_taint(&client, &node).await,
+        "no taint in this gate: the resource alone holds the pod"
+    );
 
     agent(&client, &agents_ns, "cni", "cni", &node).await;
     agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
     set_ready(&client, &agents_ns, "cni", true).await;
     set_ready(&client, &agents_ns, "proxy", true).await;
-    wait_for("the resource to be advertised", Duration::from_secs(30), || async {
-        Api::<Node>::all(client.clone()).get(&node).await.ok()
-            .and_then(|n| n.status?.capacity)
-            .is_some_and(|c| c.get(RESOURCE).map(|q| q.0.as_str()) == Some("50"))
-    })
+    wait_for(
+        "the resource to be advertised",
+        Duration::from_secs(30),
+        || async {
+            Api::<Node>::all(client.clone())
+                .get(&node)
+                .await
+                .ok()
+                .and_then(|n| n.status?.capacity)
+                .is_some_and(|c| c.get(RESOURCE).map(|q| q.0.as_str()) == Some("50"))
+        },
+    )
     .await;
     wait_for("the pod to bind", Duration::from_secs(30), || async {
         node_of(&client, &mesh_ns, "app").await.as_deref() == Some(node.as_str())
@@ -456,16 +571,24 @@ async fn a_node_the_agent_daemonset_cannot_target_is_not_held() {
     // A Windows node: the Linux-only agent will never run there.
     let windows = format!("{pool}-windows");
     let created = create_node(&client, &windows, &pool, &[("kubernetes.io/os", "windows")]).await;
-    assert!(taint_keys(&created).contains(&TAINT.to_owned()), "tainted at registration");
-    wait_for("the untargeted node to be released", Duration::from_secs(30), || async {
-        !node_has_taint(&client, &windows).await
-    })
+    assert!(
+        taint_keys(&created).contains(&TAINT.to_owned()),
+        "tainted at registration"
+    );
+    wait_for(
+        "the untargeted node to be released",
+        Duration::from_secs(30),
+        || async { !node_has_taint(&client, &windows).await },
+    )
     .await;
     // A Linux node of the same pool waits for its agent.
     let linux = format!("{pool}-linux");
     create_node(&client, &linux, &pool, &[("kubernetes.io/os", "linux")]).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(node_has_taint(&client, &linux).await, "a node the agent targets keeps waiting");
+    assert!(
+        node_has_taint(&client, &linux).await,
+        "a node the agent targets keeps waiting"
+    );
 }
 
 async fn lease_holder(client: &kube::Client) -> Option<String> {
@@ -498,14 +621,27 @@ async fn only_the_leader_writes_and_the_other_replica_takes_over() {
     agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
     set_ready(&client, &agents_ns, "cni", true).await;
     set_ready(&client, &agents_ns, "proxy", true).await;
-    wait_for("untaint", Duration::from_secs(30), || async { !node_has_taint(&client, &node).await }).await;
+    wait_for("untaint", Duration::from_secs(30), || async {
+        !node_has_taint(&client, &node).await
+    })
+    .await;
 
     let mut replicas = shared.replicas.lock().await;
     let holder = lease_holder(&client).await.expect("a lease holder");
-    let leader_idx = replicas.iter().position(|r| r.identity == holder).expect("holder is a replica");
+    let leader_idx = replicas
+        .iter()
+        .position(|r| r.identity == holder)
+        .expect("holder is a replica");
     let other_idx = 1 - leader_idx;
-    assert!(writes(&replicas[leader_idx].metrics) > 0, "the leader wrote");
-    assert_eq!(writes(&replicas[other_idx].metrics), 0, "the follower wrote nothing");
+    assert!(
+        writes(&replicas[leader_idx].metrics) > 0,
+        "the leader wrote"
+    );
+    assert_eq!(
+        writes(&replicas[other_idx].metrics),
+        0,
+        "the follower wrote nothing"
+    );
 
     // Stop the leader; the other replica takes the lease within the lease time (plus renew slack).
     let stopped_at = Instant::now();
@@ -513,11 +649,16 @@ async fn only_the_leader_writes_and_the_other_replica_takes_over() {
         let _ = stop.send(());
     }
     let new_holder = replicas[other_idx].identity.clone();
-    wait_for("the other replica to take the lease", Duration::from_secs(LEASE_SECONDS * 3), || async {
-        lease_holder(&client).await.as_deref() == Some(new_holder.as_str())
-    })
+    wait_for(
+        "the other replica to take the lease",
+        Duration::from_secs(LEASE_SECONDS * 3),
+        || async { lease_holder(&client).await.as_deref() == Some(new_holder.as_str()) },
+    )
     .await;
-    eprintln!("measured: leader failover in {} ms (lease {LEASE_SECONDS}s)", stopped_at.elapsed().as_millis());
+    eprintln!(
+        "measured: leader failover in {} ms (lease {LEASE_SECONDS}s)",
+        stopped_at.elapsed().as_millis()
+    );
 
     // The new leader does the work: a new node of the pool is released.
     let node2 = format!("{pool}-node2");
@@ -526,13 +667,25 @@ async fn only_the_leader_writes_and_the_other_replica_takes_over() {
     agent(&client, &agents_ns, "proxy-2", "node-proxy", &node2).await;
     set_ready(&client, &agents_ns, "cni-2", true).await;
     set_ready(&client, &agents_ns, "proxy-2", true).await;
-    wait_for("untaint by the new leader", Duration::from_secs(30), || async { !node_has_taint(&client, &node2).await }).await;
-    assert!(writes(&replicas[other_idx].metrics) > 0, "the new leader wrote");
+    wait_for(
+        "untaint by the new leader",
+        Duration::from_secs(30),
+        || async { !node_has_taint(&client, &node2).await },
+    )
+    .await;
+    assert!(
+        writes(&replicas[other_idx].metrics) > 0,
+        "the new leader wrote"
+    );
 
     // The gate's status reports its nodes.
     let api: Api<NodeGate> = Api::all(client.clone());
     wait_for("gate status", Duration::from_secs(15), || async {
-        api.get(&pool).await.ok().and_then(|g| g.status).is_some_and(|s| s.nodes == 2 && s.ready_nodes == 2 && s.held_nodes == 0)
+        api.get(&pool)
+            .await
+            .ok()
+            .and_then(|g| g.status)
+            .is_some_and(|s| s.nodes == 2 && s.ready_nodes == 2 && s.held_nodes == 0)
     })
     .await;
     // Keep a second replica for the tests that may still run.

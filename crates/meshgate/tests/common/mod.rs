@@ -48,18 +48,31 @@ pub async fn install_crds(client: &Client) {
     for (_, yaml) in meshgate::crds::manifests().expect("crds render") {
         let crd: CustomResourceDefinition = serde_yaml::from_str(&yaml).expect("crd parses");
         let name = crd.metadata.name.clone().expect("crd name");
-        api.patch(&name, &PatchParams::apply("meshgate-test").force(), &Patch::Apply(&crd))
-            .await
-            .expect("crd applied");
-        wait_for(&format!("CRD {name} established"), Duration::from_secs(30), || {
-            let api = api.clone();
-            let name = name.clone();
-            async move {
-                api.get(&name).await.ok().and_then(|c| c.status?.conditions).is_some_and(|cs| {
-                    cs.iter().any(|c| c.type_ == "Established" && c.status == "True")
-                })
-            }
-        })
+        api.patch(
+            &name,
+            &PatchParams::apply("meshgate-test").force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .expect("crd applied");
+        wait_for(
+            &format!("CRD {name} established"),
+            Duration::from_secs(30),
+            || {
+                let api = api.clone();
+                let name = name.clone();
+                async move {
+                    api.get(&name)
+                        .await
+                        .ok()
+                        .and_then(|c| c.status?.conditions)
+                        .is_some_and(|cs| {
+                            cs.iter()
+                                .any(|c| c.type_ == "Established" && c.status == "True")
+                        })
+                }
+            },
+        )
         .await;
     }
 }
@@ -75,7 +88,13 @@ pub struct Webhook {
 
 impl Webhook {
     /// The registration for this webhook with `config`.
-    pub fn registration<'a>(&'a self, name: &'a str, config: &'a GateConfig, policies: bool, node_taint: bool) -> serde_json::Value {
+    pub fn registration<'a>(
+        &'a self,
+        name: &'a str,
+        config: &'a GateConfig,
+        policies: bool,
+        node_taint: bool,
+    ) -> serde_json::Value {
         webhook_configuration(&Registration {
             name,
             config,
@@ -92,7 +111,9 @@ impl Webhook {
 pub async fn start_webhook(cp: &ControlPlane, config: GateConfig) -> Webhook {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let ca = meshgate_pki::Ca::new("meshgate-e2e-ca", Duration::from_secs(3600)).expect("ca");
-    let serving = ca.issue_server(&["127.0.0.1", "localhost"], Duration::from_secs(3600)).expect("cert");
+    let serving = ca
+        .issue_server(&["127.0.0.1", "localhost"], Duration::from_secs(3600))
+        .expect("cert");
     let dir = tempfile::tempdir().expect("tempdir");
     let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
     std::fs::write(&cert, &serving.cert_pem).expect("write cert");
@@ -110,21 +131,30 @@ pub async fn start_webhook(cp: &ControlPlane, config: GateConfig) -> Webhook {
     let server = background()
         .spawn(async move {
             let client = client_from(&kubeconfig).await;
-            meshgate::run::start_webhook(client, settings).await.expect("webhook starts")
+            meshgate::run::start_webhook(client, settings)
+                .await
+                .expect("webhook starts")
         })
         .await
         .expect("webhook task");
     let url = format!("https://127.0.0.1:{}", server.addr.port());
     let health = format!("127.0.0.1:{}", server.health_addr.port());
-    Webhook { server, ca, url, health, dir }
+    Webhook {
+        server,
+        ca,
+        url,
+        health,
+        dir,
+    }
 }
 
 /// A client built from a kubeconfig file (for the background runtime).
 pub async fn client_from(kubeconfig: &std::path::Path) -> Client {
     let kc = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-        .await
-        .expect("config");
+    let config =
+        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            .await
+            .expect("config");
     Client::try_from(config).expect("client")
 }
 
@@ -133,7 +163,11 @@ pub async fn register(client: &Client, mwc: &serde_json::Value) {
     let mwc: MutatingWebhookConfiguration = serde_json::from_value(mwc.clone()).expect("mwc");
     let name = mwc.metadata.name.clone().expect("name");
     Api::<MutatingWebhookConfiguration>::all(client.clone())
-        .patch(&name, &PatchParams::apply("meshgate-test").force(), &Patch::Apply(&mwc))
+        .patch(
+            &name,
+            &PatchParams::apply("meshgate-test").force(),
+            &Patch::Apply(&mwc),
+        )
         .await
         .expect("webhook registered");
 }
@@ -146,7 +180,10 @@ where
 {
     let start = std::time::Instant::now();
     while !f().await {
-        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
