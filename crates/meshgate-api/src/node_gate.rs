@@ -48,8 +48,10 @@ pub struct NodeGateSpec {
     #[serde(default)]
     #[schemars(range(min = 0, max = 3600))]
     pub removal_delay_seconds: u32,
-    /// Add the taint when a Node is created (by meshgate's webhook or an admission policy), so
-    /// no kubelet flag is needed.
+    /// meshgate puts the startup taint on new nodes: at creation (its webhook or a generated
+    /// admission policy, so no kubelet flag is needed) and, for a node that registered without
+    /// it, from the controller. `false`: the taint comes from elsewhere (kubelet flags, node pool
+    /// settings) or not at all (a resource-only gate); meshgate only removes it.
     #[serde(default = "yes")]
     pub taint_on_create: bool,
     /// Advertise an extended resource on nodes whose agents are Ready.

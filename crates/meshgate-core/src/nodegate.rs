@@ -15,7 +15,9 @@
 //!   `gracePeriodSeconds` gets the taint back (`NoSchedule`). In `Bootstrap` mode a node that was
 //!   ready once (annotation `meshgate.dev/agents-ready-since`) never gets it back; a node never
 //!   ready that lacks the taint (registered while the webhook was down, or existing before
-//!   meshgate) gets it.
+//!   meshgate) gets it, when the gate has `taintOnCreate`. Without `taintOnCreate` the startup
+//!   taint comes from elsewhere (kubelet flags, node pool settings) or not at all (a
+//!   resource-only gate), and the controller only removes it.
 //! * **Resource:** the gate resource is advertised while the node is ready; in `Continuous` mode
 //!   it is withdrawn together with the re-taint.
 //! * Only the taint with the gate's key is ever added or removed; the patch carries a `test` of
@@ -181,11 +183,11 @@ pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
             let never_ready = !bootstrapped;
             match spec.mode {
                 GateMode::Bootstrap => {
-                    d.taint = (!tainted).then_some(true);
+                    d.taint = (!tainted && spec.taint_on_create).then_some(true);
                     d.resource = (has_resource && node.resource_advertised).then_some(false);
                 }
                 GateMode::Continuous if tainted || never_ready => {
-                    d.taint = (!tainted).then_some(true);
+                    d.taint = (!tainted && spec.taint_on_create).then_some(true);
                     d.resource = (has_resource && node.resource_advertised).then_some(false);
                 }
                 GateMode::Continuous => {
@@ -492,6 +494,11 @@ mod tests {
         // A node registered without the taint (webhook down) gets it.
         let f = Fixture::new(vec![], vec![AgentState::Missing]);
         assert_eq!(f.decide(&spec(GateMode::Bootstrap)).taint, Some(true));
+        // Unless the gate leaves the startup taint to others (or is resource-only).
+        let mut resource_only = spec(GateMode::Bootstrap);
+        resource_only.taint_on_create = false;
+        assert_eq!(f.decide(&resource_only).taint, None);
+        assert_eq!(f.decide(&resource_only).state, NodeState::Waiting);
     }
 
     #[test]

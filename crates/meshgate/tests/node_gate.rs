@@ -506,16 +506,28 @@ async fn resource_gate_holds_pods_until_the_node_advertises_the_resource() {
         .requests
         .unwrap();
     assert_eq!(requests.get(RESOURCE).map(|q| q.0.as_str()), Some("1"));
-    wait_for(
-        "the pod to wait for the resource",
-        Duration::from_secs(30),
-        || unschedulable_because(&client, &mesh_ns, "app", RESOURCE),
-    )
+    // The scheduler reports the pod unschedulable; its message names the resource once the
+    // scheduler's cache has the node without the kubelet's not-ready taint.
+    wait_for("the pod to be unschedulable", Duration::from_secs(60), || {
+        unschedulable_because(&client, &mesh_ns, "app", "")
+    })
     .await;
     assert!(
         !node_has_taint(&client, &node).await,
         "no taint in this gate: the resource alone holds the pod"
     );
+    let node_now = Api::<Node>::all(client.clone()).get(&node).await.unwrap();
+    let blocking: Vec<String> = node_now
+        .spec
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|t| t.effect != "PreferNoSchedule")
+        .map(|t| t.key)
+        .collect();
+    assert!(blocking.is_empty(), "only the missing resource holds the pod: {blocking:?}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(node_of(&client, &mesh_ns, "app").await, None, "held while the resource is missing");
 
     agent(&client, &agents_ns, "cni", "cni", &node).await;
     agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
