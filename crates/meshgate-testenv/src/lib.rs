@@ -116,6 +116,7 @@ pub struct ControlPlane {
     /// PEM of the CA that signed the API server's serving certificate.
     pub ca_pem: String,
     etcd_url: String,
+    etcd_args: Vec<String>,
     apiserver_args: Vec<String>,
 }
 
@@ -184,21 +185,17 @@ impl ControlPlane {
         let (client_port, peer_port) = (free_port()?, free_port()?);
         let etcd_url = format!("http://127.0.0.1:{client_port}");
         let peer_url = format!("http://127.0.0.1:{peer_port}");
-        let etcd = Process::spawn(
-            "etcd",
-            &bin.join("etcd"),
-            &[
-                format!("--data-dir={}", d.join("etcd").display()),
-                format!("--listen-client-urls={etcd_url}"),
-                format!("--advertise-client-urls={etcd_url}"),
-                format!("--listen-peer-urls={peer_url}"),
-                format!("--initial-advertise-peer-urls={peer_url}"),
-                format!("--initial-cluster=default={peer_url}"),
-                "--unsafe-no-fsync=true".into(),
-                "--log-level=warn".into(),
-            ],
-            &d.join("etcd.log"),
-        )?;
+        let etcd_args = vec![
+            format!("--data-dir={}", d.join("etcd").display()),
+            format!("--listen-client-urls={etcd_url}"),
+            format!("--advertise-client-urls={etcd_url}"),
+            format!("--listen-peer-urls={peer_url}"),
+            format!("--initial-advertise-peer-urls={peer_url}"),
+            format!("--initial-cluster=default={peer_url}"),
+            "--unsafe-no-fsync=true".into(),
+            "--log-level=warn".into(),
+        ];
+        let etcd = Process::spawn("etcd", &bin.join("etcd"), &etcd_args, &d.join("etcd.log"))?;
         wait_http(
             &etcd,
             &format!("{etcd_url}/health"),
@@ -257,6 +254,7 @@ impl ControlPlane {
             kubeconfig_path,
             ca_pem: ca.certificate().cert_pem.clone(),
             etcd_url,
+            etcd_args,
             apiserver_args,
         };
         cp.wait_ready(Duration::from_secs(90)).await?;
@@ -337,6 +335,25 @@ impl ControlPlane {
             &self.apiserver_args,
             &self.dir().join("kube-apiserver.log"),
         )?;
+        self.wait_ready(Duration::from_secs(90)).await
+    }
+
+    /// Stops etcd and starts it again on the same data, then waits until the API server is ready
+    /// again (fault tests).
+    pub async fn restart_etcd(&mut self) -> Result<(), Error> {
+        self.etcd.stop();
+        self.etcd = Process::spawn(
+            "etcd",
+            &self.bin.join("etcd"),
+            &self.etcd_args,
+            &self.dir().join("etcd.log"),
+        )?;
+        wait_http(
+            &self.etcd,
+            &format!("{}/health", self.etcd_url),
+            Duration::from_secs(30),
+        )
+        .await?;
         self.wait_ready(Duration::from_secs(90)).await
     }
 

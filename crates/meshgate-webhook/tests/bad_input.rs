@@ -1,3 +1,4 @@
+//! Run: `cargo test --workspace --test bad_input`.
 //! In-process tests of the webhook's HTTPS server: the real [`Server`] on loopback, a certificate
 //! from a test CA, and a small HTTP/1.1 client over tokio-rustls. No cluster.
 //!
