@@ -1,10 +1,11 @@
-//! Run: `cargo test --workspace --test bad_input`.
 //! In-process tests of the webhook's HTTPS server: the real [`Server`] on loopback, a certificate
 //! from a test CA, and a small HTTP/1.1 client over tokio-rustls. No cluster.
 //!
 //! Every test checks the status code and the shape of the answer, and ends by checking that the
 //! server is still up (`/healthz` on the health port). Loops are bounded in count and time; the
 //! only timing in assertions is generous timeouts.
+//!
+//! Run: `cargo test --workspace --test bad_input`.
 #![cfg(unix)]
 
 use std::collections::BTreeMap;

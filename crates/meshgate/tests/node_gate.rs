@@ -508,9 +508,11 @@ async fn resource_gate_holds_pods_until_the_node_advertises_the_resource() {
     assert_eq!(requests.get(RESOURCE).map(|q| q.0.as_str()), Some("1"));
     // The scheduler reports the pod unschedulable; its message names the resource once the
     // scheduler's cache has the node without the kubelet's not-ready taint.
-    wait_for("the pod to be unschedulable", Duration::from_secs(60), || {
-        unschedulable_because(&client, &mesh_ns, "app", "")
-    })
+    wait_for(
+        "the pod to be unschedulable",
+        Duration::from_secs(60),
+        || unschedulable_because(&client, &mesh_ns, "app", ""),
+    )
     .await;
     assert!(
         !node_has_taint(&client, &node).await,
@@ -525,9 +527,16 @@ async fn resource_gate_holds_pods_until_the_node_advertises_the_resource() {
         .filter(|t| t.effect != "PreferNoSchedule")
         .map(|t| t.key)
         .collect();
-    assert!(blocking.is_empty(), "only the missing resource holds the pod: {blocking:?}");
+    assert!(
+        blocking.is_empty(),
+        "only the missing resource holds the pod: {blocking:?}"
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(node_of(&client, &mesh_ns, "app").await, None, "held while the resource is missing");
+    assert_eq!(
+        node_of(&client, &mesh_ns, "app").await,
+        None,
+        "held while the resource is missing"
+    );
 
     agent(&client, &agents_ns, "cni", "cni", &node).await;
     agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
