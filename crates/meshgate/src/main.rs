@@ -180,6 +180,16 @@ async fn client_for(kubeconfig: Option<PathBuf>) -> anyhow::Result<kube::Client>
     })
 }
 
+/// Writes to stdout; a closed pipe (`meshgate ... | head`) ends the output quietly.
+fn emit(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
 fn print_notes(notes: &[String]) {
     for n in notes {
         eprintln!("note: {n}");
@@ -276,8 +286,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             } else if let Some(dir) = write {
                 crds::write(&dir)
             } else {
-                print!("{}", crds::all_yaml()?);
-                Ok(())
+                emit(&crds::all_yaml()?)
             }
         }
         Command::Render {
@@ -301,8 +310,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             }
             let (out, notes) = render::render(&manifests, &policies, &labels, patch)?;
             print_notes(&notes);
-            print!("{out}");
-            Ok(())
+            emit(&out)
         }
         Command::Install {
             profile,
@@ -318,8 +326,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 image,
             })?;
             if !apply {
-                print!("{}", render::to_yaml_stream(&docs)?);
-                return Ok(());
+                return emit(&render::to_yaml_stream(&docs)?);
             }
             let client = client_for(kubeconfig).await?;
             let total = docs.len();
@@ -344,19 +351,17 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             let client = client_for(kubeconfig).await?;
             let status = meshgate::status::collect(&client).await?;
             match output.as_str() {
-                "json" => println!("{}", serde_json::to_string_pretty(&status)?),
-                "yaml" => print!("{}", serde_yaml::to_string(&status)?),
-                _ => print!("{}", meshgate::status::table(&status)),
+                "json" => emit(&(serde_json::to_string_pretty(&status)? + "\n")),
+                "yaml" => emit(&serde_yaml::to_string(&status)?),
+                _ => emit(&meshgate::status::table(&status)),
             }
-            Ok(())
         }
         Command::Import {
             from: ImportFrom::Kyverno { file },
         } => {
             let (out, notes) = render::import_kyverno(&file)?;
             print_notes(&notes);
-            print!("{out}");
-            Ok(())
+            emit(&out)
         }
     }
 }
