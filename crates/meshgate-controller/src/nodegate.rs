@@ -201,42 +201,8 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let mut requeue = ctx.settings.resync;
     let gates = ctx.gates.state();
     for gate in &gates {
-        let spec = &gate.spec;
         let gate_name = gate.name_any();
-        let agents: Vec<_> = spec
-            .agents
-            .iter()
-            .map(|a| ctx.agents.state(a, &node, &spec.taint.key))
-            .collect();
-        let empty = BTreeMap::new();
-        let taints = node
-            .spec
-            .as_ref()
-            .and_then(|s| s.taints.clone())
-            .unwrap_or_default();
-        let resource_advertised = spec.resource.as_ref().is_some_and(|r| {
-            node.status
-                .as_ref()
-                .and_then(|s| s.capacity.as_ref())
-                .is_some_and(|c| c.contains_key(&r.name))
-        });
-        let now = crate::now();
-        let decision = decide(
-            spec,
-            &NodeObservation {
-                labels: node.metadata.labels.as_ref().unwrap_or(&empty),
-                annotations: node.metadata.annotations.as_ref().unwrap_or(&empty),
-                taints: &taints,
-                created: node
-                    .metadata
-                    .creation_timestamp
-                    .as_ref()
-                    .map_or(now, |t| t.0.as_second()),
-                agents: &agents,
-                resource_advertised,
-                now,
-            },
-        );
+        let (taints, decision) = decide_for(&ctx.agents, gate, &node, crate::now());
         tracing::debug!(node = %name, gate = %gate_name, state = decision.state.as_str(), ?decision, "decided");
         node = apply(&ctx, &api, gate, node, &taints, &decision).await?;
         if let Some(after) = decision.requeue_after {
@@ -282,6 +248,51 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
         }
     }
     Ok(Action::requeue(requeue))
+}
+
+/// The node's taints and the gate's decision for the node as it is now: the one place that
+/// turns observed objects into a `NodeObservation` (reconcile and status share it).
+fn decide_for(
+    agents: &AgentIndex,
+    gate: &NodeGate,
+    node: &Node,
+    now: i64,
+) -> (Vec<k8s_openapi::api::core::v1::Taint>, NodeDecision) {
+    let spec = &gate.spec;
+    let states: Vec<_> = spec
+        .agents
+        .iter()
+        .map(|a| agents.state(a, node, &spec.taint.key))
+        .collect();
+    let empty = BTreeMap::new();
+    let taints = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
+    let resource_advertised = spec.resource.as_ref().is_some_and(|r| {
+        node.status
+            .as_ref()
+            .and_then(|s| s.capacity.as_ref())
+            .is_some_and(|c| c.contains_key(&r.name))
+    });
+    let decision = decide(
+        spec,
+        &NodeObservation {
+            labels: node.metadata.labels.as_ref().unwrap_or(&empty),
+            annotations: node.metadata.annotations.as_ref().unwrap_or(&empty),
+            taints: &taints,
+            created: node
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map_or(now, |t| t.0.as_second()),
+            agents: &states,
+            resource_advertised,
+            now,
+        },
+    );
+    (taints, decision)
 }
 
 async fn apply(
@@ -435,36 +446,10 @@ async fn status_loop(ctx: Arc<Ctx>, nodes: Store<Node>) {
                     continue;
                 }
                 status.nodes += 1;
-                let taints = node
-                    .spec
-                    .as_ref()
-                    .and_then(|s| s.taints.clone())
-                    .unwrap_or_default();
+                let (taints, d) = decide_for(&ctx.agents, &gate, node, now);
                 if meshgate_core::nodegate::has_taint(&gate.spec, &taints) {
                     status.held_nodes += 1;
                 }
-                let agents: Vec<_> = gate
-                    .spec
-                    .agents
-                    .iter()
-                    .map(|a| ctx.agents.state(a, node, &gate.spec.taint.key))
-                    .collect();
-                let d = decide(
-                    &gate.spec,
-                    &NodeObservation {
-                        labels,
-                        annotations: node.metadata.annotations.as_ref().unwrap_or(&empty),
-                        taints: &taints,
-                        created: node
-                            .metadata
-                            .creation_timestamp
-                            .as_ref()
-                            .map_or(now, |t| t.0.as_second()),
-                        agents: &agents,
-                        resource_advertised: false,
-                        now,
-                    },
-                );
                 if matches!(
                     d.state,
                     NodeState::Ready | NodeState::Released | NodeState::Releasing

@@ -58,7 +58,9 @@ use kube::{Resource, ResourceExt};
 use meshgate_api::mutation_policy::{ExistingReport, MutationPolicyStatus, Operation};
 use meshgate_api::{GateConfig, MutationPolicy, MutationPolicySpec, names};
 use meshgate_core::patch::{JsonPatch, escape};
-use meshgate_core::policy::{self, MatchContext, PolicyError, pod_template_path, policy_matches};
+use meshgate_core::policy::{
+    self, MatchContext, PolicyError, opted_out, pod_template_path, policy_matches,
+};
 use serde_json::Value;
 use tokio::sync::watch;
 
@@ -815,18 +817,6 @@ pub fn plan(input: &PlanInput<'_>, object: &Value) -> Result<Plan, PolicyError> 
     Ok(Plan::Change {
         patch,
         resource_version,
-    })
-}
-
-/// `meshgate.dev/inject: "false"` as a label or annotation.
-fn opted_out(object: &Value) -> bool {
-    ["labels", "annotations"].iter().any(|field| {
-        object
-            .get("metadata")
-            .and_then(|m| m.get(*field))
-            .and_then(|m| m.get(names::OPT_OUT))
-            .and_then(Value::as_str)
-            == Some("false")
     })
 }
 

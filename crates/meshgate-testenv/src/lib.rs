@@ -584,3 +584,19 @@ pub async fn make_node_ready(client: &Client, name: &str) -> Result<(), Error> {
         }
     }
 }
+
+/// Polls `f` every 100 ms until it is true; panics naming `what` after `timeout` (tests).
+pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !f().await {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -14,7 +14,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
-use meshgate_testenv::{ControlPlane, Options, shared};
+use meshgate_testenv::{ControlPlane, Options, shared, wait_for};
 use serde_json::{Value, json};
 
 async fn control_plane() -> std::sync::Arc<ControlPlane> {
@@ -66,21 +66,6 @@ async fn make_node_ready(api: &Api<Node>, name: &str) {
     meshgate_testenv::make_node_ready(&api.clone().into_client(), name)
         .await
         .expect("node made ready");
-}
-
-async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let start = std::time::Instant::now();
-    while !f().await {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 #[tokio::test]

@@ -90,32 +90,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     story.detail(&format!("API server {} (Kubernetes v1.36)", cp.server));
 
     story.say("Installing meshgate: CRDs, webhook (TLS, CA generated now), controller");
-    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
-        Api::all(client.clone());
-    for (_, yaml) in crate::crds::manifests()? {
-        let crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition =
-            serde_yaml::from_str(&yaml)?;
-        let name = crd.metadata.name.clone().unwrap_or_default();
-        crds.patch(
-            &name,
-            &PatchParams::apply("meshgate").force(),
-            &Patch::Apply(&crd),
-        )
-        .await?;
-        poll(&format!("CRD {name}"), Duration::from_secs(30), || {
-            let crds = crds.clone();
-            let name = name.clone();
-            async move {
-                let c = crds.get(&name).await.ok()?;
-                c.status?
-                    .conditions?
-                    .iter()
-                    .any(|c| c.type_ == "Established" && c.status == "True")
-                    .then_some(())
-            }
-        })
-        .await?;
-    }
+    crate::install::apply(&client, &crate::install::crd_documents()?, false, |_| {}).await?;
     let ca = meshgate_pki::Ca::new("meshgate-demo-ca", Duration::from_secs(24 * 3600))?;
     let serving = ca.issue_server(&["127.0.0.1"], Duration::from_secs(24 * 3600))?;
     let (cert, key) = (cp.dir().join("webhook.crt"), cp.dir().join("webhook.key"));

@@ -101,9 +101,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     let mut out = vec![
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": meta(ns, None, "namespace")}),
     ];
-    for (_, yaml) in crate::crds::manifests()? {
-        out.push(serde_yaml::from_str(&yaml)?);
-    }
+    out.extend(crd_documents()?);
     // Identities and least-privilege RBAC, one per component.
     for c in ["webhook", "controller"] {
         out.push(json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(&format!("meshgate-{c}"), Some(ns), c)}));
@@ -283,6 +281,14 @@ pub fn masked(docs: &[Value]) -> Vec<Value> {
             }
             d
         })
+        .collect()
+}
+
+/// meshgate's CRDs as documents, ready for [`apply`].
+pub fn crd_documents() -> anyhow::Result<Vec<Value>> {
+    crate::crds::manifests()?
+        .into_iter()
+        .map(|(_, yaml)| Ok(serde_yaml::from_str(&yaml)?))
         .collect()
 }
 

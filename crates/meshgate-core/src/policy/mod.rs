@@ -377,7 +377,7 @@ fn apply_json_patch(
 
 /// Whether the object opts out of meshgate (`meshgate.dev/inject: "false"` label or
 /// annotation).
-fn opted_out(object: &Value) -> bool {
+pub fn opted_out(object: &Value) -> bool {
     ["labels", "annotations"].iter().any(|field| {
         object
             .get("metadata")

@@ -6,7 +6,6 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use meshgate_api::GateConfig;
@@ -44,37 +43,10 @@ pub async fn control_plane(scheduler: bool) -> Arc<ControlPlane> {
 
 /// Applies meshgate's CRDs (server-side apply) and waits until they are established.
 pub async fn install_crds(client: &Client) {
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for (_, yaml) in meshgate::crds::manifests().expect("crds render") {
-        let crd: CustomResourceDefinition = serde_yaml::from_str(&yaml).expect("crd parses");
-        let name = crd.metadata.name.clone().expect("crd name");
-        api.patch(
-            &name,
-            &PatchParams::apply("meshgate-test").force(),
-            &Patch::Apply(&crd),
-        )
+    let crds = meshgate::install::crd_documents().expect("crds render");
+    meshgate::install::apply(client, &crds, false, |_| {})
         .await
-        .expect("crd applied");
-        wait_for(
-            &format!("CRD {name} established"),
-            Duration::from_secs(30),
-            || {
-                let api = api.clone();
-                let name = name.clone();
-                async move {
-                    api.get(&name)
-                        .await
-                        .ok()
-                        .and_then(|c| c.status?.conditions)
-                        .is_some_and(|cs| {
-                            cs.iter()
-                                .any(|c| c.type_ == "Established" && c.status == "True")
-                        })
-                }
-            },
-        )
-        .await;
-    }
+        .expect("crds applied");
 }
 
 /// A running webhook and what the API server needs to call it.
@@ -172,21 +144,8 @@ pub async fn register(client: &Client, mwc: &serde_json::Value) {
         .expect("webhook registered");
 }
 
-/// Polls `f` every 100 ms until it is true; panics naming `what` after `timeout`.
-pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = std::time::Instant::now();
-    while !f().await {
-        assert!(
-            start.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
+#[allow(unused_imports)]
+pub use meshgate_testenv::wait_for;
 
 /// A minimal pod.
 pub fn pod(name: &str) -> serde_json::Value {
