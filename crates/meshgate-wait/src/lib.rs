@@ -155,13 +155,18 @@ pub fn wait(config: &Config, proc_root: &Path) -> Outcome {
             },
         })
         .collect();
-    let mut waiter = Waiter::new(config.checks.iter().any(|c| matches!(c, Check::File(_))));
+    // Created only when the first round leaves checks pending: setting up inotify costs little,
+    // but tearing a watched instance down waits for a kernel grace period (~8 ms), which a pod
+    // that is ready at once should not pay.
+    let mut waiter: Option<Waiter> = None;
 
     loop {
         // Watch before probing, so a file created in between still wakes us.
-        for p in &pending {
-            if let Check::File(path) = p.check {
-                waiter.watch_parent_of(path);
+        if let Some(waiter) = waiter.as_mut() {
+            for p in &pending {
+                if let Check::File(path) = p.check {
+                    waiter.watch_parent_of(path);
+                }
             }
         }
         pending.retain_mut(|p| match probe(p, proc_root, deadline) {
@@ -187,7 +192,16 @@ pub fn wait(config: &Config, proc_root: &Path) -> Outcome {
                     .collect(),
             };
         }
-        waiter.wait(remaining.map_or(config.interval, |r| r.min(config.interval)));
+        match waiter.as_mut() {
+            // First round missed: watch, then probe again at once (nothing can be missed).
+            None => {
+                let files = pending.iter().any(|p| matches!(p.check, Check::File(_)));
+                waiter = Some(Waiter::new(files));
+            }
+            Some(waiter) => {
+                waiter.wait(remaining.map_or(config.interval, |r| r.min(config.interval)));
+            }
+        }
     }
 }
 
