@@ -13,11 +13,12 @@
 //! * **Untaint:** a ready node loses the taint `removalDelaySeconds` after its ready time.
 //! * **Re-taint:** in `Continuous` mode a node whose agents have been not ready for
 //!   `gracePeriodSeconds` gets the taint back (`NoSchedule`). In `Bootstrap` mode a node that was
-//!   ready once (annotation `meshgate.dev/agents-ready-since`) never gets it back; a node never
-//!   ready that lacks the taint (registered while the webhook was down, or existing before
-//!   meshgate) gets it, when the gate has `taintOnCreate`. Without `taintOnCreate` the startup
-//!   taint comes from elsewhere (kubelet flags, node pool settings) or not at all (a
-//!   resource-only gate), and the controller only removes it.
+//!   ready once (annotation `meshgate.dev/agents-ready-since`) never gets it back, and loses a
+//!   taint it still carries only while its agents are Ready; a node never ready that lacks the
+//!   taint (registered while the webhook was down, or existing before meshgate) gets it, when
+//!   the gate has `taintOnCreate`. Without `taintOnCreate` the startup taint comes from elsewhere
+//!   (kubelet flags, node pool settings) or not at all (a resource-only gate), and the
+//!   controller only removes it.
 //! * **Resource:** the gate resource is advertised while the node is ready; in `Continuous` mode
 //!   it is withdrawn together with the re-taint.
 //! * Only the taint with the gate's key is ever added or removed; the patch carries a `test` of
@@ -137,6 +138,17 @@ pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
         .annotations
         .contains_key(meshgate_api::names::NODE_READY_SINCE);
     if spec.mode == GateMode::Bootstrap && bootstrapped {
+        // Released once: never tainted again. A gate taint still present (its removal failed
+        // after the node was marked, or another gate marked the node: the annotation is the
+        // node's) goes only once the agents are Ready: an unready agent never untaints.
+        let unready = node
+            .agents
+            .iter()
+            .any(|a| matches!(a, AgentState::NotReady { .. } | AgentState::Missing));
+        if tainted && unready {
+            d.state = NodeState::Waiting;
+            return d;
+        }
         d.state = NodeState::Released;
         d.taint = tainted.then_some(false);
         d.resource = (has_resource && !node.resource_advertised).then_some(true);
@@ -540,6 +552,26 @@ mod tests {
         assert_eq!(d.state, NodeState::Released);
         assert_eq!(d.taint, None);
         assert_eq!(d.resource, None);
+    }
+
+    #[test]
+    fn released_node_keeps_a_leftover_taint_while_an_agent_is_unready() {
+        // Marked ready (by this gate before its untaint failed, or by another gate), still
+        // tainted, agent not ready: the taint stays until the agent is Ready.
+        let s = spec(GateMode::Bootstrap);
+        let mut f = Fixture::new(
+            vec![gate_taint()],
+            vec![AgentState::NotReady { since: 950 }],
+        );
+        f.annotations
+            .insert(meshgate_api::names::NODE_READY_SINCE.into(), "x".into());
+        let d = f.decide(&s);
+        assert_eq!(d.state, NodeState::Waiting);
+        assert_eq!(d.taint, None);
+        f.agents = vec![AgentState::Ready { since: 990 }];
+        let d = f.decide(&s);
+        assert_eq!(d.state, NodeState::Released);
+        assert_eq!(d.taint, Some(false));
     }
 
     #[test]
