@@ -224,7 +224,7 @@ impl Default for InitGate {
     fn default() -> Self {
         Self {
             enabled: true,
-            image: "ghcr.io/meshgate/meshgate:latest".into(),
+            image: "meshgate/meshgate:0.1.0".into(),
             image_pull_policy: "IfNotPresent".into(),
             command: "/meshgate-wait".into(),
             checks: Vec::new(),

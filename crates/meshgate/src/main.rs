@@ -104,7 +104,7 @@ enum Command {
         profile: String,
         #[arg(long, default_value = "meshgate-system")]
         namespace: String,
-        #[arg(long, default_value = "ghcr.io/meshgate/meshgate:latest")]
+        #[arg(long, default_value = "meshgate/meshgate:0.1.0")]
         image: String,
         /// Apply with server-side apply instead of printing.
         #[arg(long)]

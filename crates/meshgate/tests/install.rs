@@ -14,7 +14,7 @@ fn options(profile: &str) -> InstallOptions {
     InstallOptions {
         profile: profile.into(),
         namespace: "meshgate-system".into(),
-        image: "ghcr.io/meshgate/meshgate:latest".into(),
+        image: "meshgate/meshgate:0.1.0".into(),
     }
 }
 
