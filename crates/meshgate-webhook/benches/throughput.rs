@@ -1,0 +1,869 @@
+//! Webhook throughput against a baseline HTTPS server, measured in one run side by side.
+//!
+//! * **baseline**: hyper 1 + tokio-rustls (ring), the webhook's own rustls configuration and
+//!   certificate, answering every request with a canned AdmissionReview response: the one the
+//!   webhook gives for the same review (same size). It reads the request body and nothing else:
+//!   the floor of TLS plus HTTP/1.1 on this machine.
+//! * **webhook**: meshgate's real [`Server`] (axum + axum-server), `/mutate/pod-gate`, a ~3 KB
+//!   Pod (`tools/bench/pod.json`) in a namespace labelled for Istio ambient from
+//!   [`Sources::fixed`], with the JSON log subscriber of the real binary at `info` (writing to a
+//!   sink), so that the per-review span costs what it costs in a cluster.
+//!
+//! Each server runs in a child process (this binary re-executed with `MESHGATE_BENCH_ROLE`), on
+//! a multi-threaded tokio runtime like `meshgate webhook`, so that its RSS and CPU time are its
+//! own. The client is the same for both: `CONNECTIONS` keep-alive HTTP/1.1 connections over TLS
+//! 1.3, each sending one review at a time. Per round and server: a warm-up, then `REQUESTS`
+//! requests or `SECONDS` seconds, whichever ends first. Rounds alternate which server goes
+//! first; the ratio reported is the median of the per-round ratios (adjacent in time, so the
+//! noise of a shared machine hits both alike). After the last round the webhook child's
+//! `VmHWM`/`VmRSS` are read from `/proc/<pid>/status`.
+//!
+//! Run: `cargo bench -p meshgate-webhook --bench throughput`. Knobs (environment):
+//! `MESHGATE_BENCH_CONNECTIONS` (16), `MESHGATE_BENCH_REQUESTS` (50000), `MESHGATE_BENCH_SECONDS`
+//! (5), `MESHGATE_BENCH_ROUNDS` (3), `MESHGATE_BENCH_WARMUP` (2000),
+//! `MESHGATE_BENCH_CLIENT_THREADS` (1), `MESHGATE_BENCH_LOG` (`json`; `none`: the webhook runs
+//! without a log subscriber). Without `--bench` (as `cargo test --benches` runs it) it does one
+//! short round as a smoke test.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use meshgate_api::{GateConfig, Profile};
+use meshgate_core::gate::{PodPlan, PodRequest, plan_pod};
+use meshgate_core::select::Meta;
+use meshgate_webhook::metrics::Metrics;
+use meshgate_webhook::tls::CertFiles;
+use meshgate_webhook::{App, Server, ServerOptions, Sources};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::timeout;
+use tokio_rustls::TlsConnector;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
+
+const POD: &str = include_str!("../../../tools/bench/pod.json");
+const PATH: &str = "/mutate/pod-gate";
+
+const ROLE_ENV: &str = "MESHGATE_BENCH_ROLE";
+const CERT_ENV: &str = "MESHGATE_BENCH_CERT";
+const KEY_ENV: &str = "MESHGATE_BENCH_KEY";
+
+/// A child server ends by itself after this long, whatever happens to the parent.
+const CHILD_LIFETIME: Duration = Duration::from_secs(600);
+/// Upper bound for one connect, one request or one response.
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Upper bound for a child to print its address.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+const MIB: f64 = 1024.0 * 1024.0;
+
+// ------------------------------------------------------------------------------------------
+// What both servers see and answer.
+
+fn namespaces() -> BTreeMap<String, Meta> {
+    let labels = [
+        ("kubernetes.io/metadata.name", "apps"),
+        ("istio.io/dataplane-mode", "ambient"),
+        ("team", "payments"),
+    ];
+    BTreeMap::from([(
+        "apps".to_owned(),
+        Meta {
+            labels: labels
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+            annotations: BTreeMap::new(),
+        },
+    )])
+}
+
+fn gate_config() -> GateConfig {
+    GateConfig {
+        profiles: vec![Profile::IstioAmbient],
+        ..Default::default()
+    }
+}
+
+const UID: &str = "0f9c1d2e-3b4a-4c5d-8e6f-7a8b9c0d1e2f";
+
+/// The AdmissionReview the API server sends for the pod.
+fn review_body() -> Vec<u8> {
+    let pod: Value = serde_json::from_str(POD).expect("tools/bench/pod.json is JSON");
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": UID,
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "operation": "CREATE",
+            "namespace": "apps",
+            "userInfo": {
+                "username": "system:serviceaccount:kube-system:replicaset-controller",
+                "uid": "8d1b7a4e-2f3c-4e5d-9a6b-1c2d3e4f5a6b",
+                "groups": ["system:serviceaccounts", "system:serviceaccounts:kube-system",
+                           "system:authenticated"]
+            },
+            "object": pod,
+            "oldObject": null,
+            "dryRun": false,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}
+        }
+    }))
+    .expect("review JSON")
+}
+
+/// The webhook's answer to [`review_body`], computed with the same functions: the baseline's
+/// canned response.
+fn canned_response() -> Vec<u8> {
+    let pod: Value = serde_json::from_str(POD).expect("tools/bench/pod.json is JSON");
+    let ns = namespaces();
+    let plan = plan_pod(
+        &gate_config(),
+        &PodRequest {
+            operation: "CREATE",
+            namespace: "apps",
+            pod: &pod,
+            namespace_meta: &ns["apps"],
+        },
+    );
+    let PodPlan::Mutate { patch, .. } = plan else {
+        panic!("the benchmark pod is not gated: {plan:?}");
+    };
+    serde_json::to_vec(&meshgate_webhook::admission::allow(UID, &patch, &[])).expect("JSON")
+}
+
+// ------------------------------------------------------------------------------------------
+// The child processes.
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Baseline,
+    Webhook,
+}
+
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Role::Baseline => "baseline",
+            Role::Webhook => "webhook",
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    match std::env::var(ROLE_ENV).as_deref() {
+        Ok("baseline") => serve(Role::Baseline),
+        Ok("webhook") => serve(Role::Webhook),
+        Ok(other) => {
+            eprintln!("{ROLE_ENV}={other:?}: expected baseline or webhook");
+            ExitCode::FAILURE
+        }
+        Err(_) => {
+            let full = std::env::args().any(|a| a == "--bench");
+            match run(&Settings::from_env(full)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("throughput: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+/// Runs one server until standard input closes (the parent is done) or [`CHILD_LIFETIME`];
+/// prints `listening <addr>` once it accepts connections.
+fn serve(role: Role) -> ExitCode {
+    std::thread::spawn(|| {
+        std::thread::sleep(CHILD_LIFETIME);
+        eprintln!("bench server: lifetime over, exiting");
+        std::process::exit(2);
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let certs = CertFiles {
+        cert: std::env::var_os(CERT_ENV).expect(CERT_ENV).into(),
+        key: std::env::var_os(KEY_ENV).expect(KEY_ENV).into(),
+    };
+    let addr = runtime.block_on(async {
+        match role {
+            Role::Baseline => start_baseline(&certs).await,
+            Role::Webhook => start_webhook(certs).await,
+        }
+    });
+    println!("listening {addr}");
+    std::io::stdout().flush().expect("stdout");
+    // Keeps serving on the runtime's workers until the parent closes our stdin.
+    let mut sink = String::new();
+    while std::io::stdin().read_line(&mut sink).is_ok_and(|n| n > 0) {
+        sink.clear();
+    }
+    runtime.shutdown_timeout(Duration::from_millis(100));
+    ExitCode::SUCCESS
+}
+
+async fn start_webhook(certs: CertFiles) -> SocketAddr {
+    // The subscriber of `meshgate --log-json webhook` at its default level, into a sink
+    // (`MESHGATE_BENCH_LOG=none`: no subscriber, to see what logging costs).
+    if std::env::var("MESHGATE_BENCH_LOG").as_deref() != Ok("none") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+            .with_writer(std::io::sink)
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .try_init();
+    }
+    let app = App::new(
+        gate_config(),
+        Sources::fixed(namespaces(), vec![], vec![]),
+        Metrics::new(),
+    );
+    let loopback: SocketAddr = "127.0.0.1:0".parse().expect("loopback address");
+    let server = Server::start(
+        ServerOptions {
+            addr: loopback,
+            health_addr: loopback,
+            certs,
+            cert_poll_interval: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(10),
+            shutdown_grace: Duration::from_secs(1),
+        },
+        app,
+    )
+    .await
+    .expect("webhook starts");
+    let addr = server.addr;
+    // The server runs until the process exits.
+    std::mem::forget(server);
+    addr
+}
+
+async fn start_baseline(certs: &CertFiles) -> SocketAddr {
+    let cert = std::fs::read(&certs.cert).expect("certificate file");
+    let key = std::fs::read(&certs.key).expect("key file");
+    let tls = meshgate_webhook::tls::server_config(&cert, &key, certs).expect("TLS config");
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let body = Bytes::from(canned_response());
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = tcp.set_nodelay(true);
+            let (acceptor, body) = (acceptor.clone(), body.clone());
+            tokio::spawn(async move {
+                let Ok(stream) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let service = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let body = body.clone();
+                        async move {
+                            // Read the review, answer the canned response.
+                            let _review = req.into_body().collect().await?.to_bytes();
+                            hyper::Response::builder()
+                                .header(hyper::header::CONTENT_TYPE, "application/json")
+                                .body(Full::new(body))
+                                .map_err(std::io::Error::other)
+                                .map_err(BaselineError::Http)
+                        }
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+#[derive(Debug)]
+enum BaselineError {
+    Body(hyper::Error),
+    Http(std::io::Error),
+}
+
+impl From<hyper::Error> for BaselineError {
+    fn from(e: hyper::Error) -> Self {
+        BaselineError::Body(e)
+    }
+}
+
+impl std::fmt::Display for BaselineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BaselineError::Body(e) => write!(f, "reading the body: {e}"),
+            BaselineError::Http(e) => write!(f, "building the response: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for BaselineError {}
+
+/// A server child: killed (by its own id) if still running when dropped.
+struct ServerChild {
+    role: Role,
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl ServerChild {
+    fn spawn(role: Role, certs: &CertFiles) -> Result<Self, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
+        let mut child = Command::new(exe)
+            .env(ROLE_ENV, role.name())
+            .env(CERT_ENV, &certs.cert)
+            .env(KEY_ENV, &certs.key)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting the {} server: {e}", role.name()))?;
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let mut server = ServerChild {
+            role,
+            child,
+            addr: "0.0.0.0:0".parse().expect("address"),
+        };
+        let line = rx
+            .recv_timeout(START_TIMEOUT)
+            .map_err(|_| format!("the {} server did not start in time", role.name()))?;
+        server.addr = line
+            .trim()
+            .strip_prefix("listening ")
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| format!("the {} server said {line:?}", role.name()))?;
+        Ok(server)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Closes its stdin and waits (bounded) for it to end.
+    fn stop(mut self) {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ServerChild {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// /proc readings.
+
+/// `VmHWM` and `VmRSS` of a process, in bytes.
+fn memory(pid: u32) -> Result<(u64, u64), String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .map_err(|e| format!("/proc/{pid}/status: {e}"))?;
+    let field = |name: &str| -> Result<u64, String> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|rest| {
+                rest.trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+            .map(|kb| kb * 1024)
+            .ok_or_else(|| format!("/proc/{pid}/status has no {name}"))
+    };
+    Ok((field("VmHWM:")?, field("VmRSS:")?))
+}
+
+/// User plus system CPU time of a process (all threads), from `/proc/<pid>/stat`.
+fn cpu_time(pid: &str) -> Duration {
+    // Linux reports these in USER_HZ, 100 per second on every architecture Rust supports.
+    const TICKS_PER_SECOND: u64 = 100;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may contain spaces): state is field 3, utime 14.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let total = ticks(11) + ticks(12);
+    Duration::from_millis(total * 1000 / TICKS_PER_SECOND)
+}
+
+// ------------------------------------------------------------------------------------------
+// The load generator.
+
+#[derive(Clone, Debug)]
+struct Settings {
+    connections: usize,
+    requests: usize,
+    seconds: u64,
+    rounds: usize,
+    warmup: usize,
+    client_threads: usize,
+}
+
+impl Settings {
+    fn from_env(full: bool) -> Self {
+        let var = |name: &str, full_default: usize, quick: usize| -> usize {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|v| *v > 0)
+                .unwrap_or(if full { full_default } else { quick })
+        };
+        Settings {
+            connections: var("MESHGATE_BENCH_CONNECTIONS", 16, 4),
+            requests: var("MESHGATE_BENCH_REQUESTS", 50_000, 200),
+            seconds: var("MESHGATE_BENCH_SECONDS", 5, 2) as u64,
+            rounds: var("MESHGATE_BENCH_ROUNDS", 3, 1),
+            warmup: var("MESHGATE_BENCH_WARMUP", 2_000, 40),
+            client_threads: var("MESHGATE_BENCH_CLIENT_THREADS", 1, 1),
+        }
+    }
+}
+
+type Tls = tokio_rustls::client::TlsStream<TcpStream>;
+
+struct Conn {
+    stream: Tls,
+    buf: Vec<u8>,
+}
+
+fn io_error(message: impl Into<String>) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, message.into())
+}
+
+impl Conn {
+    async fn open(addr: SocketAddr, tls: &TlsConnector) -> std::io::Result<Conn> {
+        let connect = async {
+            let tcp = TcpStream::connect(addr).await?;
+            tcp.set_nodelay(true)?;
+            tls.connect(ServerName::IpAddress(addr.ip().into()), tcp)
+                .await
+        };
+        let stream = timeout(IO_TIMEOUT, connect)
+            .await
+            .map_err(|_| io_error("connect timed out"))??;
+        Ok(Conn {
+            stream,
+            buf: Vec::with_capacity(16 * 1024),
+        })
+    }
+
+    /// Sends `request` and reads the response; returns the status and the body length.
+    async fn call(&mut self, request: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
+        timeout(IO_TIMEOUT, self.call_now(request))
+            .await
+            .map_err(|_| io_error("request timed out"))?
+    }
+
+    async fn call_now(&mut self, request: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
+        self.stream.write_all(request).await?;
+        self.stream.flush().await?;
+        let head_end = loop {
+            if let Some(pos) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break pos + 4;
+            }
+            if self.buf.len() > 64 * 1024 {
+                return Err(io_error("response head over 64 KiB"));
+            }
+            self.fill().await?;
+        };
+        let head = std::str::from_utf8(&self.buf[..head_end])
+            .map_err(|_| io_error("response head is not UTF-8"))?;
+        let status = head
+            .strip_prefix("HTTP/1.1 ")
+            .and_then(|s| s.get(..3))
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| io_error(format!("bad status line in {head:?}")))?;
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                let (name, value) = l.split_once(':')?;
+                name.eq_ignore_ascii_case("content-length")
+                    .then(|| value.trim().parse().ok())?
+            })
+            .ok_or_else(|| io_error(format!("no content-length in {head:?}")))?;
+        while self.buf.len() < head_end + length {
+            self.fill().await?;
+        }
+        let body = self.buf[head_end..head_end + length].to_vec();
+        self.buf.drain(..head_end + length);
+        Ok((status, body))
+    }
+
+    async fn fill(&mut self) -> std::io::Result<()> {
+        let mut chunk = [0u8; 16 * 1024];
+        let n = self.stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(io_error("connection closed mid-response"));
+        }
+        self.buf.extend_from_slice(&chunk[..n]);
+        Ok(())
+    }
+}
+
+fn connector(ca_pem: &str) -> TlsConnector {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.expect("CA PEM")).expect("CA certificate");
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("protocol versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    TlsConnector::from(Arc::new(config))
+}
+
+/// One measured phase against one server.
+#[derive(Debug)]
+struct Run {
+    requests: usize,
+    elapsed: Duration,
+    /// Sorted latencies.
+    latencies: Vec<Duration>,
+    server_cpu: Duration,
+    client_cpu: Duration,
+}
+
+impl Run {
+    fn rate(&self) -> f64 {
+        self.requests as f64 / self.elapsed.as_secs_f64()
+    }
+
+    fn quantile(&self, q: f64) -> Duration {
+        quantile(&self.latencies, q)
+    }
+
+    fn server_cpu_per_request(&self) -> Duration {
+        self.server_cpu / u32::try_from(self.requests.max(1)).unwrap_or(u32::MAX)
+    }
+}
+
+fn quantile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// Warm-up (unmeasured), then up to `settings.requests` requests or `settings.seconds`.
+async fn load(
+    server: &ServerChild,
+    tls: &TlsConnector,
+    request: Arc<Vec<u8>>,
+    settings: &Settings,
+) -> Result<Run, String> {
+    let mut conns = Vec::with_capacity(settings.connections);
+    for _ in 0..settings.connections {
+        conns.push(
+            Conn::open(server.addr, tls)
+                .await
+                .map_err(|e| format!("connecting to {}: {e}", server.role.name()))?,
+        );
+    }
+    let per_conn_warmup = settings.warmup.div_ceil(settings.connections);
+    let issued = Arc::new(AtomicUsize::new(0));
+    let barrier = Arc::new(tokio::sync::Barrier::new(settings.connections + 1));
+    let mut tasks = Vec::with_capacity(settings.connections);
+    let total = settings.requests;
+    let limit = Duration::from_secs(settings.seconds);
+    for mut conn in conns {
+        let (request, issued, barrier) = (request.clone(), issued.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..per_conn_warmup {
+                let (status, _) = conn.call(&request).await?;
+                if status != 200 {
+                    return Err(io_error(format!("warm-up answered {status}")));
+                }
+            }
+            barrier.wait().await;
+            let deadline = Instant::now() + limit;
+            let mut latencies = Vec::with_capacity(total / 8);
+            while issued.fetch_add(1, Ordering::Relaxed) < total && Instant::now() < deadline {
+                let start = Instant::now();
+                let (status, _) = conn.call(&request).await?;
+                latencies.push(start.elapsed());
+                if status != 200 {
+                    return Err(io_error(format!("answered {status}")));
+                }
+            }
+            Ok::<_, std::io::Error>(latencies)
+        }));
+    }
+    barrier.wait().await;
+    let pid = server.pid().to_string();
+    let (cpu0, self0) = (cpu_time(&pid), cpu_time("self"));
+    let start = Instant::now();
+    let mut latencies = Vec::with_capacity(total);
+    for task in tasks {
+        let mine = task
+            .await
+            .map_err(|e| format!("client task: {e}"))?
+            .map_err(|e| format!("{}: {e}", server.role.name()))?;
+        latencies.extend(mine);
+    }
+    let elapsed = start.elapsed();
+    let (cpu1, self1) = (cpu_time(&pid), cpu_time("self"));
+    latencies.sort_unstable();
+    Ok(Run {
+        requests: latencies.len(),
+        elapsed,
+        latencies,
+        server_cpu: cpu1.saturating_sub(cpu0),
+        client_cpu: self1.saturating_sub(self0),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+}
+
+fn micros(d: Duration) -> String {
+    format!("{:.0} µs", d.as_secs_f64() * 1e6)
+}
+
+fn run(settings: &Settings) -> Result<(), String> {
+    let validity = Duration::from_secs(24 * 3600);
+    let ca = meshgate_pki::Ca::new("meshgate-bench-ca", validity).map_err(|e| e.to_string())?;
+    let serving = ca
+        .issue_server(&["localhost", "127.0.0.1"], validity)
+        .map_err(|e| e.to_string())?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let certs = CertFiles {
+        cert: dir.path().join("tls.crt"),
+        key: dir.path().join("tls.key"),
+    };
+    std::fs::write(&certs.cert, &serving.cert_pem).map_err(|e| e.to_string())?;
+    std::fs::write(&certs.key, &serving.key_pem).map_err(|e| e.to_string())?;
+
+    let baseline = ServerChild::spawn(Role::Baseline, &certs)?;
+    let webhook = ServerChild::spawn(Role::Webhook, &certs)?;
+    let (_, webhook_idle_rss) = memory(webhook.pid())?;
+    let (_, baseline_idle_rss) = memory(baseline.pid())?;
+
+    let body = review_body();
+    let mut request = format!(
+        "POST {PATH} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(&body);
+    let request = Arc::new(request);
+    let tls = connector(&ca.certificate().cert_pem);
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(settings.client_threads)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("client runtime: {e}"))?;
+
+    // Both answer the review alike (the baseline's canned body is the webhook's answer).
+    let answers = runtime.block_on(async {
+        let mut out = Vec::new();
+        for server in [&baseline, &webhook] {
+            let mut conn = Conn::open(server.addr, &tls)
+                .await
+                .map_err(|e| format!("{}: {e}", server.role.name()))?;
+            let (status, body) = conn
+                .call(&request)
+                .await
+                .map_err(|e| format!("{}: {e}", server.role.name()))?;
+            let answer: Value = serde_json::from_slice(&body)
+                .map_err(|e| format!("{}: answer is not JSON: {e}", server.role.name()))?;
+            if status != 200 || answer["response"]["allowed"] != true {
+                return Err(format!(
+                    "{} answered {status}: {answer}",
+                    server.role.name()
+                ));
+            }
+            out.push((server.role, body.len(), answer));
+        }
+        Ok::<_, String>(out)
+    })?;
+    if answers[0].2 != answers[1].2 {
+        return Err(format!(
+            "the baseline's canned answer differs from the webhook's:\n{}\n{}",
+            answers[0].2, answers[1].2
+        ));
+    }
+    println!(
+        "review: {} bytes of request body ({} bytes of Pod); answer: {} bytes (baseline), {} \
+         bytes (webhook), a JSON patch adding the gate init container",
+        body.len(),
+        serde_json::to_vec(&serde_json::from_str::<Value>(POD).map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?
+            .len(),
+        answers[0].1,
+        answers[1].1,
+    );
+    println!(
+        "load: {} keep-alive HTTP/1.1 connections over TLS 1.3, {} warm-up requests, then {} \
+         requests or {} s per round and server; {} rounds; client on {} tokio worker(s); \
+         {} CPUs",
+        settings.connections,
+        settings.warmup,
+        settings.requests,
+        settings.seconds,
+        settings.rounds,
+        settings.client_threads,
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+    );
+    println!(
+        "{:<6} {:<9} {:>8} {:>8} {:>11} {:>9} {:>9} {:>9} {:>14} {:>14}",
+        "round",
+        "server",
+        "requests",
+        "seconds",
+        "req/s",
+        "p50",
+        "p99",
+        "max",
+        "server CPU/req",
+        "client CPU/req"
+    );
+    let mut results: Vec<(Run, Run)> = Vec::new();
+    for round in 0..settings.rounds {
+        let order = if round.is_multiple_of(2) {
+            [&baseline, &webhook]
+        } else {
+            [&webhook, &baseline]
+        };
+        let mut pair: Vec<(Role, Run)> = Vec::new();
+        for server in order {
+            let r = runtime.block_on(load(server, &tls, request.clone(), settings))?;
+            println!(
+                "{:<6} {:<9} {:>8} {:>8.2} {:>11.0} {:>9} {:>9} {:>9} {:>14} {:>14}",
+                round + 1,
+                server.role.name(),
+                r.requests,
+                r.elapsed.as_secs_f64(),
+                r.rate(),
+                micros(r.quantile(0.50)),
+                micros(r.quantile(0.99)),
+                micros(r.quantile(1.0)),
+                micros(r.server_cpu_per_request()),
+                micros(r.client_cpu / u32::try_from(r.requests.max(1)).unwrap_or(u32::MAX)),
+            );
+            pair.push((server.role, r));
+        }
+        let (mut b, mut w) = (None, None);
+        for (role, r) in pair {
+            match role {
+                Role::Baseline => b = Some(r),
+                Role::Webhook => w = Some(r),
+            }
+        }
+        results.push((b.expect("baseline run"), w.expect("webhook run")));
+    }
+    let (webhook_hwm, webhook_rss) = memory(webhook.pid())?;
+    let (baseline_hwm, baseline_rss) = memory(baseline.pid())?;
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    webhook.stop();
+    baseline.stop();
+
+    let pick = |f: &dyn Fn(&Run) -> f64, webhook: bool| -> f64 {
+        median(
+            results
+                .iter()
+                .map(|(b, w)| f(if webhook { w } else { b }))
+                .collect(),
+        )
+    };
+    let rate = |r: &Run| r.rate();
+    let p50 = |r: &Run| r.quantile(0.5).as_secs_f64() * 1e6;
+    let p99 = |r: &Run| r.quantile(0.99).as_secs_f64() * 1e6;
+    let cpu = |r: &Run| r.server_cpu_per_request().as_secs_f64() * 1e6;
+    let ratio = median(results.iter().map(|(b, w)| w.rate() / b.rate()).collect());
+    // CPU time has 10 ms resolution: a round too short to register any is left out.
+    let cpu_ratios: Vec<f64> = results
+        .iter()
+        .filter(|(b, _)| cpu(b) > 0.0)
+        .map(|(b, w)| cpu(w) / cpu(b))
+        .collect();
+    let cpu_ratio = if cpu_ratios.is_empty() {
+        "n/a (rounds too short)".to_owned()
+    } else {
+        format!("{:.2}x", median(cpu_ratios))
+    };
+    println!();
+    println!("summary (medians over rounds)");
+    for (name, webhook) in [("baseline", false), ("webhook", true)] {
+        println!(
+            "  {name:<9} {:>9.0} req/s   p50 {:>6.0} µs   p99 {:>6.0} µs   server CPU {:>5.0} µs/req",
+            pick(&rate, webhook),
+            pick(&p50, webhook),
+            pick(&p99, webhook),
+            pick(&cpu, webhook),
+        );
+    }
+    let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
+    println!(
+        "  ratio webhook/baseline: throughput {ratio:.2}x (target >= 0.80x: {}), server CPU per \
+         request {cpu_ratio}",
+        verdict(ratio >= 0.8)
+    );
+    println!(
+        "  webhook RSS: idle {:.1} MiB, after load {:.1} MiB, peak (VmHWM) {:.1} MiB (target <= \
+         32 MiB: {})",
+        webhook_idle_rss as f64 / MIB,
+        webhook_rss as f64 / MIB,
+        webhook_hwm as f64 / MIB,
+        verdict(webhook_hwm as f64 <= 32.0 * MIB)
+    );
+    println!(
+        "  baseline RSS: idle {:.1} MiB, after load {:.1} MiB, peak (VmHWM) {:.1} MiB",
+        baseline_idle_rss as f64 / MIB,
+        baseline_rss as f64 / MIB,
+        baseline_hwm as f64 / MIB,
+    );
+    Ok(())
+}
