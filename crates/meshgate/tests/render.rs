@@ -54,8 +54,7 @@ fn multi_document_yaml_round_trips() {
     let dir = tempfile::tempdir().unwrap();
     let m = write(&dir, "m.yaml", MANIFESTS);
     let p = write(&dir, "p.yaml", POLICY);
-    let (out, notes) =
-        meshgate::render::render(&[m.clone()], &[p], &BTreeMap::new(), false).unwrap();
+    let (out, notes) = meshgate::render::render(&[m], &[p], &BTreeMap::new(), false).unwrap();
     assert!(notes.is_empty(), "{notes:?}");
     let input = meshgate::render::parse_documents("m.yaml", MANIFESTS).unwrap();
     let output = meshgate::render::parse_documents("out", &out).unwrap();
