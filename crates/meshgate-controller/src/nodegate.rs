@@ -93,6 +93,8 @@ pub async fn run(
         let agents = agents.clone();
         let client = client.clone();
         let trigger = trigger_tx.clone();
+        let gate_store = gates.clone();
+        let mut seen: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
         reflector::reflector(
             gate_writer,
             watcher(
@@ -107,7 +109,21 @@ pub async fn run(
                 for a in &gate.spec.agents {
                     agents.ensure_watch(&client, &a.namespace, &trigger);
                 }
-                let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
+                // Every node is reconciled again when a gate's spec changes (a new generation)
+                // or the gate is gone (the reflector has removed it from the store); the gate's
+                // own status writes change neither and trigger nothing.
+                let uid = gate.metadata.uid.clone().unwrap_or_default();
+                let generation = gate.metadata.generation.unwrap_or_default();
+                let deleted = gate_store.get(&ObjectRef::from_obj(&gate)).is_none();
+                let changed = seen.get(&uid) != Some(&generation);
+                if deleted {
+                    seen.remove(&uid);
+                } else {
+                    seen.insert(uid, generation);
+                }
+                if deleted || changed {
+                    let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
+                }
             }
             futures::future::ready(())
         })
