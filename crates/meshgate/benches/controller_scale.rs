@@ -1,0 +1,531 @@
+//! The node gate controller at scale, against the real control plane (etcd + kube-apiserver
+//! from `MESHGATE_CONTROLPLANE_BIN`, see `tools/controlplane`).
+//!
+//! For each size N (`MESHGATE_BENCH_NODES`, default `1000,5000`):
+//! 1. N Nodes labelled `pool=scale<N>`, each registered with the gate's startup taint (as the
+//!    webhook puts it at creation), and 2 agent pods per node (`cni`, `node-proxy`) bound to it,
+//!    not Ready; a NodeGate for the pool.
+//! 2. The controller (`meshgate_controller::nodegate::run`, leader from the start) runs in a
+//!    child process (this binary re-executed with `MESHGATE_BENCH_ROLE=controller`), so that its
+//!    RSS is its own, with the default settings; the bench waits until the gate's status counts
+//!    N held nodes.
+//! 3. Burst: every agent pod is marked Ready (status patches, 64 in flight). A node's "ready"
+//!    time is when the patch of its second agent returned; its "untaint" time is when a watch
+//!    on the pool's nodes (started before the burst) first shows it without the taint.
+//!
+//! Reported: per-node ready→untaint latency (p50, p99, max), the burst's length, the time
+//! until the last node is released, untaints per second, reconciles per second (the
+//! controller's `reconciles` counter over the burst) and the controller's `VmRSS`/`VmHWM`.
+//! Every wait is bounded; the nodes and pods are deleted after each size.
+//!
+//! Run: `MESHGATE_CONTROLPLANE_BIN=... cargo bench -p meshgate --bench controller_scale`.
+//! Without `--bench` (as `cargo test --benches` runs it) it does nothing.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+use meshgate_api::NodeGate;
+use meshgate_api::node_gate::NodeGateSpec;
+use serde_json::json;
+
+const ROLE_ENV: &str = "MESHGATE_BENCH_ROLE";
+const KUBECONFIG_ENV: &str = "MESHGATE_BENCH_KUBECONFIG";
+const TAINT: &str = "node.meshgate.dev/agent-not-ready";
+/// Requests in flight while creating and patching.
+const CONCURRENCY: usize = 64;
+/// Upper bound for each phase (create, sync, release).
+const PHASE_LIMIT: Duration = Duration::from_secs(600);
+/// The controller child ends by itself after this long.
+const CHILD_LIFETIME: Duration = Duration::from_secs(1800);
+const MIB: f64 = 1024.0 * 1024.0;
+
+fn main() -> ExitCode {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    if std::env::var(ROLE_ENV).as_deref() == Ok("controller") {
+        return runtime.block_on(controller());
+    }
+    if !std::env::args().any(|a| a == "--bench") {
+        eprintln!("controller_scale: run with `cargo bench` (needs the control plane)");
+        return ExitCode::SUCCESS;
+    }
+    match runtime.block_on(run()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("controller_scale: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// The controller child: runs until stdin closes; on a `metrics` line prints its metrics
+// followed by `END`.
+
+async fn client_from(path: &std::path::Path) -> Result<kube::Client, String> {
+    let kubeconfig = kube::config::Kubeconfig::read_from(path).map_err(|e| e.to_string())?;
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    config.read_timeout = Some(Duration::from_secs(120));
+    kube::Client::try_from(config).map_err(|e| e.to_string())
+}
+
+async fn controller() -> ExitCode {
+    std::thread::spawn(|| {
+        std::thread::sleep(CHILD_LIFETIME);
+        eprintln!("controller child: lifetime over, exiting");
+        std::process::exit(2);
+    });
+    let path = std::env::var_os(KUBECONFIG_ENV).expect(KUBECONFIG_ENV);
+    let client = client_from(std::path::Path::new(&path))
+        .await
+        .expect("kube client");
+    let metrics = meshgate_controller::Metrics::new();
+    let (_leader_tx, leader) = tokio::sync::watch::channel(true);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    // The defaults of `meshgate controller` (gate status every 5 s, resync every 300 s).
+    let settings = meshgate_controller::nodegate::Settings::default();
+    let task = tokio::spawn(meshgate_controller::nodegate::run(
+        client,
+        leader,
+        metrics.clone(),
+        settings,
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    println!("started");
+    std::io::stdout().flush().expect("stdout");
+    let m = metrics.clone();
+    tokio::task::spawn_blocking(move || {
+        let stdin = std::io::stdin();
+        for line in stdin.lock().lines() {
+            let Ok(line) = line else { break };
+            if line.trim() == "metrics" {
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "{}\nEND", m.encode());
+                let _ = out.flush();
+            }
+        }
+    })
+    .await
+    .expect("stdin reader");
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+    ExitCode::SUCCESS
+}
+
+struct ControllerChild {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl ControllerChild {
+    fn spawn(kubeconfig: &std::path::Path) -> Result<Self, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = Command::new(exe)
+            .env(ROLE_ENV, "controller")
+            .env(KUBECONFIG_ENV, kubeconfig)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting the controller: {e}"))?;
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let c = ControllerChild { child, lines };
+        match c.lines.recv_timeout(Duration::from_secs(60)) {
+            Ok(l) if l == "started" => Ok(c),
+            other => Err(format!("the controller did not start: {other:?}")),
+        }
+    }
+
+    /// The controller's `reconciles` counter.
+    fn reconciles(&mut self) -> Result<u64, String> {
+        let stdin = self.child.stdin.as_mut().ok_or("no stdin")?;
+        writeln!(stdin, "metrics").map_err(|e| e.to_string())?;
+        stdin.flush().map_err(|e| e.to_string())?;
+        let mut value = None;
+        loop {
+            let line = self
+                .lines
+                .recv_timeout(Duration::from_secs(30))
+                .map_err(|_| "no metrics from the controller".to_owned())?;
+            if line == "END" {
+                break;
+            }
+            if let Some(v) = line.strip_prefix("meshgate_controller_reconciles_total ") {
+                value = v.trim().parse().ok();
+            }
+        }
+        value.ok_or_else(|| "no reconciles counter".to_owned())
+    }
+
+    /// `VmHWM` and `VmRSS`, bytes.
+    fn memory(&self) -> Result<(u64, u64), String> {
+        let pid = self.child.id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .map_err(|e| format!("/proc/{pid}/status: {e}"))?;
+        let field = |name: &str| -> Result<u64, String> {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .map(|kb| kb * 1024)
+                .ok_or_else(|| format!("no {name}"))
+        };
+        Ok((field("VmHWM:")?, field("VmRSS:")?))
+    }
+
+    fn stop(mut self) {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ControllerChild {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// The measurement.
+
+fn quantile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1e3)
+}
+
+/// Runs `f` over `items` with [`CONCURRENCY`] in flight; fails on the first error.
+async fn each<T, F, Fut>(items: Vec<T>, f: F) -> Result<(), String>
+where
+    F: Fn(T) -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    let run = futures::stream::iter(items.into_iter().map(f))
+        .buffer_unordered(CONCURRENCY)
+        .try_collect::<Vec<()>>();
+    tokio::time::timeout(PHASE_LIMIT, run)
+        .await
+        .map_err(|_| "phase timed out".to_owned())?
+        .map(|_| ())
+}
+
+fn tainted(node: &Node) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| t.key == TAINT))
+}
+
+async fn run() -> Result<(), String> {
+    let sizes: Vec<usize> = std::env::var("MESHGATE_BENCH_NODES")
+        .unwrap_or_else(|_| "1000,5000".to_owned())
+        .split(',')
+        .map(|s| {
+            s.trim()
+                .parse()
+                .map_err(|e| format!("MESHGATE_BENCH_NODES: {e}"))
+        })
+        .collect::<Result<_, _>>()?;
+    let started = Instant::now();
+    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options::default())
+        .await
+        .map_err(|e| format!("control plane: {e}"))?;
+    let client = cp.client().await.map_err(|e| e.to_string())?;
+    let crds = meshgate::install::crd_documents().map_err(|e| e.to_string())?;
+    meshgate::install::apply(&client, &crds, false, |_| {})
+        .await
+        .map_err(|e| format!("CRDs: {e}"))?;
+    let agents_ns = cp
+        .namespace("agents", &[])
+        .await
+        .map_err(|e| e.to_string())?;
+    println!(
+        "control plane up in {:.1} s; agents in namespace {agents_ns}",
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "{:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>11} {:>11} {:>12} {:>10} {:>10}",
+        "nodes",
+        "p50",
+        "p99",
+        "max",
+        "burst",
+        "last out",
+        "untaint/s",
+        "reconcile/s",
+        "reconciles",
+        "RSS",
+        "VmHWM"
+    );
+    for n in sizes {
+        scale(&cp, &client, &agents_ns, n).await?;
+    }
+    Ok(())
+}
+
+async fn scale(
+    cp: &meshgate_testenv::ControlPlane,
+    client: &kube::Client,
+    agents_ns: &str,
+    n: usize,
+) -> Result<(), String> {
+    let pool = format!("scale{n}");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let pods: Api<Pod> = Api::namespaced(client.clone(), agents_ns);
+    let names: Vec<String> = (0..n).map(|i| format!("{pool}-{i:05}")).collect();
+
+    let t = Instant::now();
+    each(names.clone(), |name| {
+        let (nodes, pool) = (nodes.clone(), pool.clone());
+        async move {
+            let node: Node = serde_json::from_value(json!({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": name, "labels": {"pool": pool}},
+                "spec": {"taints": [{"key": TAINT, "effect": "NoSchedule"}]},
+            }))
+            .map_err(|e| e.to_string())?;
+            nodes
+                .create(&PostParams::default(), &node)
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("node {name}: {e}"))
+        }
+    })
+    .await?;
+    let agents: Vec<(String, &str, String)> = names
+        .iter()
+        .flat_map(|node| {
+            ["cni", "node-proxy"].map(|app| (format!("{app}-{node}"), app, node.clone()))
+        })
+        .collect();
+    each(agents.clone(), |(name, app, node)| {
+        let (pods, pool) = (pods.clone(), pool.clone());
+        async move {
+            let pod: Pod = serde_json::from_value(json!({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "labels": {"app": app, "pool": pool}},
+                "spec": {"nodeName": node,
+                         "containers": [{"name": "agent", "image": "agent.invalid/agent:1"}],
+                         "tolerations": [{"operator": "Exists"}]},
+            }))
+            .map_err(|e| e.to_string())?;
+            pods.create(&PostParams::default(), &pod)
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("pod {name}: {e}"))
+        }
+    })
+    .await?;
+    let created = t.elapsed();
+
+    let spec: NodeGateSpec = serde_json::from_value(json!({
+        "agents": [
+            {"name": "cni", "namespace": agents_ns,
+             "selector": {"matchLabels": {"app": "cni", "pool": pool}}},
+            {"name": "node-proxy", "namespace": agents_ns,
+             "selector": {"matchLabels": {"app": "node-proxy", "pool": pool}}},
+        ],
+        "nodeSelector": {"matchLabels": {"pool": pool}},
+    }))
+    .map_err(|e| e.to_string())?;
+    let gates: Api<NodeGate> = Api::all(client.clone());
+    gates
+        .create(&PostParams::default(), &NodeGate::new(&pool, spec))
+        .await
+        .map_err(|e| format!("gate: {e}"))?;
+
+    let mut controller = ControllerChild::spawn(&cp.kubeconfig_path)?;
+    // Synced: the gate's status counts every node, all held.
+    let t_sync = Instant::now();
+    loop {
+        let status = gates
+            .get(&pool)
+            .await
+            .map_err(|e| e.to_string())?
+            .status
+            .unwrap_or_default();
+        if status.nodes as usize == n && status.held_nodes as usize == n {
+            break;
+        }
+        if t_sync.elapsed() > PHASE_LIMIT {
+            return Err(format!(
+                "gate status never counted {n} held nodes: {status:?}"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let synced = t_sync.elapsed();
+
+    // Watch the pool's nodes: the first time each is seen without the taint.
+    let untainted: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let (watch_ready_tx, watch_ready_rx) = tokio::sync::oneshot::channel::<()>();
+    let watch = {
+        let untainted = untainted.clone();
+        let config = watcher::Config::default().labels(&format!("pool={pool}"));
+        let stream = watcher(nodes.clone(), config);
+        tokio::spawn(async move {
+            let mut ready_tx = Some(watch_ready_tx);
+            let mut stream = std::pin::pin!(stream);
+            while let Some(event) = stream.next().await {
+                let now = Instant::now();
+                match event {
+                    Ok(watcher::Event::InitDone) => {
+                        if let Some(tx) = ready_tx.take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                    Ok(watcher::Event::Apply(node) | watcher::Event::InitApply(node))
+                        if !tainted(&node) =>
+                    {
+                        let name = node.metadata.name.unwrap_or_default();
+                        let mut map = untainted.lock().expect("lock");
+                        map.entry(name).or_insert(now);
+                    }
+                    _ => {}
+                }
+            }
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(120), watch_ready_rx)
+        .await
+        .map_err(|_| "node watch did not sync".to_owned())?
+        .map_err(|_| "node watch ended".to_owned())?;
+
+    // The burst: every agent Ready.
+    let reconciles_before = controller.reconciles()?;
+    let ready_at: Arc<Mutex<HashMap<String, (u8, Instant)>>> = Arc::default();
+    let burst_start = Instant::now();
+    each(agents, |(name, _, node)| {
+        let (pods, ready_at) = (pods.clone(), ready_at.clone());
+        async move {
+            let now = k8s_openapi::jiff::Timestamp::now().to_string();
+            let status = json!({"status": {"phase": "Running", "conditions": [
+                {"type": "Ready", "status": "True", "lastTransitionTime": now},
+            ]}});
+            pods.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+                .await
+                .map_err(|e| format!("pod {name} status: {e}"))?;
+            let done = Instant::now();
+            let mut map = ready_at.lock().expect("lock");
+            let entry = map.entry(node).or_insert((0, done));
+            entry.0 += 1;
+            entry.1 = entry.1.max(done);
+            Ok(())
+        }
+    })
+    .await?;
+    let burst = burst_start.elapsed();
+
+    let deadline = Instant::now() + PHASE_LIMIT;
+    while untainted.lock().expect("lock").len() < n {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "only {} of {n} nodes released in time",
+                untainted.lock().expect("lock").len()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let last_out = burst_start.elapsed();
+    let reconciles = controller.reconciles()?.saturating_sub(reconciles_before);
+    let (hwm, rss) = controller.memory()?;
+    watch.abort();
+    controller.stop();
+
+    let ready_at = ready_at.lock().expect("lock").clone();
+    let untainted = untainted.lock().expect("lock").clone();
+    let mut latencies: Vec<Duration> = names
+        .iter()
+        .filter_map(|node| {
+            let (count, ready) = ready_at.get(node)?;
+            let out = untainted.get(node)?;
+            (*count == 2).then(|| out.saturating_duration_since(*ready))
+        })
+        .collect();
+    latencies.sort_unstable();
+    if latencies.len() != n {
+        return Err(format!("{} of {n} nodes have both times", latencies.len()));
+    }
+    // Released before their second agent's patch returned: the watch beat the patch response.
+    let early = names
+        .iter()
+        .filter(|node| untainted[*node] < ready_at[*node].1)
+        .count();
+    println!(
+        "{:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>11.0} {:>11.0} {:>12} {:>6.1} MiB {:>6.1} MiB",
+        n,
+        ms(quantile(&latencies, 0.5)),
+        ms(quantile(&latencies, 0.99)),
+        ms(quantile(&latencies, 1.0)),
+        ms(burst),
+        ms(last_out),
+        n as f64 / last_out.as_secs_f64(),
+        reconciles as f64 / last_out.as_secs_f64(),
+        reconciles,
+        rss as f64 / MIB,
+        hwm as f64 / MIB,
+    );
+    println!(
+        "       (setup: {n} nodes and {} agent pods created in {:.1} s; controller synced in \
+         {:.1} s; {early} nodes released before their last agent patch returned, counted 0 ms)",
+        2 * n,
+        created.as_secs_f64(),
+        synced.as_secs_f64(),
+    );
+
+    // Clean up (bounded): the next size starts from the same cluster.
+    let _ = gates.delete(&pool, &DeleteParams::default()).await;
+    let selector = ListParams::default().labels(&format!("pool={pool}"));
+    let _ = tokio::time::timeout(
+        Duration::from_secs(120),
+        pods.delete_collection(&DeleteParams::default().grace_period(0), &selector),
+    )
+    .await;
+    let _ = tokio::time::timeout(
+        Duration::from_secs(120),
+        nodes.delete_collection(&DeleteParams::default(), &selector),
+    )
+    .await;
+    Ok(())
+}
