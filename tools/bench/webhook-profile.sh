@@ -4,13 +4,23 @@
 # server's CPU goes, by the first meshgate/serde/tracing/TLS frame on each sampled stack.
 #
 #   tools/bench/webhook-profile.sh            # SECONDS_PER_ROUND=4 by default
+#   DEBUG=1 tools/bench/webhook-profile.sh    # with line tables: inlined functions named
 #
 # Needs perf (linux-perf). The servers are told apart by what their stacks contain: the webhook
 # runs meshgate_webhook::server, the baseline the bench's start_baseline.
+#
+# Limits: a function inlined into its caller has no frame of its own in a release build, so its
+# samples count as "the rest"; DEBUG=1 builds the bench with line tables (a separate, full build)
+# so that perf can name inlined frames. Frames in glibc are not unwound: allocator samples are
+# counted by their leaf frame, callers unknown.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/root/.cache/meshgate/target}
 command -v perf >/dev/null || { echo "perf is not installed" >&2; exit 1; }
+if [ "${DEBUG:-0}" = 1 ]; then
+    # Its own directory: the shared release artifacts stay as they are.
+    export CARGO_PROFILE_BENCH_DEBUG=line-tables-only CARGO_TARGET_DIR=$CARGO_TARGET_DIR/profile-debug
+fi
 cargo bench --quiet -p meshgate-webhook --bench throughput --no-run
 bin=$(ls -t "$CARGO_TARGET_DIR"/release/deps/throughput-* | grep -v '\.d$' | head -1)
 out=$(mktemp -d)
@@ -18,11 +28,14 @@ trap 'rm -rf "$out"' EXIT
 MESHGATE_BENCH_ROUNDS=1 MESHGATE_BENCH_SECONDS=${SECONDS_PER_ROUND:-4} \
     timeout 300 perf record -q -F 299 -e cpu-clock --call-graph dwarf,32768 -o "$out/perf.data" \
     -- "$bin" --bench | tail -6
-perf script -i "$out/perf.data" -F comm,pid,tid,time,ip,sym,dso 2>/dev/null | python3 -c '
+perf script -i "$out/perf.data" -F +pid 2>/dev/null | python3 -c '
 import collections, sys
 cats = [
     ("glibc malloc/free (leaf frame)", None),
-    ("serde_json::from_slice -> Value (decode the review)", ["serde_json::de::from_slice"]),
+    # Deep JSON nesting can outrun the 32 KiB of stack perf copies: a sample may end inside the
+    # decoder, so its frames count as well as from_slice (nothing else decodes Values here).
+    ("serde_json::from_slice -> Value (decode the review)",
+     ["serde_json::de::from_slice", "Deserialize for serde_json::value::Value", "serde_json::read::"]),
     ("gate::plan_pod", ["meshgate_core::gate::plan_pod"]),
     ("response: admission::allow + serialise", ["meshgate_webhook::admission::allow", "serde_json::ser::to_vec"]),
     ("admission::parse", ["meshgate_webhook::admission::parse"]),
