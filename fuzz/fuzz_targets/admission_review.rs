@@ -1,7 +1,10 @@
 //! Arbitrary bytes as an `AdmissionReview` body, through what the webhook does with it.
 //!
 //! Asserts:
-//! * parsing never panics; an answerable review yields a well-formed response;
+//! * decoding never panics; an answerable review yields a well-formed response;
+//! * the direct decode of the bytes reads what a `serde_json::Value` of the same bytes says
+//!   (uid, namespace, dryRun, the object), and the init gate plans the same from the lean pod
+//!   view of the object's text as from its `Value`;
 //! * a Pod: the init gate (istio-ambient, resource gate on) plans a patch that applies to the
 //!   very object it was planned for, and planning again on the result adds nothing;
 //! * a Node CREATE: the startup-taint patch applies, and is empty the second time;
@@ -16,11 +19,12 @@ use libfuzzer_sys::fuzz_target;
 use meshgate_api::mutation_policy::{MutationPolicySpec, Operation};
 use meshgate_api::node_gate::NodeGateSpec;
 use meshgate_api::{GateConfig, Profile};
-use meshgate_core::gate::{PodPlan, PodRequest, plan_pod};
+use meshgate_core::gate::{PodPlan, PodRequest, Planner};
 use meshgate_core::nodegate::taints_on_create;
 use meshgate_core::patch::JsonPatch;
 use meshgate_core::policy::{self, MatchContext};
 use meshgate_core::select::Meta;
+use meshgate_core::view::read_pod;
 use meshgate_webhook::admission::{self, ReviewError};
 use serde_json::Value;
 
@@ -32,6 +36,8 @@ static CONFIG: LazyLock<GateConfig> = LazyLock::new(|| {
     c.resource_gate.enabled = true;
     c
 });
+
+static PLANNER: LazyLock<Planner> = LazyLock::new(|| Planner::new(&CONFIG));
 
 /// The namespace every review comes from: an ambient one, so that pods are selected.
 static NAMESPACE: LazyLock<Meta> = LazyLock::new(|| Meta {
@@ -96,31 +102,51 @@ fn applies(patch: &JsonPatch, object: &Value, what: &str) -> Value {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(review) = serde_json::from_slice::<Value>(data) else {
-        return;
-    };
-    let req = match admission::parse(&review) {
+    let mut scratch = None;
+    let req = match admission::decode(data, &mut scratch) {
         Ok(req) => req,
-        Err(ReviewError::Unanswerable(_)) => return,
+        Err(ReviewError::NotJson(_) | ReviewError::Unanswerable(_)) => return,
         Err(ReviewError::Invalid { uid, message }) => {
             let _ = admission::deny(&uid, 400, &message);
             return;
         }
     };
-    let object = req.object;
+    let object: Value = req
+        .object_value()
+        .unwrap_or_else(|e| panic!("request.object is not JSON text: {e}"));
+
+    // The direct decode agrees with a `Value` of the same bytes.
+    let value: Value = serde_json::from_slice(data).expect("a decoded review is JSON");
+    let field = |path: &str| value.pointer(path).and_then(Value::as_str);
+    assert_eq!(field("/request/uid"), Some(&*req.uid), "uid");
+    assert_eq!(field("/request/namespace").unwrap_or_default(), &*req.namespace, "namespace");
+    assert_eq!(field("/request/kind/kind"), Some(&*req.kind), "kind");
+    assert_eq!(
+        value.pointer("/request/dryRun").and_then(Value::as_bool).unwrap_or(false),
+        req.dry_run,
+        "dryRun"
+    );
+    assert_eq!(value.pointer("/request/object").unwrap_or(&Value::Null), &object, "object");
+    let object = &object;
 
     if req.kind == "Pod" {
         let request = |pod| PodRequest {
             operation: req.operation,
-            namespace: req.namespace,
+            namespace: &req.namespace,
             pod,
             namespace_meta: &NAMESPACE,
         };
-        if let PodPlan::Mutate { patch, .. } = plan_pod(&CONFIG, &request(object)) {
-            let _ = admission::allow(req.uid, &patch, &[]);
+        let planned = PLANNER.plan(&request(object));
+        let from_text = read_pod(req.object.get(), |view| {
+            PLANNER.plan_view(req.operation, &req.namespace, &NAMESPACE, view)
+        })
+        .expect("the object is JSON text");
+        assert_eq!(from_text, planned, "lean view and Value plan differently");
+        if let PodPlan::Mutate { patch, .. } = planned {
+            let _ = admission::allow(&req.uid, &patch, &[]);
             if !patch.is_empty() {
                 let gated = applies(&patch, object, "init gate");
-                match plan_pod(&CONFIG, &request(&gated)) {
+                match PLANNER.plan(&request(&gated)) {
                     PodPlan::Mutate { patch: again, .. } => assert!(
                         again.is_empty(),
                         "init gate not idempotent: second patch {again:?}"
@@ -151,14 +177,14 @@ fuzz_target!(|data: &[u8]| {
     let labels = BTreeMap::new();
     let ctx = MatchContext {
         operation,
-        namespace: req.namespace,
+        namespace: &req.namespace,
         namespace_labels: &labels,
     };
     let applied = policy::apply([("fixed", &*POLICY)], object, &ctx)
         .unwrap_or_else(|e| panic!("a valid strategic-merge policy failed: {e}"));
     if applied.changed() {
         let patch = policy::admission_patch(object, &applied.object);
-        let _ = admission::allow(req.uid, &patch, &applied.warnings);
+        let _ = admission::allow(&req.uid, &patch, &applied.warnings);
         let patched = applies(&patch, object, "admission patch");
         assert_eq!(
             patched, applied.object,

@@ -7,7 +7,7 @@
 //!   anchors, each with a `namespaceSelector`, a few matching the pod's namespace, most not.
 //! * `policies_match_only/100`: `policy_matches` alone over the 100 policies.
 //! * `policies_clone/{1,10,100}`: a deep clone of the N `(name, spec)` pairs, which the webhook's
-//!   `Sources::policies()` makes on every review before it matches.
+//!   `Sources::policies()` made on every review before it matched (it now shares one list).
 //! * `plan_pod_ambient`: `gate::plan_pod` for the same Pod in an ambient namespace.
 //! * `decode_review`: `serde_json::from_slice` of the whole AdmissionReview (what the webhook
 //!   does before either handler runs), for scale.

@@ -20,8 +20,11 @@ use meshgate_api::config::GateConfig;
 use meshgate_api::names;
 use serde_json::{Value, json};
 
+use meshgate_api::config::SelectorClause;
+
 use crate::patch::{JsonPatch, escape};
 use crate::select::{Meta, selecting_clause};
+use crate::view::{Obj, PodSpecView, PodView};
 
 /// Why a pod was left untouched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,41 +89,109 @@ pub fn opted_out(pod: &Meta) -> bool {
 }
 
 /// Plans the gate and the resource gate for one pod.
+///
+/// Builds a [`Planner`] for `config` on every call; a server answering many reviews keeps one
+/// [`Planner`] instead.
 pub fn plan_pod(config: &GateConfig, req: &PodRequest<'_>) -> PodPlan {
-    if req.operation != "CREATE" {
-        return PodPlan::Skip(Skip::Operation);
+    Planner::new(config).plan(req)
+}
+
+/// The init gate's planning for one [`GateConfig`], with everything that does not depend on the
+/// pod (the selector clauses, the gate container) computed once.
+#[derive(Clone, Debug)]
+pub struct Planner {
+    config: GateConfig,
+    clauses: Vec<SelectorClause>,
+    gate_container: Value,
+}
+
+impl Planner {
+    pub fn new(config: &GateConfig) -> Self {
+        Self {
+            config: config.clone(),
+            clauses: config.clauses(),
+            gate_container: gate_container(config),
+        }
     }
-    if config
-        .excluded_namespaces
-        .iter()
-        .any(|n| n == req.namespace)
-    {
-        return PodPlan::Skip(Skip::ExcludedNamespace);
+
+    pub fn config(&self) -> &GateConfig {
+        &self.config
     }
-    let Some(spec) = req.pod.get("spec").filter(|s| s.is_object()) else {
-        return PodPlan::Skip(Skip::NotAPod);
-    };
-    if spec.get("hostNetwork").and_then(Value::as_bool) == Some(true) {
-        return PodPlan::Skip(Skip::HostNetwork);
+
+    /// Plans for a pod given as a `Value`.
+    pub fn plan(&self, req: &PodRequest<'_>) -> PodPlan {
+        self.plan_view(
+            req.operation,
+            req.namespace,
+            req.namespace_meta,
+            &PodView::of(req.pod),
+        )
     }
-    let meta = Meta::of(req.pod);
-    if opted_out(&meta) {
-        return PodPlan::Skip(Skip::OptedOut);
+
+    /// Plans for a pod given as a [`PodView`] (see [`crate::view::read_pod`]): the same
+    /// decision as [`Planner::plan`] on the `Value` of the same JSON.
+    pub fn plan_view(
+        &self,
+        operation: &str,
+        namespace: &str,
+        namespace_meta: &Meta,
+        pod: &PodView<'_>,
+    ) -> PodPlan {
+        let config = &self.config;
+        if operation != "CREATE" {
+            return PodPlan::Skip(Skip::Operation);
+        }
+        if config.excluded_namespaces.iter().any(|n| n == namespace) {
+            return PodPlan::Skip(Skip::ExcludedNamespace);
+        }
+        let Some(spec) = pod.spec.get() else {
+            return PodPlan::Skip(Skip::NotAPod);
+        };
+        if spec.host_network.0 == Some(true) {
+            return PodPlan::Skip(Skip::HostNetwork);
+        }
+        let meta = pod.meta();
+        if opted_out(&meta) {
+            return PodPlan::Skip(Skip::OptedOut);
+        }
+        let Some(clause) = selecting_clause(&self.clauses, namespace_meta, &meta) else {
+            return PodPlan::Skip(Skip::NotSelected);
+        };
+        let mut patch = JsonPatch::default();
+        if config.init_gate.enabled {
+            patch.extend(self.plan_init_gate(spec));
+        }
+        if config.resource_gate.enabled {
+            patch.extend(plan_resource_request(&config.resource_gate.resource, spec));
+        }
+        PodPlan::Mutate {
+            clause: clause.to_owned(),
+            patch,
+        }
     }
-    let clauses = config.clauses();
-    let Some(clause) = selecting_clause(&clauses, req.namespace_meta, &meta) else {
-        return PodPlan::Skip(Skip::NotSelected);
-    };
-    let mut patch = JsonPatch::default();
-    if config.init_gate.enabled {
-        patch.extend(plan_init_gate(config, spec));
-    }
-    if config.resource_gate.enabled {
-        patch.extend(plan_resource_request(&config.resource_gate.resource, spec));
-    }
-    PodPlan::Mutate {
-        clause: clause.to_owned(),
-        patch,
+
+    fn plan_init_gate(&self, spec: &PodSpecView<'_>) -> JsonPatch {
+        let mut patch = JsonPatch::default();
+        match spec.init_containers.get() {
+            None => patch.add(
+                "/spec/initContainers",
+                Value::Array(vec![self.gate_container.clone()]),
+            ),
+            Some(inits) => {
+                let existing = inits.iter().position(|c| {
+                    c.get().and_then(|c| c.name.as_deref()) == Some(names::GATE_CONTAINER)
+                });
+                match existing {
+                    Some(0) => {}
+                    Some(i) => patch.move_to(
+                        format!("/spec/initContainers/{i}"),
+                        "/spec/initContainers/0",
+                    ),
+                    None => patch.add("/spec/initContainers/0", self.gate_container.clone()),
+                }
+            }
+        }
+        patch
     }
 }
 
@@ -154,47 +225,34 @@ pub fn gate_container(config: &GateConfig) -> Value {
     })
 }
 
-fn plan_init_gate(config: &GateConfig, spec: &Value) -> JsonPatch {
-    let mut patch = JsonPatch::default();
-    match spec.get("initContainers").and_then(Value::as_array) {
-        None => patch.add("/spec/initContainers", json!([gate_container(config)])),
-        Some(inits) => {
-            let existing = inits
-                .iter()
-                .position(|c| c.get("name").and_then(Value::as_str) == Some(names::GATE_CONTAINER));
-            match existing {
-                Some(0) => {}
-                Some(i) => patch.move_to(
-                    format!("/spec/initContainers/{i}"),
-                    "/spec/initContainers/0",
-                ),
-                None => patch.add("/spec/initContainers/0", gate_container(config)),
-            }
-        }
-    }
-    patch
-}
-
 /// Requests (and limits, as the API server requires for extended resources) one unit of the
 /// gate resource in the first app container, unless it asks for it already.
-fn plan_resource_request(resource: &str, spec: &Value) -> JsonPatch {
+fn plan_resource_request(resource: &str, spec: &PodSpecView<'_>) -> JsonPatch {
     let mut patch = JsonPatch::default();
-    let Some(container) = spec.pointer("/containers/0").filter(|c| c.is_object()) else {
+    let Some(container) = spec
+        .containers
+        .get()
+        .and_then(|c| c.first())
+        .and_then(Obj::get)
+    else {
         return patch;
     };
     let res = escape(resource);
     let base = "/spec/containers/0/resources";
-    let Some(resources) = container.get("resources").filter(|r| r.is_object()) else {
+    let Some(resources) = container.resources.get() else {
         patch.add(
             base,
             json!({"requests": {resource: "1"}, "limits": {resource: "1"}}),
         );
         return patch;
     };
-    for field in ["requests", "limits"] {
-        match resources.get(field).and_then(Value::as_object) {
+    for (field, keys) in [
+        ("requests", &resources.requests),
+        ("limits", &resources.limits),
+    ] {
+        match keys.get() {
             None => patch.add(format!("{base}/{field}"), json!({resource: "1"})),
-            Some(m) if !m.contains_key(resource) => {
+            Some(k) if !k.contains(resource) => {
                 patch.add(format!("{base}/{field}/{res}"), json!("1"));
             }
             Some(_) => {}

@@ -12,3 +12,4 @@ pub mod policy;
 pub mod registration;
 pub mod repair;
 pub mod select;
+pub mod view;

@@ -21,12 +21,13 @@ use meshgate_api::node_gate::{
     Agent, GateMode, GateResource, GateTaint, NodeGateSpec, TaintEffect,
 };
 use meshgate_api::{LabelSelector, Profile, names};
-use meshgate_core::gate::{PodPlan, PodRequest, plan_pod};
+use meshgate_core::gate::{Planner, PodPlan, PodRequest, plan_pod};
 use meshgate_core::nodegate::{
     AgentState, NodeObservation, decide, orphaned_taints, selects, taint_patch, taints_on_create,
 };
 use meshgate_core::policy::{self, MatchContext};
 use meshgate_core::select::Meta;
+use meshgate_core::view::read_pod;
 use proptest::collection::{btree_map, vec};
 use proptest::option;
 use proptest::prelude::*;
@@ -639,7 +640,16 @@ proptest! {
             ..GateConfig::default()
         };
         config.resource_gate.enabled = resource_gate;
-        let PodPlan::Mutate { patch, .. } = plan(&config, namespace, &ns, &pod) else {
+        // The webhook plans from the review's bytes (a lean view decoded from the text): the
+        // same plan as from the pod's `Value`.
+        let from_value = plan(&config, namespace, &ns, &pod);
+        let planner = Planner::new(&config);
+        let from_text = read_pod(&pod.to_string(), |view| {
+            planner.plan_view("CREATE", namespace, &ns, view)
+        })
+        .map_err(|e| TestCaseError::fail(format!("{e}")))?;
+        prop_assert_eq!(&from_text, &from_value);
+        let PodPlan::Mutate { patch, .. } = from_value else {
             return Ok(());
         };
         let once = patch

@@ -50,6 +50,11 @@ use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, ServerName};
 
+/// The allocator of the `meshgate` binary, for every role of this bench (both servers and the
+/// client): the servers differ only in what they do per request.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const POD: &str = include_str!("../../../tools/bench/pod.json");
 const PATH: &str = "/mutate/pod-gate";
 

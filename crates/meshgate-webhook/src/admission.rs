@@ -1,10 +1,19 @@
 //! Reading `AdmissionReview` requests and writing responses.
 //!
-//! Requests are read as JSON values, not into typed structs: a review with a field the types do
-//! not expect must still get an answer that names the problem, never a deserializer panic or a
-//! dropped connection.
+//! A review is decoded straight from the body into a few borrowed fields (see
+//! [`meshgate_core::view`]): `request.object` stays raw JSON text until a handler reads it, the
+//! init gate as a lean pod view, the other handlers as a `Value`. Every field is lenient: a field
+//! of an unexpected type reads as absent, so that a review with a field the types do not expect
+//! still gets an answer that names the problem, never a deserializer error or a dropped
+//! connection. A body the direct decode refuses although it is JSON (an object with a key
+//! twice) is read through a `Value` first, which keeps the last of repeated keys.
+
+use std::borrow::Cow;
 
 use meshgate_core::patch::JsonPatch;
+use meshgate_core::view::{Bool, Obj, Str};
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 pub const API_VERSION: &str = "admission.k8s.io/v1";
@@ -12,22 +21,42 @@ pub const API_VERSION: &str = "admission.k8s.io/v1";
 /// The parts of `request` the handlers read.
 #[derive(Debug)]
 pub struct Request<'a> {
-    pub uid: &'a str,
+    pub uid: Cow<'a, str>,
     /// `request.kind.kind`, e.g. `Pod`.
-    pub kind: &'a str,
+    pub kind: Cow<'a, str>,
     /// `CREATE`, `UPDATE`, `DELETE`, `CONNECT`.
-    pub operation: &'a str,
+    pub operation: &'static str,
     /// Empty for cluster-scoped objects.
-    pub namespace: &'a str,
-    pub name: &'a str,
+    pub namespace: Cow<'a, str>,
+    /// `request.name`; empty for objects named by the API server (`generateName`).
+    pub name: Cow<'a, str>,
     pub dry_run: bool,
-    /// `request.object` (null for DELETE).
-    pub object: &'a Value,
+    /// `request.object` as JSON text (`null` when absent, as for DELETE).
+    pub object: &'a RawValue,
+}
+
+impl Request<'_> {
+    /// `request.object` as a `Value`.
+    pub fn object_value(&self) -> Result<Value, serde_json::Error> {
+        serde_json::from_str(self.object.get())
+    }
+}
+
+/// `metadata.name` of an object, else `metadata.generateName`, else empty.
+pub fn object_name(object: &Value) -> &str {
+    object
+        .pointer("/metadata/name")
+        .or_else(|| object.pointer("/metadata/generateName"))
+        .and_then(Value::as_str)
+        .unwrap_or_default()
 }
 
 /// Why a body is not a review we can answer.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ReviewError {
+    /// Not JSON: the caller gets HTTP 400.
+    #[error("body is not JSON: {0}")]
+    NotJson(String),
     /// Not even a uid to answer to: the caller gets HTTP 400.
     #[error("{0}")]
     Unanswerable(String),
@@ -36,65 +65,121 @@ pub enum ReviewError {
     Invalid { uid: String, message: String },
 }
 
-static NULL: Value = Value::Null;
+/// The review as sent, every field lenient.
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct Envelope<'a> {
+    #[serde(borrow, rename = "apiVersion")]
+    api_version: Str<'a>,
+    #[serde(borrow)]
+    kind: Str<'a>,
+    #[serde(borrow)]
+    request: Obj<RequestIn<'a>>,
+}
 
-/// Parses and checks a review. The errors say exactly what is wrong.
-pub fn parse(review: &Value) -> Result<Request<'_>, ReviewError> {
-    if !review.is_object() {
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct RequestIn<'a> {
+    #[serde(borrow)]
+    uid: Str<'a>,
+    #[serde(borrow)]
+    kind: Obj<KindIn<'a>>,
+    #[serde(borrow)]
+    operation: Str<'a>,
+    #[serde(borrow)]
+    namespace: Str<'a>,
+    #[serde(borrow)]
+    name: Str<'a>,
+    #[serde(rename = "dryRun")]
+    dry_run: Bool,
+    #[serde(borrow)]
+    object: Option<&'a RawValue>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct KindIn<'a> {
+    #[serde(borrow)]
+    kind: Str<'a>,
+}
+
+const OPERATIONS: [&str; 4] = ["CREATE", "UPDATE", "DELETE", "CONNECT"];
+
+/// Decodes and checks a review body. The errors say exactly what is wrong. `scratch` holds the
+/// normalised text when the body has to be read through a `Value` (see the module docs).
+pub fn decode<'a>(
+    body: &'a [u8],
+    scratch: &'a mut Option<String>,
+) -> Result<Request<'a>, ReviewError> {
+    let envelope = match serde_json::from_slice::<Obj<Envelope<'a>>>(body) {
+        Ok(e) => e,
+        Err(_) => {
+            let value: Value =
+                serde_json::from_slice(body).map_err(|e| ReviewError::NotJson(e.to_string()))?;
+            let text: &'a str = scratch.insert(value.to_string());
+            serde_json::from_str::<Obj<Envelope<'a>>>(text)
+                .map_err(|e| ReviewError::NotJson(e.to_string()))?
+        }
+    };
+    check(envelope)
+}
+
+/// Parses and checks a review given as a `Value` (tests and tools; the server uses [`decode`]).
+pub fn parse<'a>(
+    review: &Value,
+    scratch: &'a mut Option<String>,
+) -> Result<Request<'a>, ReviewError> {
+    let text: &'a str = scratch.insert(review.to_string());
+    let envelope = serde_json::from_str::<Obj<Envelope<'a>>>(text)
+        .map_err(|e| ReviewError::NotJson(e.to_string()))?;
+    check(envelope)
+}
+
+fn check(envelope: Obj<Envelope<'_>>) -> Result<Request<'_>, ReviewError> {
+    let Some(review) = envelope.0 else {
         return Err(ReviewError::Unanswerable(
             "body is not an AdmissionReview: expected a JSON object".into(),
         ));
-    }
-    let Some(request) = review.get("request").filter(|r| r.is_object()) else {
+    };
+    let Some(request) = review.request.0 else {
         return Err(ReviewError::Unanswerable(
             "AdmissionReview has no request object".into(),
         ));
     };
-    let Some(uid) = request
-        .get("uid")
-        .and_then(Value::as_str)
-        .filter(|u| !u.is_empty())
-    else {
+    let Some(uid) = request.uid.0.filter(|u| !u.is_empty()) else {
         return Err(ReviewError::Unanswerable(
             "request.uid is missing or not a string".into(),
         ));
     };
     let invalid = |message: String| ReviewError::Invalid {
-        uid: uid.to_owned(),
+        uid: uid.clone().into_owned(),
         message,
     };
-    let api_version = review
-        .get("apiVersion")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
+    let api_version = review.api_version.as_deref().unwrap_or_default();
     if api_version != API_VERSION {
         return Err(invalid(format!(
             "apiVersion {api_version:?} is not supported: this webhook speaks {API_VERSION}"
         )));
     }
-    let kind_field = review
-        .get("kind")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
+    let kind_field = review.kind.as_deref().unwrap_or_default();
     if kind_field != "AdmissionReview" {
         return Err(invalid(format!(
             "kind {kind_field:?} is not AdmissionReview"
         )));
     }
-    let str_field = |path: &str| request.pointer(path).and_then(Value::as_str);
-    let Some(kind) = str_field("/kind/kind") else {
+    let Some(kind) = request.kind.0.and_then(|k| k.kind.0) else {
         return Err(invalid("request.kind.kind is missing".into()));
     };
-    let Some(operation) = str_field("/operation") else {
+    let Some(operation) = request.operation.as_deref() else {
         return Err(invalid("request.operation is missing".into()));
     };
-    if !["CREATE", "UPDATE", "DELETE", "CONNECT"].contains(&operation) {
+    let Some(operation) = OPERATIONS.into_iter().find(|o| *o == operation) else {
         return Err(invalid(format!(
             "request.operation {operation:?} is not an admission operation"
         )));
-    }
-    let object = request.get("object").unwrap_or(&NULL);
-    if matches!(operation, "CREATE" | "UPDATE") && !object.is_object() {
+    };
+    let object = request.object.unwrap_or(RawValue::NULL);
+    if matches!(operation, "CREATE" | "UPDATE") && !object.get().starts_with('{') {
         return Err(invalid(format!(
             "request.object must be an object for {operation}"
         )));
@@ -103,19 +188,9 @@ pub fn parse(review: &Value) -> Result<Request<'_>, ReviewError> {
         uid,
         kind,
         operation,
-        namespace: str_field("/namespace").unwrap_or_default(),
-        name: str_field("/name")
-            .or_else(|| object.pointer("/metadata/name").and_then(Value::as_str))
-            .or_else(|| {
-                object
-                    .pointer("/metadata/generateName")
-                    .and_then(Value::as_str)
-            })
-            .unwrap_or_default(),
-        dry_run: request
-            .get("dryRun")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
+        namespace: request.namespace.0.unwrap_or_default(),
+        name: request.name.0.unwrap_or_default(),
+        dry_run: request.dry_run.0.unwrap_or(false),
         object,
     })
 }
@@ -162,11 +237,50 @@ mod tests {
     #[test]
     fn reads_a_review() {
         let v = good();
-        let r = parse(&v).unwrap();
+        let mut scratch = None;
+        let r = parse(&v, &mut scratch).unwrap();
         assert_eq!(
-            (r.uid, r.kind, r.operation, r.namespace, r.name, r.dry_run),
-            ("u1", "Pod", "CREATE", "ns", "web-", true)
+            (
+                &*r.uid,
+                &*r.kind,
+                r.operation,
+                &*r.namespace,
+                &*r.name,
+                r.dry_run
+            ),
+            ("u1", "Pod", "CREATE", "ns", "", true)
         );
+        assert_eq!(r.object_value().unwrap(), v["request"]["object"]);
+    }
+
+    #[test]
+    fn reads_bytes_as_a_value_would() {
+        // Escapes, a key twice (the last counts, as in a `Value`), fields of unexpected types.
+        let body = br#"{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": "u\u0031", "uid": "u2", "kind": {"kind": "Pod"},
+                        "operation": "DELETE", "namespace": 7, "dryRun": "yes", "object": null}}"#;
+        let mut scratch = None;
+        let r = decode(body, &mut scratch).unwrap();
+        assert_eq!(
+            (
+                &*r.uid,
+                r.operation,
+                &*r.namespace,
+                r.dry_run,
+                r.object.get()
+            ),
+            ("u2", "DELETE", "", false, "null")
+        );
+        assert!(scratch.is_some(), "read through a Value");
+        let mut scratch = None;
+        let r = decode(
+            br#"{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": "caf\u00e9", "kind": {"kind": "Pod"}, "operation": "CONNECT"}}"#,
+            &mut scratch,
+        )
+        .unwrap();
+        assert_eq!((&*r.uid, r.object.get()), ("caf\u{e9}", "null"));
+        assert!(scratch.is_none(), "decoded directly");
     }
 
     #[test]
@@ -180,7 +294,7 @@ mod tests {
             (json!({"request": {"uid": 3}}), "request.uid"),
         ];
         for (v, want) in cases {
-            match parse(&v) {
+            match parse(&v, &mut None) {
                 Err(ReviewError::Unanswerable(m)) => assert!(m.contains(want), "{m}"),
                 other => panic!("{other:?}"),
             }
@@ -188,16 +302,20 @@ mod tests {
         let mut v = good();
         v["apiVersion"] = json!("admission.k8s.io/v1beta1");
         assert!(
-            matches!(parse(&v), Err(ReviewError::Invalid { message, .. }) if message.contains("v1beta1"))
+            matches!(parse(&v, &mut None), Err(ReviewError::Invalid { message, .. }) if message.contains("v1beta1"))
         );
         let mut v = good();
         v["request"]["object"] = json!("x");
         assert!(
-            matches!(parse(&v), Err(ReviewError::Invalid { message, .. }) if message.contains("request.object"))
+            matches!(parse(&v, &mut None), Err(ReviewError::Invalid { message, .. }) if message.contains("request.object"))
         );
         let mut v = good();
         v["request"]["operation"] = json!("PATCH");
-        assert!(parse(&v).is_err());
+        assert!(parse(&v, &mut None).is_err());
+        assert!(matches!(
+            decode(b"{\"request\": ", &mut None),
+            Err(ReviewError::NotJson(m)) if m.contains("EOF")
+        ));
     }
 
     #[test]

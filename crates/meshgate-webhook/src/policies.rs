@@ -9,7 +9,7 @@ use meshgate_api::mutation_policy::Operation;
 use meshgate_core::patch::JsonPatch;
 use meshgate_core::policy::{self, MatchContext, SUPPORTED_KINDS};
 
-use crate::admission::Request;
+use crate::admission::{Request, object_name};
 use crate::metrics::MutationLabels;
 use crate::server::{App, Handled};
 
@@ -27,14 +27,14 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
         "UPDATE" => Operation::Update,
         _ => return Ok(unchanged("operation")),
     };
-    if !SUPPORTED_KINDS.contains(&req.kind) {
+    if !SUPPORTED_KINDS.contains(&&*req.kind) {
         return Ok(unchanged("unsupported-kind"));
     }
     if app
         .config
         .excluded_namespaces
         .iter()
-        .any(|n| n == req.namespace)
+        .any(|n| *n == req.namespace)
     {
         return Ok(unchanged("excluded-namespace"));
     }
@@ -44,19 +44,16 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
     }
     let ns = app
         .sources
-        .namespace(req.namespace)
+        .namespace(&req.namespace)
         .await
         .map_err(|e| (500, e.to_string()))?;
+    let object = crate::server::object_value(&req)?;
     let ctx = MatchContext {
         operation,
-        namespace: req.namespace,
+        namespace: &req.namespace,
         namespace_labels: &ns.labels,
     };
-    match policy::apply(
-        policies.iter().map(|(n, s)| (n.as_str(), s)),
-        req.object,
-        &ctx,
-    ) {
+    match policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &object, &ctx) {
         Ok(applied) if applied.changed() => {
             if !req.dry_run {
                 app.metrics
@@ -64,16 +61,31 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
                     .get_or_create(&MutationLabels { mutation: "policy" })
                     .inc_by(applied.policies.len() as u64);
             }
-            tracing::info!(policies = ?applied.policies, "policies applied");
+            tracing::info!(
+                uid = %req.uid,
+                kind = %req.kind,
+                namespace = %req.namespace,
+                name = object_name(&object),
+                dry_run = req.dry_run,
+                policies = ?applied.policies,
+                "policies applied"
+            );
             Ok(Handled {
-                patch: policy::admission_patch(req.object, &applied.object),
+                patch: policy::admission_patch(&object, &applied.object),
                 warnings: applied.warnings,
                 outcome: "mutated",
             })
         }
         Ok(_) => Ok(unchanged("unchanged")),
         Err(e) => {
-            tracing::error!(error = %e, "policy failed; object admitted unchanged");
+            tracing::error!(
+                uid = %req.uid,
+                kind = %req.kind,
+                namespace = %req.namespace,
+                name = object_name(&object),
+                error = %e,
+                "policy failed; object admitted unchanged"
+            );
             Ok(Handled {
                 patch: JsonPatch::default(),
                 warnings: vec![format!("meshgate: {e}; admitted without this policy")],

@@ -5,8 +5,8 @@
 //! [`Sources::fixed`] serves the same from fixed data, for tests and offline use.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
@@ -22,16 +22,20 @@ use meshgate_core::select::Meta;
 #[derive(Clone)]
 pub struct Sources(Arc<Inner>);
 
+/// The policy list every review reads: shared, replaced whole when a policy changes.
+pub type Policies = Arc<[(String, MutationPolicySpec)]>;
+
 enum Inner {
     Fixed {
         namespaces: BTreeMap<String, Meta>,
-        policies: Vec<(String, MutationPolicySpec)>,
+        policies: Policies,
         gates: Vec<NodeGateSpec>,
     },
     Cluster {
         client: kube::Client,
         namespaces: Store<PartialObjectMeta<Namespace>>,
-        policies: Store<MutationPolicy>,
+        /// Sorted by name; rebuilt from the watch cache on every policy event.
+        policies: RwLock<Policies>,
         gates: Store<NodeGate>,
         synced: AtomicBool,
     },
@@ -72,7 +76,7 @@ impl Sources {
         policies.sort_by(|a, b| a.0.cmp(&b.0));
         Sources(Arc::new(Inner::Fixed {
             namespaces,
-            policies,
+            policies: policies.into(),
             gates,
         }))
     }
@@ -98,8 +102,7 @@ impl Sources {
                 watcher::Config::default(),
             ),
         )
-        .default_backoff()
-        .for_each(|_| async {});
+        .default_backoff();
         let gate_stream = reflector::reflector(
             gate_writer,
             watcher(
@@ -112,16 +115,22 @@ impl Sources {
         let sources = Sources(Arc::new(Inner::Cluster {
             client,
             namespaces: ns_store.clone(),
-            policies: pol_store.clone(),
+            policies: RwLock::new(Arc::from([])),
             gates: gate_store.clone(),
             synced: AtomicBool::new(false),
         }));
+        let (publish, pol_cache) = (sources.clone(), pol_store.clone());
+        let pol_stream = pol_stream.for_each(move |_| {
+            publish.publish_policies(&pol_cache);
+            async {}
+        });
         let flag = sources.clone();
         let drive = async move {
             let ready = async move {
                 let _ = ns_store.wait_until_ready().await;
                 let _ = pol_store.wait_until_ready().await;
                 let _ = gate_store.wait_until_ready().await;
+                flag.publish_policies(&pol_store);
                 if let Inner::Cluster { synced, .. } = &*flag.0 {
                     synced.store(true, Ordering::Release);
                     tracing::info!("caches synced: namespaces, mutation policies, node gates");
@@ -131,6 +140,19 @@ impl Sources {
             futures::join!(ns_stream, pol_stream, gate_stream, ready);
         };
         (sources, drive)
+    }
+
+    /// Replaces the shared policy list with the watch cache's content, sorted by name.
+    fn publish_policies(&self, cache: &Store<MutationPolicy>) {
+        if let Inner::Cluster { policies, .. } = &*self.0 {
+            let mut list: Vec<(String, MutationPolicySpec)> = cache
+                .state()
+                .iter()
+                .map(|p| (p.metadata.name.clone().unwrap_or_default(), p.spec.clone()))
+                .collect();
+            list.sort_by(|a, b| a.0.cmp(&b.0));
+            *policies.write().unwrap_or_else(PoisonError::into_inner) = list.into();
+        }
     }
 
     /// Whether the caches have their first full list.
@@ -171,19 +193,14 @@ impl Sources {
         }
     }
 
-    /// Every MutationPolicy, sorted by name.
-    pub fn policies(&self) -> Vec<(String, MutationPolicySpec)> {
+    /// Every MutationPolicy, sorted by name (shared: no copy per review).
+    pub fn policies(&self) -> Policies {
         match &*self.0 {
             Inner::Fixed { policies, .. } => policies.clone(),
-            Inner::Cluster { policies, .. } => {
-                let mut out: Vec<(String, MutationPolicySpec)> = policies
-                    .state()
-                    .iter()
-                    .map(|p| (p.metadata.name.clone().unwrap_or_default(), p.spec.clone()))
-                    .collect();
-                out.sort_by(|a, b| a.0.cmp(&b.0));
-                out
-            }
+            Inner::Cluster { policies, .. } => policies
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
         }
     }
 

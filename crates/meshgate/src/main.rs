@@ -12,6 +12,11 @@ use meshgate::{crds, logging, render, run};
 use meshgate_api::GateConfig;
 use meshgate_controller::leader::LeaseSettings;
 
+/// mimalloc rather than glibc's allocator: the webhook makes many small, short-lived allocations
+/// on every worker thread (see BENCHMARKS.md, "Webhook throughput").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// meshgate keeps mesh pods off nodes whose mesh agent is not ready, holds pods until their
 /// traffic is captured, and applies mutation policies (e.g. for init containers that need
 /// network).
