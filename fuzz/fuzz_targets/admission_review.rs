@@ -111,22 +111,32 @@ fuzz_target!(|data: &[u8]| {
             return;
         }
     };
-    let object: Value = req
-        .object_value()
-        .unwrap_or_else(|e| panic!("request.object is not JSON text: {e}"));
+    let Ok(object) = req.object_value() else {
+        // The object holds what only a skipped value may hold unchecked (a number out of
+        // range, a lone surrogate escape): the body is no `Value` either. The gate still plans
+        // from the view without failing.
+        assert!(serde_json::from_slice::<Value>(data).is_err());
+        let _ = read_pod(req.object.get(), |view| {
+            PLANNER.plan_view(req.operation, &req.namespace, &NAMESPACE, view)
+        });
+        return;
+    };
 
-    // The direct decode agrees with a `Value` of the same bytes.
-    let value: Value = serde_json::from_slice(data).expect("a decoded review is JSON");
-    let field = |path: &str| value.pointer(path).and_then(Value::as_str);
-    assert_eq!(field("/request/uid"), Some(&*req.uid), "uid");
-    assert_eq!(field("/request/namespace").unwrap_or_default(), &*req.namespace, "namespace");
-    assert_eq!(field("/request/kind/kind"), Some(&*req.kind), "kind");
-    assert_eq!(
-        value.pointer("/request/dryRun").and_then(Value::as_bool).unwrap_or(false),
-        req.dry_run,
-        "dryRun"
-    );
-    assert_eq!(value.pointer("/request/object").unwrap_or(&Value::Null), &object, "object");
+    // The direct decode agrees with a `Value` of the same bytes. (A body a `Value` refuses but
+    // the decode answers holds a number out of range or a lone `\u` surrogate in a value nobody
+    // reads: the documented difference, see `admission`.)
+    if let Ok(value) = serde_json::from_slice::<Value>(data) {
+        let field = |path: &str| value.pointer(path).and_then(Value::as_str);
+        assert_eq!(field("/request/uid"), Some(&*req.uid), "uid");
+        assert_eq!(field("/request/namespace").unwrap_or_default(), &*req.namespace, "namespace");
+        assert_eq!(field("/request/kind/kind"), Some(&*req.kind), "kind");
+        assert_eq!(
+            value.pointer("/request/dryRun").and_then(Value::as_bool).unwrap_or(false),
+            req.dry_run,
+            "dryRun"
+        );
+        assert_eq!(value.pointer("/request/object").unwrap_or(&Value::Null), &object, "object");
+    }
     let object = &object;
 
     if req.kind == "Pod" {
