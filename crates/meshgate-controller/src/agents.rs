@@ -60,6 +60,16 @@ fn summarize(pod: &Pod) -> Option<(String, AgentPod)> {
     ))
 }
 
+fn key_of(pod: &Pod) -> (String, String) {
+    (
+        pod.metadata.namespace.clone().unwrap_or_default(),
+        pod.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+/// A pod as the index keeps it: its key, and its node and summary when bound to one.
+type Summary = ((String, String), Option<(String, AgentPod)>);
+
 #[derive(Default)]
 struct Inner {
     by_node: HashMap<String, Vec<AgentPod>>,
@@ -96,12 +106,16 @@ impl AgentIndex {
 
     /// Inserts or updates a pod; returns the nodes whose agents changed.
     pub fn upsert(&self, pod: &Pod) -> Vec<String> {
-        let key = (
-            pod.metadata.namespace.clone().unwrap_or_default(),
-            pod.metadata.name.clone().unwrap_or_default(),
-        );
+        self.upsert_summary(key_of(pod), summarize(pod))
+    }
+
+    fn upsert_summary(
+        &self,
+        key: (String, String),
+        summary: Option<(String, AgentPod)>,
+    ) -> Vec<String> {
         let mut touched = self.remove_key(&key);
-        if let Some((node, summary)) = summarize(pod) {
+        if let Some((node, summary)) = summary {
             let mut inner = self.write();
             inner.pod_node.insert(key, node.clone());
             inner.by_node.entry(node.clone()).or_default().push(summary);
@@ -112,10 +126,7 @@ impl AgentIndex {
 
     /// Removes a pod; returns its node.
     pub fn remove(&self, pod: &Pod) -> Vec<String> {
-        self.remove_key(&(
-            pod.metadata.namespace.clone().unwrap_or_default(),
-            pod.metadata.name.clone().unwrap_or_default(),
-        ))
+        self.remove_key(&key_of(pod))
     }
 
     fn remove_key(&self, key: &(String, String)) -> Vec<String> {
@@ -133,7 +144,7 @@ impl AgentIndex {
     }
 
     /// Replaces every pod of `namespace` (after a re-list); returns the nodes touched.
-    fn replace_namespace(&self, namespace: &str, pods: &[Pod]) -> Vec<String> {
+    fn replace_namespace(&self, namespace: &str, pods: Vec<Summary>) -> Vec<String> {
         let old: Vec<(String, String)> = self
             .read()
             .pod_node
@@ -142,8 +153,8 @@ impl AgentIndex {
             .cloned()
             .collect();
         let mut touched: Vec<String> = old.iter().flat_map(|k| self.remove_key(k)).collect();
-        for p in pods {
-            touched.extend(self.upsert(p));
+        for (key, summary) in pods {
+            touched.extend(self.upsert_summary(key, summary));
         }
         self.write().synced.insert(namespace.to_owned());
         touched.sort();
@@ -244,7 +255,8 @@ async fn watch_pods(
     trigger: UnboundedSender<ObjectRef<Node>>,
 ) {
     let api = Api::<Pod>::namespaced(client, &namespace);
-    let mut relist: Vec<Pod> = Vec::new();
+    // A re-list is summarised as it arrives: the full pods are not held until it ends.
+    let mut relist: Vec<Summary> = Vec::new();
     let mut stream = watcher(api, watcher::Config::default())
         .default_backoff()
         .boxed();
@@ -253,10 +265,10 @@ async fn watch_pods(
             Ok(Event::Apply(pod)) => send_all(&trigger, index.upsert(&pod)),
             Ok(Event::Delete(pod)) => send_all(&trigger, index.remove(&pod)),
             Ok(Event::Init) => relist.clear(),
-            Ok(Event::InitApply(pod)) => relist.push(pod),
+            Ok(Event::InitApply(pod)) => relist.push((key_of(&pod), summarize(&pod))),
             Ok(Event::InitDone) => {
-                send_all(&trigger, index.replace_namespace(&namespace, &relist));
-                relist = Vec::new();
+                let pods = std::mem::take(&mut relist);
+                send_all(&trigger, index.replace_namespace(&namespace, pods));
             }
             Err(e) => tracing::warn!(namespace, error = %e, "agent pod watch failed; retrying"),
         }

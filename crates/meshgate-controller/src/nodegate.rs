@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -136,8 +136,16 @@ pub async fn run(
             instance: std::env::var("POD_NAME").ok(),
         },
     );
-    let controller = Controller::new(Api::<Node>::all(client.clone()), watcher::Config::default());
-    let nodes = controller.store();
+    // Nodes are cached slimmed to what the gate reads (see `slim_node`).
+    let (nodes, node_writer) = reflector::store::<Node>();
+    let node_stream = reflector::reflector(
+        node_writer,
+        watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
+            .default_backoff()
+            .modify(slim_node),
+    )
+    .applied_objects();
+    let controller = Controller::for_stream(node_stream, nodes.clone());
 
     // Leadership gained: every node is reconciled again.
     let mut leader_rx = leader.clone();
@@ -198,6 +206,28 @@ pub async fn run(
         _ = status_loop => {},
     }
     agents.stop();
+}
+
+/// Drops from a Node what the gate never reads, before it is cached: `managedFields`, the
+/// status other than `capacity` (images, conditions, addresses, node info, volumes) and
+/// annotations outside meshgate's domain. A real node carries tens of KiB of these; the
+/// controller caches every node.
+pub fn slim_node(node: &mut Node) {
+    node.metadata.managed_fields = None;
+    if let Some(annotations) = node.metadata.annotations.as_mut() {
+        annotations.retain(|k, _| {
+            k.split_once('/').is_some_and(|(domain, _)| {
+                domain == meshgate_api::DOMAIN
+                    || domain
+                        .strip_suffix(meshgate_api::DOMAIN)
+                        .is_some_and(|sub| sub.ends_with('.'))
+            })
+        });
+    }
+    node.status = node.status.take().map(|s| NodeStatus {
+        capacity: s.capacity,
+        ..NodeStatus::default()
+    });
 }
 
 fn error_policy(_node: Arc<Node>, err: &Error, ctx: Arc<Ctx>) -> Action {
@@ -531,5 +561,56 @@ async fn status_loop(ctx: Arc<Ctx>, nodes: Store<Node>) {
                 tracing::warn!(gate = %gate_name, error = %e, "status not written");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slim_node_keeps_what_the_gate_reads() {
+        let mut node: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "n1",
+                "labels": {"pool": "mesh"},
+                "annotations": {
+                    names::NODE_READY_SINCE: "2026-01-01T00:00:00Z",
+                    "x.meshgate.dev/note": "kept",
+                    "notmeshgate.dev/x": "dropped",
+                    "node.alpha.kubernetes.io/ttl": "0",
+                },
+                "managedFields": [{"manager": "kubelet", "operation": "Update",
+                                   "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {}}}],
+            },
+            "spec": {"taints": [{"key": "k", "effect": "NoSchedule"}]},
+            "status": {
+                "capacity": {"cpu": "2", "mesh.example/ready": "1"},
+                "images": [{"names": ["registry.example/app:1"], "sizeBytes": 1}],
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }))
+        .expect("node");
+        let before = node.clone();
+        slim_node(&mut node);
+        assert_eq!(node.metadata.name, before.metadata.name);
+        assert_eq!(node.metadata.labels, before.metadata.labels);
+        assert_eq!(node.spec, before.spec, "taints kept");
+        assert!(node.metadata.managed_fields.is_none());
+        let kept: Vec<&str> = node
+            .metadata
+            .annotations
+            .iter()
+            .flatten()
+            .map(|(k, _)| k.as_str())
+            .collect();
+        assert_eq!(kept, [names::NODE_READY_SINCE, "x.meshgate.dev/note"]);
+        let status = node.status.expect("status");
+        assert_eq!(
+            status.capacity,
+            before.status.and_then(|s| s.capacity),
+            "capacity kept"
+        );
+        assert!(status.images.is_none() && status.conditions.is_none());
     }
 }
