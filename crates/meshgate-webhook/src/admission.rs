@@ -335,8 +335,9 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
-        // The one documented difference: a lone surrogate escape in a string nobody reads.
-        let body = br#"{"apiVersion": "admission.k8s.io/v1", "x": "\ud800", "request": {"uid": "u"}}"#;
+        // A documented difference: a lone surrogate escape in a string nobody reads.
+        let body =
+            br#"{"apiVersion": "admission.k8s.io/v1", "x": "\ud800", "request": {"uid": "u"}}"#;
         assert!(serde_json::from_slice::<Value>(body).is_err());
         assert!(matches!(
             decode(body, &mut None),

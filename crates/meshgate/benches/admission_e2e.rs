@@ -11,12 +11,22 @@
 //! is gated: the API server calls the webhook twice per pod (gate, policies) and stores a
 //! bigger pod (the gate init container).
 //!
-//! Rounds alternate: without the registration, with it (the order flips every round). Each
+//! A third configuration separates meshgate's cost from the cost of any mutating webhook: a
+//! **minimal webhook** on the same HTTP and TLS stack (axum-server, rustls, the same
+//! certificate), registered the same way, that finds the review's uid with a substring search
+//! and answers a fixed response: for the pod gate the very patch meshgate computes for this pod,
+//! for the policies path no patch. It is the ceiling for any webhook that gates these pods.
+//!
+//! Rounds rotate through the three (none, minimal, meshgate; the order shifts every round). Each
 //! round creates `MESHGATE_BENCH_PODS` (2000) pods from `tools/bench/pod.json` with
 //! `MESHGATE_BENCH_CONCURRENCY` (32) creates in flight, bounded by `MESHGATE_BENCH_SECONDS` (60);
-//! then deletes them. Reported per round: creates per second, p50/p99 create latency, and how many
-//! stored pods carry the gate (all in "with" rounds, none in "without" rounds, or the run
-//! fails). The ratio is the median over `MESHGATE_BENCH_ROUNDS` (3) of the per-round ratios.
+//! then deletes them. Reported per round: creates per second, p50/p99 create latency, CPU time per
+//! create of kube-apiserver, etcd and this process (the client and the webhook), and how many
+//! stored pods carry the gate (all with a webhook registered, none without, or the run fails).
+//! Ratios are medians over `MESHGATE_BENCH_ROUNDS` (3) of the per-round ratios.
+//!
+//! `MESHGATE_BENCH_WEBHOOKS=gate` registers the pod gate alone (one call per pod), to see what
+//! the policies webhook's call costs.
 //!
 //! Run: `MESHGATE_CONTROLPLANE_BIN=$(tools/controlplane/build.sh) cargo bench -p meshgate --bench
 //! admission_e2e`. Without `--bench` (as `cargo test --benches` runs it) it does nothing.
@@ -64,6 +74,8 @@ struct Settings {
     concurrency: usize,
     seconds: u64,
     rounds: usize,
+    /// Register the policies webhook too (`MESHGATE_BENCH_WEBHOOKS=gate` leaves it out).
+    policies: bool,
 }
 
 impl Settings {
@@ -79,6 +91,15 @@ impl Settings {
             concurrency: var("MESHGATE_BENCH_CONCURRENCY", 32)?.max(1),
             seconds: var("MESHGATE_BENCH_SECONDS", 60)? as u64,
             rounds: var("MESHGATE_BENCH_ROUNDS", 3)?.max(1),
+            policies: match std::env::var("MESHGATE_BENCH_WEBHOOKS").as_deref() {
+                Err(_) | Ok("gate,policies") => true,
+                Ok("gate") => false,
+                Ok(other) => {
+                    return Err(format!(
+                        "MESHGATE_BENCH_WEBHOOKS={other:?}: expected gate or gate,policies"
+                    ));
+                }
+            },
         })
     }
 }
@@ -89,6 +110,29 @@ struct Round {
     elapsed: Duration,
     latencies: Vec<Duration>,
     gated: usize,
+    /// CPU time over the round: kube-apiserver, etcd, this process (client and webhook).
+    cpu: [Duration; 3],
+}
+
+/// User plus system CPU time of a process so far.
+fn cpu_time(pid: &str) -> Duration {
+    const TICKS_PER_SECOND: u64 = 100;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // utime and stime are fields 14 and 15 of the line: 11 and 12 after the name.
+    Duration::from_millis((ticks(11) + ticks(12)) * 1000 / TICKS_PER_SECOND)
+}
+
+fn cpu_now(pids: &[String; 3]) -> [Duration; 3] {
+    [cpu_time(&pids[0]), cpu_time(&pids[1]), cpu_time(&pids[2])]
 }
 
 impl Round {
@@ -134,6 +178,102 @@ fn pod_template(namespace: &str) -> Result<Pod, String> {
     serde_json::from_value(pod).map_err(|e| format!("tools/bench/pod.json as a Pod: {e}"))
 }
 
+/// What the minimal webhook answers: the AdmissionReview response for the pod gate (with
+/// `UID` where the request's uid goes) and for the policies path.
+struct Canned {
+    gate: String,
+    policies: String,
+}
+
+const UID_MARK: &str = "00000000-uid-mark-0000-000000000000";
+
+fn canned(config: &GateConfig, pod: &Pod, namespace: &str) -> Result<Canned, String> {
+    let pod = serde_json::to_value(pod).map_err(|e| e.to_string())?;
+    let ns = meshgate_core::select::Meta {
+        labels: [("istio.io/dataplane-mode".to_owned(), "ambient".to_owned())].into(),
+        ..Default::default()
+    };
+    let plan = meshgate_core::gate::plan_pod(
+        config,
+        &meshgate_core::gate::PodRequest {
+            operation: "CREATE",
+            namespace,
+            pod: &pod,
+            namespace_meta: &ns,
+        },
+    );
+    let meshgate_core::gate::PodPlan::Mutate { patch, .. } = plan else {
+        return Err(format!("the bench pod is not gated: {plan:?}"));
+    };
+    let text = |patch| {
+        serde_json::to_string(&meshgate_webhook::admission::allow(UID_MARK, patch, &[]))
+            .map_err(|e| e.to_string())
+    };
+    Ok(Canned {
+        gate: text(&patch)?,
+        policies: text(&meshgate_core::patch::JsonPatch::default())?,
+    })
+}
+
+/// The request's uid: the first `"uid":"…"` of the body (the API server writes `request.uid`
+/// before the object).
+fn uid_of(body: &[u8]) -> &str {
+    let text = std::str::from_utf8(body).unwrap_or_default();
+    text.split_once("\"uid\":\"")
+        .and_then(|(_, rest)| rest.split_once('"'))
+        .map_or("", |(uid, _)| uid)
+}
+
+/// Starts the minimal webhook on loopback; returns its address.
+async fn start_minimal(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    canned: Canned,
+) -> Result<std::net::SocketAddr, String> {
+    use axum::routing::post;
+    let files = meshgate_webhook::tls::CertFiles {
+        cert: cert.to_owned(),
+        key: key.to_owned(),
+    };
+    let tls = meshgate_webhook::tls::server_config(
+        &std::fs::read(cert).map_err(|e| e.to_string())?,
+        &std::fs::read(key).map_err(|e| e.to_string())?,
+        &files,
+    )
+    .map_err(|e| e.to_string())?;
+    let canned = std::sync::Arc::new(canned);
+    let answer = |which: fn(&Canned) -> &str| {
+        let canned = canned.clone();
+        post(move |body: axum::body::Bytes| {
+            let canned = canned.clone();
+            async move {
+                (
+                    [(axum::http::header::CONTENT_TYPE, "application/json")],
+                    which(&canned).replacen(UID_MARK, uid_of(&body), 1),
+                )
+            }
+        })
+    };
+    let app = axum::Router::new()
+        .route(
+            meshgate_core::registration::paths::POD_GATE,
+            answer(|c| &c.gate),
+        )
+        .route(
+            meshgate_core::registration::paths::POLICIES,
+            answer(|c| &c.policies),
+        );
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let server = axum_server::from_tcp_rustls(
+        listener,
+        axum_server::tls_rustls::RustlsConfig::from_config(tls),
+    )
+    .map_err(|e| e.to_string())?;
+    tokio::spawn(server.serve(app.into_make_service()));
+    Ok(addr)
+}
+
 /// Whether a dry-run create of the pod comes back gated: the registration is in effect.
 async fn gated_now(pods: &Api<Pod>, pod: &Pod) -> Result<bool, String> {
     let created = pods
@@ -171,8 +311,14 @@ async fn settle(pods: &Api<Pod>, pod: &Pod, want: bool) -> Result<(), String> {
     ))
 }
 
-async fn round(pods: &Api<Pod>, pod: &Pod, s: &Settings) -> Result<Round, String> {
+async fn round(
+    pods: &Api<Pod>,
+    pod: &Pod,
+    s: &Settings,
+    pids: &[String; 3],
+) -> Result<Round, String> {
     let limit = Duration::from_secs(s.seconds);
+    let cpu_before = cpu_now(pids);
     let start = Instant::now();
     let results: Vec<Result<(Duration, bool), String>> = futures::stream::iter(0..s.pods)
         .map(|_| async {
@@ -190,6 +336,8 @@ async fn round(pods: &Api<Pod>, pod: &Pod, s: &Settings) -> Result<Round, String
         .collect()
         .await;
     let elapsed = start.elapsed();
+    let cpu_after = cpu_now(pids);
+    let cpu = std::array::from_fn(|i| cpu_after[i].saturating_sub(cpu_before[i]));
     let mut latencies = Vec::with_capacity(results.len());
     let mut gated = 0;
     for r in results {
@@ -213,6 +361,7 @@ async fn round(pods: &Api<Pod>, pod: &Pod, s: &Settings) -> Result<Round, String
         elapsed,
         latencies,
         gated,
+        cpu,
     })
 }
 
@@ -263,57 +412,88 @@ async fn run() -> Result<(), String> {
     )
     .await
     .map_err(|e| format!("webhook: {e}"))?;
-    let mut registration = webhook_configuration(&Registration {
-        name: REGISTRATION,
-        config: &config,
-        target: WebhookTarget::Url(format!("https://127.0.0.1:{}", server.addr.port())),
-        ca_bundle_pem: &ca.certificate().cert_pem,
-        policies: true,
-        node_taint: false,
-    });
-    // A failed call must show as a failed create, not as an unmutated pod.
-    if let Some(hooks) = registration["webhooks"].as_array_mut() {
-        for hook in hooks {
-            hook["failurePolicy"] = Value::from("Fail");
+    let registration = |url: String| -> Result<MutatingWebhookConfiguration, String> {
+        let mut r = webhook_configuration(&Registration {
+            name: REGISTRATION,
+            config: &config,
+            target: WebhookTarget::Url(url),
+            ca_bundle_pem: &ca.certificate().cert_pem,
+            policies: settings.policies,
+            node_taint: false,
+        });
+        // A failed call must show as a failed create, not as an unmutated pod.
+        if let Some(hooks) = r["webhooks"].as_array_mut() {
+            for hook in hooks {
+                hook["failurePolicy"] = Value::from("Fail");
+            }
         }
-    }
-    let registration: MutatingWebhookConfiguration =
-        serde_json::from_value(registration).map_err(|e| format!("registration: {e}"))?;
+        serde_json::from_value(r).map_err(|e| format!("registration: {e}"))
+    };
     let configs = Api::<MutatingWebhookConfiguration>::all(client.clone());
     let pods = Api::<Pod>::namespaced(client.clone(), &namespace);
     let pod = pod_template(&namespace)?;
+    let minimal = start_minimal(
+        &dir.path().join("tls.crt"),
+        &dir.path().join("tls.key"),
+        canned(&config, &pod, &namespace)?,
+    )
+    .await?;
+    let registrations = [
+        None,
+        Some(registration(format!("https://{minimal}"))?),
+        Some(registration(format!(
+            "https://127.0.0.1:{}",
+            server.addr.port()
+        ))?),
+    ];
+    let pids = {
+        let cp_pids = cp.pids();
+        let (etcd, apiserver) = (cp_pids[0], cp_pids[1]);
+        [
+            apiserver.to_string(),
+            etcd.to_string(),
+            std::process::id().to_string(),
+        ]
+    };
     println!(
         "control plane up and webhook serving in {:.1} s; {} pods per round, {} in flight, \
-         namespace {namespace} (ambient)",
+         namespace {namespace} (ambient); meshgate at {}, minimal webhook at {minimal}; \
+         registered: {}",
         started.elapsed().as_secs_f64(),
         settings.pods,
-        settings.concurrency
+        settings.concurrency,
+        server.addr,
+        if settings.policies {
+            "pod gate and policies"
+        } else {
+            "pod gate"
+        }
     );
     println!(
-        "{:<6} {:<16} {:>8} {:>9} {:>10} {:>10} {:>10} {:>7}",
-        "round", "webhook", "pods", "seconds", "creates/s", "p50", "p99", "gated"
+        "{:<6} {:<11} {:>6} {:>8} {:>10} {:>9} {:>9} {:>6}   CPU per create: {:>9} {:>8} {:>15}",
+        "round",
+        "webhook",
+        "pods",
+        "seconds",
+        "creates/s",
+        "p50",
+        "p99",
+        "gated",
+        "apiserver",
+        "etcd",
+        "client+webhook"
     );
 
-    let mut ratios = Vec::new();
-    let (mut with_rates, mut without_rates) = (Vec::new(), Vec::new());
+    const MODES: [&str; 3] = ["none", "minimal", "meshgate"];
+    let mut rates: [Vec<f64>; 3] = Default::default();
+    let mut ratios: [Vec<f64>; 3] = Default::default();
     for r in 0..settings.rounds {
-        let order = if r % 2 == 0 {
-            [false, true]
-        } else {
-            [true, false]
-        };
-        let mut rates = [0.0; 2];
-        for registered in order {
-            if registered {
-                configs
-                    .patch(
-                        REGISTRATION,
-                        &PatchParams::apply("meshgate-bench").force(),
-                        &Patch::Apply(&registration),
-                    )
-                    .await
-                    .map_err(|e| format!("register: {e}"))?;
-            } else if configs
+        let mut round_rates = [0.0; 3];
+        for step in 0..3 {
+            let mode = (r + step) % 3;
+            // Always through "no registration": two registrations gate alike, so only its
+            // absence shows that the API server has dropped the previous one.
+            if configs
                 .get_opt(REGISTRATION)
                 .await
                 .map_err(|e| e.to_string())?
@@ -324,45 +504,76 @@ async fn run() -> Result<(), String> {
                     .await
                     .map_err(|e| format!("deregister: {e}"))?;
             }
+            settle(&pods, &pod, false).await?;
+            if let Some(registration) = &registrations[mode] {
+                configs
+                    .patch(
+                        REGISTRATION,
+                        &PatchParams::apply("meshgate-bench").force(),
+                        &Patch::Apply(registration),
+                    )
+                    .await
+                    .map_err(|e| format!("register: {e}"))?;
+            }
+            let registered = registrations[mode].is_some();
             settle(&pods, &pod, registered).await?;
-            let figures = round(&pods, &pod, &settings).await?;
+            let figures = round(&pods, &pod, &settings, &pids).await?;
             let want_gated = if registered { figures.created } else { 0 };
             if figures.gated != want_gated {
                 return Err(format!(
-                    "round {}: {} of {} pods gated, expected {want_gated}",
+                    "round {}, {}: {} of {} pods gated, expected {want_gated}",
                     r + 1,
+                    MODES[mode],
                     figures.gated,
                     figures.created
                 ));
             }
+            let per_create = |d: Duration| {
+                format!(
+                    "{:.2} ms",
+                    d.as_secs_f64() * 1e3 / figures.created.max(1) as f64
+                )
+            };
             println!(
-                "{:<6} {:<16} {:>8} {:>9.2} {:>10.0} {:>10} {:>10} {:>7}",
+                "{:<6} {:<11} {:>6} {:>8.2} {:>10.0} {:>9} {:>9} {:>6}   {:>24} {:>8} {:>15}",
                 r + 1,
-                if registered { "registered" } else { "none" },
+                MODES[mode],
                 figures.created,
                 figures.elapsed.as_secs_f64(),
                 figures.rate(),
                 ms(quantile(&figures.latencies, 0.5)),
                 ms(quantile(&figures.latencies, 0.99)),
-                figures.gated
+                figures.gated,
+                per_create(figures.cpu[0]),
+                per_create(figures.cpu[1]),
+                per_create(figures.cpu[2]),
             );
-            rates[usize::from(registered)] = figures.rate();
+            round_rates[mode] = figures.rate();
         }
-        without_rates.push(rates[0]);
-        with_rates.push(rates[1]);
-        ratios.push(rates[1] / rates[0]);
+        for mode in 0..3 {
+            rates[mode].push(round_rates[mode]);
+        }
+        ratios[0].push(round_rates[2] / round_rates[0]);
+        ratios[1].push(round_rates[1] / round_rates[0]);
+        ratios[2].push(round_rates[2] / round_rates[1]);
     }
-    let ratio = median(ratios);
     println!("\nsummary (medians over rounds)");
+    for mode in 0..3 {
+        println!(
+            "  {:<17} {:>8.0} creates/s",
+            MODES[mode],
+            median(rates[mode].clone())
+        );
+    }
+    let [with, minimal_ratio, against_minimal] = ratios.map(median);
     println!(
-        "  without webhook  {:>8.0} creates/s",
-        median(without_rates)
+        "  ratio meshgate/none:    {with:.2}x (target >= 0.95x: {})",
+        if with >= 0.95 { "met" } else { "MISSED" }
     );
-    println!("  with webhook     {:>8.0} creates/s", median(with_rates));
     println!(
-        "  ratio with/without: {ratio:.2}x (target >= 0.95x: {})",
-        if ratio >= 0.95 { "met" } else { "MISSED" }
+        "  ratio minimal/none:     {minimal_ratio:.2}x (what any webhook gating these pods costs here)"
     );
+    println!("  ratio meshgate/minimal: {against_minimal:.2}x (meshgate's own share)");
     if let Some(counts) = review_counts(server.health_addr).await {
         println!("  webhook reviews answered: {counts}");
     }
