@@ -8,9 +8,12 @@
 //! * `policies_match_only/100`: `policy_matches` alone over the 100 policies.
 //! * `policies_clone/{1,10,100}`: a deep clone of the N `(name, spec)` pairs, which the webhook's
 //!   `Sources::policies()` made on every review before it matched (it now shares one list).
-//! * `plan_pod_ambient`: `gate::plan_pod` for the same Pod in an ambient namespace.
-//! * `decode_review`: `serde_json::from_slice` of the whole AdmissionReview (what the webhook
-//!   does before either handler runs), for scale.
+//! * `plan_pod_ambient`: `gate::plan_pod` for the same Pod in an ambient namespace, from its
+//!   `Value` (a `Planner` built per call, as `plan_pod` does).
+//! * `plan_pod_view`: what `/mutate/pod-gate` does instead: a `Planner` built once, the Pod read
+//!   from its JSON text as a lean `view::PodView` and planned.
+//! * `decode_review`: `serde_json::from_slice` of the whole AdmissionReview into a `Value`, which
+//!   the webhook did before either handler ran until it decoded reviews into borrowed views.
 //!
 //! Run: `cargo bench -p meshgate-core --bench engine` (2 s of measurement per benchmark).
 
@@ -24,6 +27,7 @@ use meshgate_api::{GateConfig, Profile};
 use meshgate_core::gate::{self, PodPlan, PodRequest};
 use meshgate_core::policy::{self, MatchContext};
 use meshgate_core::select::Meta;
+use meshgate_core::view::read_pod;
 use serde_json::{Value, json};
 
 /// The Pod both benchmarks (this one and the webhook's) use: ~3.2 KB of JSON.
@@ -189,6 +193,18 @@ fn bench_plan_pod(c: &mut Criterion) {
     }
     c.bench_function("plan_pod_ambient", |b| {
         b.iter(|| gate::plan_pod(&config, black_box(&req)));
+    });
+    let planner = gate::Planner::new(&config);
+    let text = pod.to_string();
+    let from_text = |text: &str| {
+        read_pod(text, |view| {
+            planner.plan_view("CREATE", "apps", &namespace, view)
+        })
+        .expect("the pod is JSON")
+    };
+    assert_eq!(from_text(&text), gate::plan_pod(&config, &req));
+    c.bench_function("plan_pod_view", |b| {
+        b.iter(|| from_text(black_box(&text)));
     });
 }
 

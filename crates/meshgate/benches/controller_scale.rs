@@ -35,6 +35,10 @@ use meshgate_api::NodeGate;
 use meshgate_api::node_gate::NodeGateSpec;
 use serde_json::json;
 
+/// The allocator of the `meshgate` binary, so that the controller child's RSS is the binary's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const ROLE_ENV: &str = "MESHGATE_BENCH_ROLE";
 const KUBECONFIG_ENV: &str = "MESHGATE_BENCH_KUBECONFIG";
 const TAINT: &str = "node.meshgate.dev/agent-not-ready";
