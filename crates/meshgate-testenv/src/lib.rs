@@ -15,6 +15,9 @@
 //! private control plane early.
 
 mod process;
+mod secret_dir;
+
+pub use secret_dir::SecretDir;
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

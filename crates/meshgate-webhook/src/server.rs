@@ -429,6 +429,7 @@ where
                 FirstRead {
                     inner,
                     fresh: Some(guard),
+                    linger: None,
                 },
                 service,
             ))
@@ -436,11 +437,17 @@ where
     }
 }
 
+/// How long a connection whose side is shut down keeps reading what the client still sends
+/// (see [`FirstRead::poll_shutdown`]).
+const LINGER: Duration = Duration::from_secs(2);
+
 /// A connection's stream that stops counting as fresh once data has been read from it (by
 /// then hyper has the request bytes, and a graceful shutdown lets it answer them).
 struct FirstRead<S> {
     inner: S,
     fresh: Option<FreshGuard>,
+    /// Set once the write side is shut down: the end of the lingering read.
+    linger: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for FirstRead<S> {
@@ -458,7 +465,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for FirstRead<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for FirstRead<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for FirstRead<S> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -483,8 +490,33 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for FirstRead<S> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
+    /// Shuts down the write side (TLS close_notify, then FIN), then lingers: reads and drops
+    /// what the client still sends until it closes its side, at most [`LINGER`]. A socket closed
+    /// with unread data, or receiving data once closed, sends a reset; the API server's HTTP/2
+    /// client then fails every request of the connection whose answer it has received but not
+    /// yet read ("client connection force closed"), so reviews answered during a graceful
+    /// shutdown were lost.
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
+        let this = &mut *self;
+        if this.linger.is_none() {
+            std::task::ready!(Pin::new(&mut this.inner).poll_shutdown(cx))?;
+            this.linger = Some(Box::pin(tokio::time::sleep(LINGER)));
+        }
+        let mut scratch = [0u8; 4096];
+        loop {
+            if let Some(end) = this.linger.as_mut()
+                && end.as_mut().poll(cx).is_ready()
+            {
+                return Poll::Ready(Ok(()));
+            }
+            let mut buf = ReadBuf::new(&mut scratch);
+            match Pin::new(&mut this.inner).poll_read(cx, &mut buf) {
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => {}
+                // The client closed its side (or the connection failed): nothing to wait for.
+                Poll::Ready(_) => return Poll::Ready(Ok(())),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
     }
 }
 

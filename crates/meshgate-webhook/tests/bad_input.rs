@@ -11,7 +11,6 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +18,7 @@ use meshgate_api::names::GATE_CONTAINER;
 use meshgate_api::{GateConfig, Profile};
 use meshgate_core::select::Meta;
 use meshgate_pki::{Ca, CertifiedKey};
+use meshgate_testenv::SecretDir;
 use meshgate_webhook::metrics::Metrics;
 use meshgate_webhook::server::MAX_BODY;
 use meshgate_webhook::tls::CertFiles;
@@ -43,44 +43,6 @@ const VALIDITY: Duration = Duration::from_secs(24 * 3600);
 // Certificates on disk, laid out like a mounted Secret: `tls.crt -> ..data/tls.crt`,
 // `..data -> ..gen-N`; an update writes a new generation and renames a new `..data` link over
 // the old one, so that both files change at once.
-
-struct CertDir {
-    dir: tempfile::TempDir,
-    generation: u32,
-}
-
-impl CertDir {
-    fn new(pair: &CertifiedKey) -> Self {
-        let dir = tempfile::tempdir().expect("temporary directory");
-        let mut certs = CertDir { dir, generation: 0 };
-        certs.swap(pair.cert_pem.as_bytes(), pair.key_pem.as_bytes());
-        for name in ["tls.crt", "tls.key"] {
-            std::os::unix::fs::symlink(Path::new("..data").join(name), certs.dir.path().join(name))
-                .expect("file symlink");
-        }
-        certs
-    }
-
-    fn files(&self) -> CertFiles {
-        CertFiles {
-            cert: self.dir.path().join("tls.crt"),
-            key: self.dir.path().join("tls.key"),
-        }
-    }
-
-    /// Atomically replaces both files.
-    fn swap(&mut self, cert_pem: &[u8], key_pem: &[u8]) {
-        self.generation += 1;
-        let generation = format!("..gen-{}", self.generation);
-        let root = self.dir.path();
-        std::fs::create_dir(root.join(&generation)).expect("generation directory");
-        std::fs::write(root.join(&generation).join("tls.crt"), cert_pem).expect("write cert");
-        std::fs::write(root.join(&generation).join("tls.key"), key_pem).expect("write key");
-        let tmp: PathBuf = root.join("..data_tmp");
-        std::os::unix::fs::symlink(&generation, &tmp).expect("data symlink");
-        std::fs::rename(&tmp, root.join("..data")).expect("rename data symlink");
-    }
-}
 
 fn new_ca(name: &str) -> (Ca, CertifiedKey) {
     let ca = Ca::new(name, VALIDITY).expect("CA");
@@ -109,14 +71,15 @@ fn connector(ca: &Ca) -> TlsConnector {
 
 struct Harness {
     server: Server,
-    certs: CertDir,
+    certs: SecretDir,
     tls: TlsConnector,
     _ca: Ca,
 }
 
 async fn start() -> Harness {
     let (ca, serving) = new_ca("meshgate-test-ca");
-    let certs = CertDir::new(&serving);
+    let certs = SecretDir::new(serving.cert_pem.as_bytes(), serving.key_pem.as_bytes())
+        .expect("certificate directory");
     let namespaces = BTreeMap::from([(
         "apps".to_owned(),
         Meta {
@@ -137,7 +100,10 @@ async fn start() -> Harness {
         ServerOptions {
             addr: loopback,
             health_addr: loopback,
-            certs: certs.files(),
+            certs: CertFiles {
+                cert: certs.cert(),
+                key: certs.key(),
+            },
             cert_poll_interval: POLL,
             request_timeout: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(5),
@@ -968,7 +934,8 @@ async fn certificate_reload_swaps_without_dropping_connections() {
     let (new_ca, new_pair) = new_ca("meshgate-test-ca-2");
     let new_tls = connector(&new_ca);
     h.certs
-        .swap(new_pair.cert_pem.as_bytes(), new_pair.key_pem.as_bytes());
+        .swap(new_pair.cert_pem.as_bytes(), new_pair.key_pem.as_bytes())
+        .expect("swap the certificate");
     let mut fresh = connect_eventually(addr, &new_tls, "new CA after the swap").await;
     assert_review_ok(&mut fresh, "uid-fresh-1").await;
     let old = tls_connect(addr, &old_tls).await;
@@ -985,10 +952,12 @@ async fn certificate_reload_swaps_without_dropping_connections() {
 
     // A garbage certificate: rejected, counted, and the current one keeps serving.
     let errors = metric(&after, RELOAD_ERRORS).expect("reload error counter");
-    h.certs.swap(
-        b"-----BEGIN CERTIFICATE-----\ngarbage\n",
-        new_pair.key_pem.as_bytes(),
-    );
+    h.certs
+        .swap(
+            b"-----BEGIN CERTIFICATE-----\ngarbage\n",
+            new_pair.key_pem.as_bytes(),
+        )
+        .expect("swap the certificate");
     let mut counted = None;
     for _ in 0..300 {
         let text = h.metrics().await;

@@ -49,22 +49,12 @@ async fn setup() -> (kube::Client, std::sync::Arc<meshgate_testenv::ControlPlane
             // Registration reaches the API server's admission chain asynchronously.
             let ns = cp.namespace("warmup", &[AMBIENT]).await.expect("ns");
             let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-            let mut n = 0;
-            wait_for("the webhook to be active", Duration::from_secs(30), || {
-                n += 1;
-                let pods = pods.clone();
-                async move {
-                    let p: Pod = serde_json::from_value(pod(&format!("probe-{n}"))).expect("pod");
-                    let dry = PostParams {
-                        dry_run: true,
-                        ..Default::default()
-                    };
-                    pods.create(&dry, &p)
-                        .await
-                        .ok()
-                        .is_some_and(|p| has_gate(&p))
-                }
-            })
+            probe_until(
+                &pods,
+                "the webhook to be active",
+                Duration::from_secs(30),
+                has_gate,
+            )
             .await;
             // Keep the server for the life of the binary.
             std::mem::forget(webhook);

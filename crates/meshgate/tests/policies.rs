@@ -223,25 +223,11 @@ async fn create_deployment(client: &kube::Client, ns: &str, name: &str) -> Deplo
 /// webhook fails open).
 async fn wait_until_active(client: &kube::Client, ns: &str, key: &str) {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let mut n = 0;
-    wait_for(
+    probe_until(
+        &pods,
         &format!("the policy to apply in {ns}"),
         Duration::from_secs(30),
-        || {
-            n += 1;
-            let pods = pods.clone();
-            async move {
-                let p: Pod = serde_json::from_value(pod(&format!("probe-{n}"))).expect("pod");
-                let dry = PostParams {
-                    dry_run: true,
-                    ..Default::default()
-                };
-                pods.create(&dry, &p)
-                    .await
-                    .ok()
-                    .is_some_and(|p| annotations(&p.metadata).contains_key(key))
-            }
-        },
+        |p| annotations(&p.metadata).contains_key(key),
     )
     .await;
 }

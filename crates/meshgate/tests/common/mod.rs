@@ -147,6 +147,32 @@ pub async fn register(client: &Client, mwc: &serde_json::Value) {
 #[allow(unused_imports)]
 pub use meshgate_testenv::wait_for;
 
+/// Dry-run creates probe pods in `pods`' namespace until what the API server returns satisfies
+/// `done`: webhook registrations and the webhook's caches take effect asynchronously.
+#[allow(dead_code)]
+pub async fn probe_until(
+    pods: &Api<k8s_openapi::api::core::v1::Pod>,
+    what: &str,
+    limit: Duration,
+    done: impl Fn(&k8s_openapi::api::core::v1::Pod) -> bool,
+) {
+    let done = &done;
+    let mut n = 0;
+    wait_for(what, limit, || {
+        n += 1;
+        let pods = pods.clone();
+        async move {
+            let p = serde_json::from_value(pod(&format!("probe-{n}"))).expect("probe pod");
+            let dry = kube::api::PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            pods.create(&dry, &p).await.ok().is_some_and(|p| done(&p))
+        }
+    })
+    .await;
+}
+
 /// A minimal pod.
 pub fn pod(name: &str) -> serde_json::Value {
     serde_json::json!({
@@ -154,4 +180,146 @@ pub fn pod(name: &str) -> serde_json::Value {
         "metadata": {"name": name},
         "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]},
     })
+}
+
+/// The `meshgate` binary built for these tests.
+pub fn meshgate_bin() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_BIN_EXE_meshgate"))
+}
+
+/// A child process of a test (e.g. `meshgate webhook`), its stdout and stderr in a log file.
+///
+/// It cannot outlive the test: it is started through `setpriv --pdeathsig KILL` (when present)
+/// from the calling thread, so the kernel kills it when that thread ends. Start it from the
+/// test's own body (a `#[tokio::test]` runs it on the test's thread, which ends with the test),
+/// not from a blocking-pool thread, which may end earlier. Dropping it kills it sooner.
+pub struct ChildProcess {
+    pub name: String,
+    child: std::process::Child,
+    pub log: std::path::PathBuf,
+}
+
+impl ChildProcess {
+    /// Starts `program args…` with `env` added to the environment.
+    pub fn spawn(
+        name: &str,
+        program: &std::path::Path,
+        args: &[String],
+        env: &[(&str, &std::ffi::OsStr)],
+        log: &std::path::Path,
+    ) -> Self {
+        let out = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .expect("child log file");
+        let err = out.try_clone().expect("child log handle");
+        let mut cmd = if std::path::Path::new("/usr/bin/setpriv").exists() {
+            let mut c = std::process::Command::new("/usr/bin/setpriv");
+            c.arg("--pdeathsig").arg("KILL").arg("--").arg(program);
+            c
+        } else {
+            std::process::Command::new(program)
+        };
+        cmd.args(args)
+            .envs(env.iter().copied())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::from(out))
+            .stderr(std::process::Stdio::from(err));
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name} ({}): {e}", program.display()));
+        Self {
+            name: name.to_owned(),
+            child,
+            log: log.to_owned(),
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends `signal` (a name such as `TERM` or `KILL`) with kill(1).
+    pub fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .arg("-s")
+            .arg(signal)
+            .arg(self.pid().to_string())
+            .status()
+            .expect("running kill");
+        assert!(status.success(), "kill -s {signal} {}: {status}", self.name);
+    }
+
+    /// The exit status, if the process has exited.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().expect("waiting for a child")
+    }
+
+    /// Waits (at most `timeout`) for the process to exit.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.exited() {
+                return Some(status);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Panics with the log's tail if the process has exited.
+    pub fn assert_running(&mut self) {
+        if let Some(status) = self.exited() {
+            panic!(
+                "{} exited ({status}); last lines of its log:\n{}",
+                self.name,
+                self.log_tail(40)
+            );
+        }
+    }
+
+    /// The last `n` lines of the log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A plain HTTP/1.1 GET on loopback: the status code and the body, or `None` if the server could
+/// not be reached or did not answer within 10 s.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.ok()?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).await.ok()?;
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n")?;
+        let code = head.split_whitespace().nth(1)?.parse().ok()?;
+        Some((code, body.to_owned()))
+    };
+    tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// The value of the sample starting with `prefix` (e.g. `"name_total "`) in a metrics text.
+pub fn metric(text: &str, prefix: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(prefix))
+        .and_then(|v| v.trim().parse().ok())
 }
