@@ -259,11 +259,7 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     }
     // Taints of gates that no longer apply to this node.
     let empty = BTreeMap::new();
-    let taints = node
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.clone())
-        .unwrap_or_default();
+    let taints = taints_of(&node);
     let orphans = orphaned_taints(
         gates.iter().map(|g| &g.spec),
         node.metadata.labels.as_ref().unwrap_or(&empty),
@@ -296,6 +292,14 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     Ok(Action::requeue(requeue))
 }
 
+/// A copy of the node's taints (none when it has no spec).
+fn taints_of(node: &Node) -> Vec<k8s_openapi::api::core::v1::Taint> {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default()
+}
+
 /// The node's taints and the gate's decision for the node as it is now: the one place that
 /// turns observed objects into a `NodeObservation` (reconcile and status share it).
 fn decide_for(
@@ -311,11 +315,7 @@ fn decide_for(
         .map(|a| agents.state(a, node, &spec.taint.key))
         .collect();
     let empty = BTreeMap::new();
-    let taints = node
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.clone())
-        .unwrap_or_default();
+    let taints = taints_of(node);
     let resource_advertised = spec.resource.as_ref().is_some_and(|r| {
         node.status
             .as_ref()

@@ -38,6 +38,7 @@ use http_body_util::{BodyExt, Full};
 use meshgate_api::{GateConfig, Profile};
 use meshgate_core::gate::{PodPlan, PodRequest, plan_pod};
 use meshgate_core::select::Meta;
+use meshgate_testenv::measure::{cpu_time, median, memory, quantile};
 use meshgate_webhook::metrics::Metrics;
 use meshgate_webhook::tls::CertFiles;
 use meshgate_webhook::{App, Server, ServerOptions, Sources};
@@ -398,45 +399,6 @@ impl Drop for ServerChild {
 // ------------------------------------------------------------------------------------------
 // /proc readings.
 
-/// `VmHWM` and `VmRSS` of a process, in bytes.
-fn memory(pid: u32) -> Result<(u64, u64), String> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .map_err(|e| format!("/proc/{pid}/status: {e}"))?;
-    let field = |name: &str| -> Result<u64, String> {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|rest| {
-                rest.trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse::<u64>()
-                    .ok()
-            })
-            .map(|kb| kb * 1024)
-            .ok_or_else(|| format!("/proc/{pid}/status has no {name}"))
-    };
-    Ok((field("VmHWM:")?, field("VmRSS:")?))
-}
-
-/// User plus system CPU time of a process (all threads), from `/proc/<pid>/stat`.
-fn cpu_time(pid: &str) -> Duration {
-    // Linux reports these in USER_HZ, 100 per second on every architecture Rust supports.
-    const TICKS_PER_SECOND: u64 = 100;
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may contain spaces): state is field 3, utime 14.
-    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    let total = ticks(11) + ticks(12);
-    Duration::from_millis(total * 1000 / TICKS_PER_SECOND)
-}
-
 // ------------------------------------------------------------------------------------------
 // The load generator.
 
@@ -590,14 +552,6 @@ impl Run {
     }
 }
 
-fn quantile(sorted: &[Duration], q: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
-}
-
 /// Warm-up (unmeasured), then up to `settings.requests` requests or `settings.seconds`.
 async fn load(
     server: &ServerChild,
@@ -643,8 +597,8 @@ async fn load(
         }));
     }
     barrier.wait().await;
-    let pid = server.pid().to_string();
-    let (cpu0, self0) = (cpu_time(&pid), cpu_time("self"));
+    let pid = server.pid();
+    let (cpu0, self0) = (cpu_time(pid), cpu_time(std::process::id()));
     let start = Instant::now();
     let mut latencies = Vec::with_capacity(total);
     for task in tasks {
@@ -655,7 +609,7 @@ async fn load(
         latencies.extend(mine);
     }
     let elapsed = start.elapsed();
-    let (cpu1, self1) = (cpu_time(&pid), cpu_time("self"));
+    let (cpu1, self1) = (cpu_time(pid), cpu_time(std::process::id()));
     latencies.sort_unstable();
     Ok(Run {
         requests: latencies.len(),
@@ -664,11 +618,6 @@ async fn load(
         server_cpu: cpu1.saturating_sub(cpu0),
         client_cpu: self1.saturating_sub(self0),
     })
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
 
 fn micros(d: Duration) -> String {

@@ -40,6 +40,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use meshgate_api::{GateConfig, Profile, names};
 use meshgate_core::registration::{Registration, WebhookTarget, webhook_configuration};
+use meshgate_testenv::measure::{cpu_time, median, quantile};
 use serde_json::Value;
 
 #[global_allocator]
@@ -114,44 +115,14 @@ struct Round {
     cpu: [Duration; 3],
 }
 
-/// User plus system CPU time of a process so far.
-fn cpu_time(pid: &str) -> Duration {
-    const TICKS_PER_SECOND: u64 = 100;
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which is in parentheses and may hold spaces).
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    // utime and stime are fields 14 and 15 of the line: 11 and 12 after the name.
-    Duration::from_millis((ticks(11) + ticks(12)) * 1000 / TICKS_PER_SECOND)
-}
-
-fn cpu_now(pids: &[String; 3]) -> [Duration; 3] {
-    [cpu_time(&pids[0]), cpu_time(&pids[1]), cpu_time(&pids[2])]
+fn cpu_now(pids: &[u32; 3]) -> [Duration; 3] {
+    pids.map(cpu_time)
 }
 
 impl Round {
     fn rate(&self) -> f64 {
         self.created as f64 / self.elapsed.as_secs_f64()
     }
-}
-
-fn quantile(sorted: &[Duration], q: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn ms(d: Duration) -> String {
@@ -311,12 +282,7 @@ async fn settle(pods: &Api<Pod>, pod: &Pod, want: bool) -> Result<(), String> {
     ))
 }
 
-async fn round(
-    pods: &Api<Pod>,
-    pod: &Pod,
-    s: &Settings,
-    pids: &[String; 3],
-) -> Result<Round, String> {
+async fn round(pods: &Api<Pod>, pod: &Pod, s: &Settings, pids: &[u32; 3]) -> Result<Round, String> {
     let limit = Duration::from_secs(s.seconds);
     let cpu_before = cpu_now(pids);
     let start = Instant::now();
@@ -449,11 +415,7 @@ async fn run() -> Result<(), String> {
     let pids = {
         let cp_pids = cp.pids();
         let (etcd, apiserver) = (cp_pids[0], cp_pids[1]);
-        [
-            apiserver.to_string(),
-            etcd.to_string(),
-            std::process::id().to_string(),
-        ]
+        [apiserver, etcd, std::process::id()]
     };
     println!(
         "control plane up and webhook serving in {:.1} s; {} pods per round, {} in flight, \

@@ -33,6 +33,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 use meshgate_api::NodeGate;
 use meshgate_api::node_gate::NodeGateSpec;
+use meshgate_testenv::measure::{self, quantile};
 use serde_json::json;
 
 /// The allocator of the `meshgate` binary, so that the controller child's RSS is the binary's.
@@ -187,18 +188,7 @@ impl ControllerChild {
 
     /// `VmHWM` and `VmRSS`, bytes.
     fn memory(&self) -> Result<(u64, u64), String> {
-        let pid = self.child.id();
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .map_err(|e| format!("/proc/{pid}/status: {e}"))?;
-        let field = |name: &str| -> Result<u64, String> {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(name))
-                .and_then(|r| r.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-                .map(|kb| kb * 1024)
-                .ok_or_else(|| format!("no {name}"))
-        };
-        Ok((field("VmHWM:")?, field("VmRSS:")?))
+        measure::memory(self.child.id())
     }
 
     fn stop(mut self) {
@@ -226,14 +216,6 @@ impl Drop for ControllerChild {
 
 // ------------------------------------------------------------------------------------------
 // The measurement.
-
-fn quantile(sorted: &[Duration], q: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
-}
 
 fn ms(d: Duration) -> String {
     format!("{:.0} ms", d.as_secs_f64() * 1e3)
