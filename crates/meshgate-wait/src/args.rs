@@ -2,17 +2,14 @@
 
 use std::ffi::OsString;
 use std::fmt;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::duration::parse_duration;
 use crate::http::{HttpUrl, parse_url};
+use crate::redirect::{DEFAULT_TARGETS, RedirectTargets};
 
-/// The redirect check connects here unless `--redirect-target` says otherwise:
-/// TEST-NET-1 (RFC 5737), where nothing answers unless the pod's traffic is redirected.
-pub const DEFAULT_REDIRECT_TARGET: SocketAddr =
-    SocketAddr::new(std::net::IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)), 80);
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(50);
 
@@ -21,8 +18,9 @@ pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(50);
 pub enum Check {
     /// A TCP socket in LISTEN state on this local port, in our network namespace.
     TcpListening(u16),
-    /// Outbound connections to `target` are redirected to local `port`.
-    RedirectCheck { port: u16, target: SocketAddr },
+    /// Outbound connections to the first routable one of `targets` are redirected to local
+    /// `port`.
+    RedirectCheck { port: u16, targets: RedirectTargets },
     /// A connect to this Unix socket succeeds.
     UnixSocket(PathBuf),
     /// This path exists.
@@ -35,8 +33,8 @@ impl fmt::Display for Check {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Check::TcpListening(port) => write!(f, "tcp-listening {port}"),
-            Check::RedirectCheck { port, target } => {
-                write!(f, "redirect-check {port} via {target}")
+            Check::RedirectCheck { port, targets } => {
+                write!(f, "redirect-check {port} via {targets}")
             }
             Check::UnixSocket(path) => write!(f, "unix-socket {}", path.display()),
             Check::File(path) => write!(f, "file {}", path.display()),
@@ -84,7 +82,7 @@ where
     let mut checks = Vec::new();
     let mut timeout = None;
     let mut interval = None;
-    let mut redirect_target = None;
+    let mut redirect_targets = RedirectTargets::NONE;
 
     while let Some(arg) = args.next() {
         let arg = arg.into_string().map_err(|a| {
@@ -146,11 +144,13 @@ where
                     }
                     "--redirect-check" => checks.push(Check::RedirectCheck {
                         port: parse_port(&value).map_err(invalid)?,
-                        target: DEFAULT_REDIRECT_TARGET,
+                        targets: DEFAULT_TARGETS,
                     }),
                     "--redirect-target" => {
                         let target = parse_target(&value).map_err(invalid)?;
-                        set_once(&mut redirect_target, target, flag)?;
+                        redirect_targets
+                            .add(target)
+                            .map_err(|why| usage(format!("{flag} '{value}': {why}")))?;
                     }
                     "--http" => checks.push(Check::Http(parse_url(&value).map_err(invalid)?)),
                     "--timeout" => {
@@ -174,11 +174,12 @@ where
              --unix-socket, --file, --http",
         ));
     }
-    if let Some(target) = redirect_target {
+    // Given targets replace both defaults.
+    if redirect_targets != RedirectTargets::NONE {
         let mut used = false;
         for check in &mut checks {
-            if let Check::RedirectCheck { target: t, .. } = check {
-                *t = target;
+            if let Check::RedirectCheck { targets, .. } = check {
+                *targets = redirect_targets;
                 used = true;
             }
         }
@@ -197,7 +198,7 @@ where
 fn what(flag: &str) -> &'static str {
     match flag {
         "--tcp-listening" | "--redirect-check" => "a port number",
-        "--redirect-target" => "IP:PORT",
+        "--redirect-target" => "IP:PORT or [IPv6]:PORT",
         "--unix-socket" | "--file" => "a path",
         "--http" => "a URL like http://127.0.0.1:8080/ready",
         _ => "a duration like 500ms, 30s or 2m",
@@ -220,12 +221,20 @@ pub fn parse_port(text: &str) -> Result<u16, String> {
     }
 }
 
-/// `IP:PORT` or `[IPv6]:PORT`, no host names.
+/// `IP:PORT` or `[IPv6]:PORT`, no host names; not an IPv4-mapped IPv6 address (its family
+/// would be ambiguous).
 fn parse_target(text: &str) -> Result<SocketAddr, String> {
     match text.parse::<SocketAddr>() {
+        Ok(SocketAddr::V6(addr)) if addr.ip().to_ipv4_mapped().is_some() => {
+            Err("an IPv4-mapped IPv6 address: give the IPv4 form".to_string())
+        }
         Ok(addr) if addr.port() != 0 => Ok(addr),
         Ok(_) => Err("the port must be from 1 to 65535".to_string()),
-        Err(_) => Err("expected IP:PORT, e.g. 192.0.2.1:80 (no host names)".to_string()),
+        Err(_) => Err(
+            "expected IP:PORT or [IPv6]:PORT, e.g. 192.0.2.1:80 or [2001:db8::1]:80 \
+             (no host names)"
+                .to_string(),
+        ),
     }
 }
 
@@ -278,14 +287,17 @@ mod tests {
             "30s",
             "--interval=10ms",
         ]);
-        let target: SocketAddr = "127.0.0.1:15001".parse().unwrap();
+        let targets = RedirectTargets {
+            v4: Some("127.0.0.1:15001".parse().unwrap()),
+            v6: None,
+        };
         assert_eq!(
             c.checks,
             vec![
                 Check::TcpListening(15008),
                 Check::RedirectCheck {
                     port: 15001,
-                    target
+                    targets
                 },
                 Check::UnixSocket("/var/run/agent.sock".into()),
                 Check::File("/x".into()),
@@ -298,22 +310,62 @@ mod tests {
     }
 
     #[test]
-    fn redirect_target_defaults_to_test_net() {
+    fn redirect_targets_default_to_documentation_addresses() {
         let c = config(&["--redirect-check", "15001"]);
         assert_eq!(
             c.checks,
             vec![Check::RedirectCheck {
                 port: 15001,
-                target: "192.0.2.1:80".parse().unwrap()
+                targets: RedirectTargets {
+                    v4: Some("192.0.2.1:80".parse().unwrap()),
+                    v6: Some("[2001:db8::1]:80".parse().unwrap()),
+                }
             }]
         );
+    }
+
+    #[test]
+    fn redirect_targets_replace_the_defaults() {
+        // One family given: the other has no target (not the default).
         let c = config(&["--redirect-target", "[::1]:9", "--redirect-check", "15001"]);
         assert_eq!(
             c.checks,
             vec![Check::RedirectCheck {
                 port: 15001,
-                target: "[::1]:9".parse().unwrap()
+                targets: RedirectTargets {
+                    v4: None,
+                    v6: Some("[::1]:9".parse().unwrap()),
+                }
             }]
+        );
+        // One per family, in any order; every --redirect-check gets them.
+        let c = config(&[
+            "--redirect-check=15001",
+            "--redirect-target=[2001:db8::7]:8080",
+            "--redirect-target",
+            "198.51.100.1:80",
+            "--redirect-check=15002",
+        ]);
+        let targets = RedirectTargets {
+            v4: Some("198.51.100.1:80".parse().unwrap()),
+            v6: Some("[2001:db8::7]:8080".parse().unwrap()),
+        };
+        assert_eq!(
+            c.checks,
+            vec![
+                Check::RedirectCheck {
+                    port: 15001,
+                    targets
+                },
+                Check::RedirectCheck {
+                    port: 15002,
+                    targets
+                },
+            ]
+        );
+        assert_eq!(
+            c.checks[0].to_string(),
+            "redirect-check 15001 via 198.51.100.1:80 or [2001:db8::7]:8080"
         );
     }
 
@@ -340,7 +392,7 @@ mod tests {
             names,
             [
                 "tcp-listening 1",
-                "redirect-check 2 via 192.0.2.1:80",
+                "redirect-check 2 via 192.0.2.1:80 or [2001:db8::1]:80",
                 "unix-socket /s",
                 "file /f",
                 "http http://[::1]:3/r",
@@ -491,7 +543,32 @@ mod tests {
                     "--redirect-target=1.1.1.1:1",
                     "--redirect-target=1.1.1.1:2",
                 ][..],
-                "--redirect-target given more than once",
+                "--redirect-target '1.1.1.1:2': a second IPv4 target (1.1.1.1:1 and \
+                 1.1.1.1:2): at most one IPv4 and one IPv6 target",
+            ),
+            (
+                &[
+                    "--redirect-check=1",
+                    "--redirect-target=[::1]:1",
+                    "--redirect-target=1.1.1.1:2",
+                    "--redirect-target=[2001:db8::1]:80",
+                ][..],
+                "a second IPv6 target ([::1]:1 and [2001:db8::1]:80)",
+            ),
+            (
+                &[
+                    "--redirect-check=1",
+                    "--redirect-target=[::ffff:192.0.2.1]:80",
+                ][..],
+                "IPv4-mapped IPv6 address: give the IPv4 form",
+            ),
+            (
+                &["--redirect-check=1", "--redirect-target=[2001:db8::1]"][..],
+                "expected IP:PORT",
+            ),
+            (
+                &["--redirect-check=1", "--redirect-target=2001:db8::1:80"][..],
+                "expected IP:PORT",
             ),
         ] {
             let err = error(args);

@@ -16,14 +16,18 @@
 //!
 //! Exactly one line on stderr at the end: `meshgate-wait: ready after 12ms: tcp-listening
 //! 15008, file /x`, or `meshgate-wait: timed out after 30s: not ready: tcp-listening 15008 (no
-//! socket listening)` naming every check that was not ready and why. A usage error prints the
-//! problem and a hint, and exits 2. `--help` and `--version` print to stdout and exit 0.
+//! socket listening)` naming every check that was not ready and why. A redirect check is named
+//! with the target it chose (`redirect-check 15001 via 192.0.2.1:80`) or why it was not
+//! checked (`redirect-check 15001 (not checked: no route to ... in this pod)`, see
+//! [`redirect`]). A usage error prints the problem and a hint, and exits 2. `--help` and
+//! `--version` print to stdout and exit 0.
 
 pub mod args;
 pub mod duration;
 pub mod http;
 pub mod proc_net;
 pub mod redirect;
+pub mod route;
 mod watch;
 
 use std::io::Write;
@@ -59,8 +63,12 @@ Checks (combinable and repeatable; the wait ends when every check has passed onc
   --tcp-listening PORT       a TCP socket is in LISTEN state on local PORT in this
                              network namespace (read from /proc/net/tcp and tcp6)
   --redirect-check PORT      outbound TCP is redirected to PORT: listen on PORT, connect
-                             to the redirect target and read our own token back on PORT
-  --redirect-target IP:PORT  where --redirect-check connects [default: 192.0.2.1:80]
+                             to the redirect target and read our own token back on PORT;
+                             passes at once (not checked) if no target is routable
+  --redirect-target IP:PORT  where --redirect-check connects; repeatable, at most one
+                             IPv4 and one [IPv6]:PORT target; the first one (IPv4, then
+                             IPv6) that a non-lo route covers is used (loopback always)
+                             [default: 192.0.2.1:80 and [2001:db8::1]:80]
   --unix-socket PATH         a connect to the Unix socket PATH succeeds
   --file PATH                PATH exists
   --http URL                 GET URL answers 2xx; URL is http://IP:PORT/path with an
@@ -81,7 +89,9 @@ Exit status:
   2  bad usage
 
 Environment:
-  MESHGATE_WAIT_PROC         procfs root for --tcp-listening [default: /proc]
+  MESHGATE_WAIT_PROC         procfs root for --tcp-listening (net/tcp, net/tcp6)
+                             and --redirect-check (net/route, net/ipv6_route)
+                             [default: /proc]
 ";
 
 /// How a wait ended.
@@ -134,9 +144,20 @@ impl Outcome {
 
 /// A check not passed yet, with its last reason and the redirect check's state.
 struct Pending<'a> {
+    index: usize,
     check: &'a Check,
     reason: String,
     redirect: Option<RedirectProbe>,
+}
+
+impl Pending<'_> {
+    /// The check's name for the log line (a redirect check names the target it chose).
+    fn name(&self) -> String {
+        match &self.redirect {
+            Some(redirect) => redirect.describe(),
+            None => self.check.to_string(),
+        }
+    }
 }
 
 /// Waits until every check has passed once or the timeout runs out.
@@ -146,15 +167,19 @@ pub fn wait(config: &Config, proc_root: &Path) -> Outcome {
     let mut pending: Vec<Pending<'_>> = config
         .checks
         .iter()
-        .map(|check| Pending {
+        .enumerate()
+        .map(|(index, check)| Pending {
+            index,
             check,
             reason: "not probed".to_string(),
             redirect: match check {
-                Check::RedirectCheck { port, target } => Some(RedirectProbe::new(*port, *target)),
+                Check::RedirectCheck { port, targets } => Some(RedirectProbe::new(*port, *targets)),
                 _ => None,
             },
         })
         .collect();
+    // The names of passed checks, in command-line order, for the ready line.
+    let mut names: Vec<String> = config.checks.iter().map(ToString::to_string).collect();
     // Created only when the first round leaves checks pending: setting up inotify costs little,
     // but tearing a watched instance down waits for a kernel grace period (~8 ms), which a pod
     // that is ready at once should not pay.
@@ -169,8 +194,14 @@ pub fn wait(config: &Config, proc_root: &Path) -> Outcome {
                 }
             }
         }
+        // A check that passed is dropped here (a redirect check's listener with it).
         pending.retain_mut(|p| match probe(p, proc_root, deadline) {
-            Ok(()) => false,
+            Ok(()) => {
+                if let Some(name) = names.get_mut(p.index) {
+                    *name = p.name();
+                }
+                false
+            }
             Err(reason) => {
                 p.reason = reason;
                 true
@@ -179,17 +210,14 @@ pub fn wait(config: &Config, proc_root: &Path) -> Outcome {
         if pending.is_empty() {
             return Outcome::Ready {
                 elapsed: start.elapsed(),
-                checks: config.checks.iter().map(ToString::to_string).collect(),
+                checks: names,
             };
         }
         let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         if remaining == Some(Duration::ZERO) {
             return Outcome::TimedOut {
                 elapsed: start.elapsed(),
-                not_ready: pending
-                    .into_iter()
-                    .map(|p| (p.check.to_string(), p.reason))
-                    .collect(),
+                not_ready: pending.into_iter().map(|p| (p.name(), p.reason)).collect(),
             };
         }
         match waiter.as_mut() {
@@ -218,7 +246,7 @@ fn probe(p: &mut Pending<'_>, proc_root: &Path, deadline: Option<Instant>) -> Re
     match p.check {
         Check::TcpListening(port) => proc_net::probe_listening(proc_root, *port),
         Check::RedirectCheck { .. } => match &mut p.redirect {
-            Some(redirect) => redirect.probe(budget(redirect::CONNECT_TIMEOUT)),
+            Some(redirect) => redirect.probe(proc_root, budget(redirect::CONNECT_TIMEOUT)),
             None => Err("internal error: no redirect state".to_string()),
         },
         Check::UnixSocket(path) => UnixStream::connect(path)

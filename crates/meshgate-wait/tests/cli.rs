@@ -62,6 +62,8 @@ fn help_and_version() {
         "--http",
         "--timeout",
         "--interval",
+        "[2001:db8::1]:80",
+        "not checked",
         "Exit status",
         "0  ready",
         "1  timed out",
@@ -95,6 +97,17 @@ fn bad_usage_exits_2() {
             "invalid value 'forever' for --timeout",
         ),
         (&["--file"][..], "--file needs a value"),
+        (
+            &[
+                "--redirect-check",
+                "15001",
+                "--redirect-target",
+                "192.0.2.1:80",
+                "--redirect-target",
+                "198.51.100.1:80",
+            ][..],
+            "a second IPv4 target",
+        ),
     ] {
         let out = run(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
@@ -391,4 +404,98 @@ fn combined_checks_ready() {
         line.ends_with(&format!(": tcp-listening {port}, file /")),
         "{line}"
     );
+}
+
+/// Sockets on local `port` in TCP state `state` (hex, e.g. `06` = TIME_WAIT), from
+/// `/proc/net/tcp` and `/proc/net/tcp6` of this network namespace.
+fn sockets_in_state(port: u16, state: &str) -> Vec<String> {
+    let port_hex = format!(":{port:04X}");
+    let mut found = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() > 3 && fields[1].ends_with(&port_hex) && fields[3] == state {
+                found.push(line.trim().to_string());
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn redirect_check_leaves_no_time_wait_on_the_proxy_port() {
+    // The proxy binds PORT right after the gate exits; a TIME_WAIT socket on local PORT
+    // would be left by the gate closing the accepted connection first.
+    for _ in 0..3 {
+        let port = free_port();
+        let target = format!("127.0.0.1:{port}");
+        let out = run(&[
+            "--redirect-check",
+            &port.to_string(),
+            "--redirect-target",
+            &target,
+            "--timeout",
+            "10s",
+        ]);
+        let line = log_line(&out);
+        assert_eq!(out.status.code(), Some(0), "{line}");
+        let time_wait = sockets_in_state(port, "06");
+        assert!(
+            time_wait.is_empty(),
+            "TIME_WAIT on local port {port} after the check: {time_wait:#?}"
+        );
+    }
+}
+
+#[test]
+fn redirect_check_not_checked_without_routes() {
+    // A procfs root whose route tables have no route out of the pod: nothing is bound or
+    // connected, the check passes at once and says why.
+    let root = temp_dir("noroutes");
+    std::fs::create_dir_all(root.join("net")).unwrap();
+    std::fs::write(
+        root.join("net/route"),
+        "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n",
+    )
+    .unwrap();
+    std::fs::write(
+        root.join("net/ipv6_route"),
+        "00000000000000000000000000000000 00 00000000000000000000000000000000 00 \
+         00000000000000000000000000000000 ffffffff 00000001 00000000 00200200       lo\n",
+    )
+    .unwrap();
+    let port = free_port().to_string();
+    let out = Command::new(BIN)
+        .args(["--redirect-check", &port, "--timeout", "10s"])
+        .env("MESHGATE_WAIT_PROC", &root)
+        .output()
+        .unwrap();
+    let line = log_line(&out);
+    assert_eq!(out.status.code(), Some(0), "{line}");
+    assert!(
+        line.ends_with(&format!(
+            ": redirect-check {port} (not checked: no route to 192.0.2.1:80 or \
+             [2001:db8::1]:80 in this pod)"
+        )),
+        "{line}"
+    );
+    // An unreadable table is retried until the timeout, and named.
+    std::fs::remove_file(root.join("net/route")).unwrap();
+    let out = Command::new(BIN)
+        .args(["--redirect-check", &port, "--timeout", "200ms"])
+        .env("MESHGATE_WAIT_PROC", &root)
+        .output()
+        .unwrap();
+    let line = log_line(&out);
+    assert_eq!(out.status.code(), Some(1), "{line}");
+    assert!(
+        line.contains(&format!(
+            "not ready: redirect-check {port} via 192.0.2.1:80 or [2001:db8::1]:80 (cannot read "
+        )),
+        "{line}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
 }
