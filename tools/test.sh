@@ -3,6 +3,7 @@
 #
 #   tools/test.sh
 #
+# 0. installs the Debian packages the tests need when missing (tools/packages.sh; root);
 # 1. builds (once, cached outside the clone) etcd, kube-apiserver and kube-scheduler from the Go
 #    module proxy: tools/controlplane/build.sh;
 # 2. cargo fmt --check, cargo clippy --all-targets -D warnings, the CRD manifests are current;
@@ -16,6 +17,9 @@ cache=${MESHGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$cache/target}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 step() { printf '\n== %s ==\n' "$*"; }
+
+step "Debian packages (iptables for the network-namespace tests)"
+tools/packages.sh
 
 step "control plane (etcd, kube-apiserver, kube-scheduler)"
 MESHGATE_CONTROLPLANE_BIN=$(tools/controlplane/build.sh)

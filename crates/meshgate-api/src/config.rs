@@ -16,7 +16,8 @@ use crate::selector::{LabelSelector, SelectorOperator};
 #[serde(rename_all = "kebab-case")]
 pub enum Profile {
     /// Namespaces labelled `istio.io/dataplane-mode=ambient`, unless the pod's own label says
-    /// `none`. The gate waits for the node proxy's in-pod listener.
+    /// `none`, and pods labelled `istio.io/dataplane-mode=ambient`. The gate waits for the node
+    /// proxy's in-pod listener.
     IstioAmbient,
     /// Namespaces labelled `istio-injection=enabled` or `istio.io/rev`, and pods labelled
     /// `sidecar.istio.io/inject=true`. The gate proves that outbound redirection works.
@@ -40,33 +41,39 @@ impl Profile {
         }
     }
 
-    /// The readiness checks that fit the mesh's capture mode.
+    /// The readiness check that fits the mesh's capture mode (see [`crate::mesh`]).
     pub fn default_checks(self) -> Vec<GateCheck> {
-        match self {
-            // The node proxy opens its in-pod listeners (15008 inbound HBONE, 15001 outbound,
-            // 15006 inbound plaintext) inside the pod's network namespace once it has set the
-            // pod up.
-            Profile::IstioAmbient => vec![GateCheck::TcpListening { port: 15008 }],
-            // The CNI plugin installs redirection to the proxy's outbound port before any
-            // container runs; the check listens there and proves a connection is redirected.
-            Profile::IstioSidecar => vec![GateCheck::RedirectCheck { port: 15001 }],
-            Profile::Linkerd => vec![GateCheck::RedirectCheck { port: 4140 }],
-        }
+        vec![self.record().check()]
     }
 
     /// The selection clauses of the profile (any one selects a pod).
     pub fn clauses(self) -> Vec<SelectorClause> {
         match self {
-            Profile::IstioAmbient => vec![SelectorClause {
-                name: "istio-ambient".into(),
-                namespace_selector: LabelSelector::labels([("istio.io/dataplane-mode", "ambient")]),
-                object_selector: LabelSelector::default().with(
-                    "istio.io/dataplane-mode",
-                    SelectorOperator::NotIn,
-                    &["none"],
-                ),
-                ..SelectorClause::default()
-            }],
+            // The mesh's default enablement: a namespace labelled ambient (a pod label `none`
+            // opts out), or a pod labelled ambient in any namespace.
+            Profile::IstioAmbient => vec![
+                SelectorClause {
+                    name: "istio-ambient".into(),
+                    namespace_selector: LabelSelector::labels([(
+                        "istio.io/dataplane-mode",
+                        "ambient",
+                    )]),
+                    object_selector: LabelSelector::default().with(
+                        "istio.io/dataplane-mode",
+                        SelectorOperator::NotIn,
+                        &["none"],
+                    ),
+                    ..SelectorClause::default()
+                },
+                SelectorClause {
+                    name: "istio-ambient-pod".into(),
+                    object_selector: LabelSelector::labels([(
+                        "istio.io/dataplane-mode",
+                        "ambient",
+                    )]),
+                    ..SelectorClause::default()
+                },
+            ],
             Profile::IstioSidecar => {
                 let not_disabled = LabelSelector::default().with(
                     "sidecar.istio.io/inject",
@@ -218,6 +225,19 @@ pub struct InitGate {
     pub memory_request: String,
     pub cpu_limit: String,
     pub memory_limit: String,
+    /// The pod IP family that decides whether a redirect check has anything to prove: a pod
+    /// whose traffic settings leave no address of this family redirected gets no gate. A
+    /// target of the other family is given too where one is redirected; `meshgate-wait` uses
+    /// the one the pod has a route for.
+    pub primary_ip_family: IpFamily,
+}
+
+/// An IP family.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum IpFamily {
+    #[default]
+    IPv4,
+    IPv6,
 }
 
 impl Default for InitGate {
@@ -234,6 +254,7 @@ impl Default for InitGate {
             memory_request: "8Mi".into(),
             cpu_limit: "100m".into(),
             memory_limit: "16Mi".into(),
+            primary_ip_family: IpFamily::IPv4,
         }
     }
 }

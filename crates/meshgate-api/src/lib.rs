@@ -10,11 +10,13 @@
 //! This crate holds types, defaults and validation only: no client, no I/O.
 
 pub mod config;
+pub mod mesh;
 pub mod mutation_policy;
 pub mod node_gate;
 pub mod selector;
 
 pub use config::{GateCheck, GateConfig, Profile};
+pub use mesh::{Capture, Mesh, MeshProfile};
 pub use mutation_policy::{MutationPolicy, MutationPolicySpec, MutationPolicyStatus};
 pub use node_gate::{NodeGate, NodeGateSpec, NodeGateStatus};
 pub use selector::{LabelSelector, LabelSelectorRequirement, SelectorOperator};
@@ -37,6 +39,9 @@ pub mod names {
     pub const NODE_READY_SINCE: &str = "meshgate.dev/agents-ready-since";
     /// Label on every object meshgate renders.
     pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+    /// Pod annotation written by the init gate on every pod a profile selects: what the gate
+    /// decided for the pod and why (`gated: ...` or `none: <reason>`).
+    pub const GATE_VERDICT: &str = "meshgate.dev/gate";
     /// Field manager used for every write.
     pub const FIELD_MANAGER: &str = "meshgate";
 }

@@ -186,6 +186,7 @@ fn bench_plan_pod(c: &mut Criterion) {
         namespace: "apps",
         pod: &pod,
         namespace_meta: &namespace,
+        limit_ranges: &[],
     };
     match gate::plan_pod(&config, &req) {
         PodPlan::Mutate { patch, .. } if !patch.is_empty() => {}
@@ -198,7 +199,7 @@ fn bench_plan_pod(c: &mut Criterion) {
     let text = pod.to_string();
     let from_text = |text: &str| {
         read_pod(text, |view| {
-            planner.plan_view("CREATE", "apps", &namespace, view)
+            planner.plan_view("CREATE", "apps", &namespace, &[], view)
         })
         .expect("the pod is JSON")
     };

@@ -4,12 +4,16 @@
 //! what they observed and carry out what comes back. That is what makes every rule here testable
 //! on fixtures.
 
+pub mod capture;
 pub mod gate;
 pub mod kyverno;
+pub mod mesh;
 pub mod nodegate;
 pub mod patch;
 pub mod policy;
+pub mod quantity;
 pub mod registration;
 pub mod repair;
+pub mod resources;
 pub mod select;
 pub mod view;

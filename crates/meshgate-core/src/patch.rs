@@ -22,6 +22,10 @@ impl JsonPatch {
             .push(json!({"op": "add", "path": path.into(), "value": value}));
     }
 
+    pub fn remove(&mut self, path: impl Into<String>) {
+        self.0.push(json!({"op": "remove", "path": path.into()}));
+    }
+
     pub fn move_to(&mut self, from: impl Into<String>, path: impl Into<String>) {
         self.0
             .push(json!({"op": "move", "from": from.into(), "path": path.into()}));

@@ -155,6 +155,44 @@ impl<'de> Deserialize<'de> for Bool {
     }
 }
 
+/// An integer that fits `i64`, or `None` for any other JSON value (as `Value::as_i64`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Int(pub Option<i64>);
+
+impl<'de> Deserialize<'de> for Int {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Int;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                any_json(f)
+            }
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<Int, E> {
+                Ok(Int(Some(n)))
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<Int, E> {
+                Ok(Int(i64::try_from(n).ok()))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Int, E> {
+                Ok(Int(None))
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Int, E> {
+                Ok(Int(None))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Int, E> {
+                Ok(Int(None))
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Int, E> {
+                Ok(Int(None))
+            }
+            absent!(str);
+            absent!(map);
+            absent!(seq);
+        }
+        d.deserialize_any(V)
+    }
+}
+
 /// A JSON object read as `T`, or `None` for any other JSON value (as `Value::as_object`).
 /// `T` is a struct deriving `Deserialize` with `#[serde(default)]`: unknown keys are skipped.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -234,7 +272,11 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for List<T> {
 /// A JSON object's string members (others dropped), or an empty map for any other JSON value:
 /// what [`crate::select::Meta::of`] reads of `labels` and `annotations`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct StrMap(pub BTreeMap<String, String>);
+pub struct StrMap(pub BTreeMap<String, String>, pub IsObject);
+
+/// Whether a value was a JSON object.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IsObject(pub bool);
 
 impl<'de> Deserialize<'de> for StrMap {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -257,7 +299,7 @@ impl<'de> Deserialize<'de> for StrMap {
                         }
                     }
                 }
-                Ok(StrMap(out))
+                Ok(StrMap(out, IsObject(true)))
             }
             absent!(scalars);
             absent!(str);
@@ -299,19 +341,132 @@ pub struct PodSpecView<'a> {
     pub init_containers: List<Obj<ContainerView<'a>>>,
     #[serde(borrow)]
     pub containers: List<Obj<ContainerView<'a>>>,
+    #[serde(borrow)]
+    pub os: Obj<OsView<'a>>,
+    #[serde(rename = "securityContext")]
+    pub security_context: Obj<SecurityView>,
+    /// Pod-level resources (`spec.resources`).
+    #[serde(borrow)]
+    pub resources: Obj<ResourcesView<'a>>,
 }
 
-/// A container: its name and which resources it requests and limits.
+/// `spec.os` of a Pod.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct OsView<'a> {
+    #[serde(borrow)]
+    pub name: Str<'a>,
+}
+
+/// The user and group of a pod's or a container's `securityContext`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct SecurityView {
+    #[serde(rename = "runAsUser")]
+    pub run_as_user: Int,
+    #[serde(rename = "runAsGroup")]
+    pub run_as_group: Int,
+}
+
+/// A container: what the gate decisions read of it.
 #[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(default)]
 pub struct ContainerView<'a> {
     #[serde(borrow)]
     pub name: Str<'a>,
     #[serde(borrow)]
+    pub image: Str<'a>,
+    #[serde(borrow)]
+    pub command: List<Str<'a>>,
+    #[serde(borrow)]
+    pub args: List<Str<'a>>,
+    #[serde(borrow, rename = "restartPolicy")]
+    pub restart_policy: Str<'a>,
+    #[serde(borrow)]
+    pub env: List<Obj<EnvView<'a>>>,
+    #[serde(rename = "securityContext")]
+    pub security_context: Obj<SecurityView>,
+    #[serde(borrow)]
     pub resources: Obj<ResourcesView<'a>>,
 }
 
-/// `resources` of a container: the resource names under `requests` and `limits`.
+/// An environment variable with a literal value.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct EnvView<'a> {
+    #[serde(borrow)]
+    pub name: Str<'a>,
+    #[serde(borrow)]
+    pub value: Str<'a>,
+}
+
+impl<'a> ContainerView<'a> {
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    /// The arguments that are strings, in order.
+    pub fn args(&self) -> impl Iterator<Item = &str> {
+        self.args
+            .get()
+            .unwrap_or_default()
+            .iter()
+            .filter_map(Str::as_deref)
+    }
+
+    /// The literal value of an environment variable.
+    pub fn env(&self, name: &str) -> Option<&str> {
+        self.env
+            .get()
+            .unwrap_or_default()
+            .iter()
+            .filter_map(Obj::get)
+            .find(|e| e.name.as_deref() == Some(name))
+            .and_then(|e| e.value.as_deref())
+    }
+
+    /// `requests` and `limits` (empty when absent).
+    pub fn resources(&self) -> (&[Member<'a>], &[Member<'a>]) {
+        fn list<'s, 'a>(k: Option<&'s Obj<Keys<'a>>>) -> &'s [Member<'a>] {
+            k.and_then(Obj::get)
+                .map(|k| k.0.as_slice())
+                .unwrap_or_default()
+        }
+        let r = self.resources.get();
+        (list(r.map(|r| &r.requests)), list(r.map(|r| &r.limits)))
+    }
+}
+
+/// A member of a JSON object: its key, and its value where that is a string.
+pub type Member<'a> = (Cow<'a, str>, Str<'a>);
+
+impl<'a> PodSpecView<'a> {
+    /// Init containers that are objects, with their positions.
+    pub fn inits(&self) -> impl Iterator<Item = (usize, &ContainerView<'a>)> {
+        self.init_containers
+            .get()
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| Some((i, c.get()?)))
+    }
+
+    /// App containers that are objects.
+    pub fn apps(&self) -> impl Iterator<Item = &ContainerView<'a>> {
+        self.containers
+            .get()
+            .unwrap_or_default()
+            .iter()
+            .filter_map(Obj::get)
+    }
+
+    /// `spec.os.name`.
+    pub fn os(&self) -> Option<&str> {
+        self.os.get().and_then(|o| o.name.as_deref())
+    }
+}
+
+/// `resources` of a container: the quantities under `requests` and `limits`.
 #[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(default)]
 pub struct ResourcesView<'a> {
@@ -321,13 +476,22 @@ pub struct ResourcesView<'a> {
     pub limits: Obj<Keys<'a>>,
 }
 
-/// The keys of a JSON object.
+/// The members of a JSON object: each key, with its value where that is a string (a quantity).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Keys<'a>(pub Vec<Cow<'a, str>>);
+pub struct Keys<'a>(pub Vec<Member<'a>>);
 
 impl Keys<'_> {
     pub fn contains(&self, key: &str) -> bool {
-        self.0.iter().any(|k| k == key)
+        self.0.iter().any(|(k, _)| k == key)
+    }
+
+    /// The string value of `key` (the last, as `Value` keeps the last of a repeated key).
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, v)| v.as_deref())
     }
 }
 
@@ -341,13 +505,20 @@ impl<'de: 'a, 'a> Deserialize<'de> for Keys<'a> {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Keys<'a>, A::Error> {
                 let mut keys = Vec::new();
-                while let Some((k, IgnoredAny)) = map.next_entry::<Cow<'de, str>, IgnoredAny>()? {
-                    keys.push(k);
+                while let Some((k, v)) = map.next_entry::<Cow<'de, str>, Str<'de>>()? {
+                    keys.push((k, v));
                 }
                 Ok(Keys(keys))
             }
         }
         d.deserialize_map(V(PhantomData))
+    }
+}
+
+impl MetaView<'_> {
+    /// Whether `annotations` is a JSON object (possibly empty).
+    pub fn annotations_present(&self) -> bool {
+        self.annotations.1.0
     }
 }
 

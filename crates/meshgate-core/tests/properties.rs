@@ -475,6 +475,7 @@ fn plan(config: &GateConfig, namespace: &str, ns: &Meta, pod: &Value) -> PodPlan
             namespace,
             pod,
             namespace_meta: ns,
+            limit_ranges: &[],
         },
     )
 }
@@ -645,20 +646,29 @@ proptest! {
         let from_value = plan(&config, namespace, &ns, &pod);
         let planner = Planner::new(&config);
         let from_text = read_pod(&pod.to_string(), |view| {
-            planner.plan_view("CREATE", namespace, &ns, view)
+            planner.plan_view("CREATE", namespace, &ns, &[], view)
         })
         .map_err(|e| TestCaseError::fail(format!("{e}")))?;
         prop_assert_eq!(&from_text, &from_value);
-        let PodPlan::Mutate { patch, .. } = from_value else {
+        let PodPlan::Mutate { patch, verdict, .. } = from_value else {
             return Ok(());
         };
         let once = patch
             .apply(&pod)
             .map_err(|e| TestCaseError::fail(format!("{e}: {patch:?} on {pod}")))?;
-        prop_assert_eq!(
-            once.pointer("/spec/initContainers/0/name"),
-            Some(&json!(names::GATE_CONTAINER))
-        );
+        let gates = once
+            .pointer("/spec/initContainers")
+            .and_then(Value::as_array)
+            .map_or(0, |l| l.iter().filter(|c| c["name"] == names::GATE_CONTAINER).count());
+        if verdict.is_ok() {
+            prop_assert_eq!(
+                once.pointer("/spec/initContainers/0/name"),
+                Some(&json!(names::GATE_CONTAINER))
+            );
+            prop_assert_eq!(gates, 1);
+        } else {
+            prop_assert_eq!(gates, 0);
+        }
         match plan(&config, namespace, &ns, &once) {
             PodPlan::Mutate { patch, .. } => prop_assert!(patch.is_empty(), "second patch {:?}", patch),
             other => prop_assert!(false, "second plan {:?}", other),

@@ -418,3 +418,88 @@ fn f_ipv6_only_pod_with_only_an_ipv4_target_is_not_checked() {
         &format!("redirect-check {PROXY_PORT} (not checked: no route to 192.0.2.1:80 in this pod)"),
     );
 }
+
+/// The gate the webhook plans for an Istio sidecar pod in CNI mode with these pod annotations:
+/// its `meshgate-wait` arguments after `--redirect-check PORT`, or `None` for no gate.
+fn planned_gate(annotations: serde_json::Value) -> Option<Vec<String>> {
+    use meshgate_api::{GateConfig, Profile};
+    use meshgate_core::gate::{PodPlan, PodRequest, plan_pod};
+    let mut annotations = annotations;
+    annotations["sidecar.istio.io/status"] = serde_json::json!(
+        r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"]}"#
+    );
+    let pod = serde_json::json!({
+        "metadata": {"name": "p", "annotations": annotations},
+        "spec": {
+            "initContainers": [{"name": "istio-validation", "image": "proxy",
+                                "securityContext": {"runAsUser": 1337}}],
+            "containers": [{"name": "app", "image": "app"},
+                           {"name": "istio-proxy", "image": "proxy", "args": ["proxy", "sidecar"]}],
+        },
+    });
+    let ns = meshgate_core::select::Meta {
+        labels: [("istio-injection".to_owned(), "enabled".to_owned())].into(),
+        ..Default::default()
+    };
+    let config = GateConfig {
+        profiles: vec![Profile::IstioSidecar],
+        ..GateConfig::default()
+    };
+    let plan = plan_pod(
+        &config,
+        &PodRequest {
+            operation: "CREATE",
+            namespace: "apps",
+            pod: &pod,
+            namespace_meta: &ns,
+            limit_ranges: &[],
+        },
+    );
+    let PodPlan::Mutate { patch, verdict, .. } = plan else {
+        panic!("the pod is selected: {plan:?}");
+    };
+    verdict.ok()?;
+    let gated = patch.apply(&pod).expect("the patch applies");
+    let gate = &gated["spec"]["initContainers"][0];
+    assert_eq!(gate["name"], "meshgate-wait");
+    let args: Vec<String> = gate["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("a string").to_owned())
+        .collect();
+    assert_eq!(args[..2], ["--redirect-check", "15001"]);
+    Some(args[2..].to_vec())
+}
+
+#[test]
+fn g_the_webhooks_gate_follows_the_pods_exclusion_annotation() {
+    // The pod excludes TEST-NET-1 from redirection, and so do its rules: the gate the webhook
+    // plans for it connects elsewhere and passes.
+    let Some(env) = netns("g") else { return };
+    let args = planned_gate(serde_json::json!({
+        "traffic.sidecar.istio.io/excludeOutboundIPRanges": "192.0.2.0/24",
+    }))
+    .expect("a gate");
+    let setup = with(network(DUAL), mesh_rules("iptables", Some("192.0.2.0/24")));
+    let mut args: Vec<&str> = args.iter().map(String::as_str).collect();
+    // The webhook's 120s timeout would only slow a failure down here.
+    let t = args
+        .iter()
+        .position(|a| *a == "--timeout")
+        .expect("--timeout");
+    args[t + 1] = "3s";
+    let out = run_gate(&env, &setup, GATE_UID, &args);
+    assert_ready(
+        &out,
+        &format!("redirect-check {PROXY_PORT} via 198.51.100.1:80"),
+    );
+    // Everything of IPv4 excluded (the last-resort fix for init containers): the webhook plans
+    // no gate at all, so nothing can wait for a redirect that never comes.
+    assert_eq!(
+        planned_gate(serde_json::json!({
+            "traffic.sidecar.istio.io/excludeOutboundIPRanges": "0.0.0.0/0",
+        })),
+        None
+    );
+}

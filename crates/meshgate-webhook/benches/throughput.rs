@@ -142,6 +142,7 @@ fn canned_response() -> Vec<u8> {
             namespace: "apps",
             pod: &pod,
             namespace_meta: &ns["apps"],
+            limit_ranges: &[],
         },
     );
     let PodPlan::Mutate { patch, .. } = plan else {

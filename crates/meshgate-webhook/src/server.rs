@@ -252,10 +252,12 @@ async fn pod_gate(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Re
             .namespace(&req.namespace)
             .await
             .map_err(|e| (500, e.to_string()))?;
+        let limits = a.sources.limit_ranges(&req.namespace);
         // The pod is read as a lean view of the object's text: no `Value` of the whole pod.
         let plan = read_pod(req.object.get(), |pod| {
             record_name(&req, pod.name());
-            a.planner.plan_view(req.operation, &req.namespace, &ns, pod)
+            a.planner
+                .plan_view(req.operation, &req.namespace, &ns, &limits, pod)
         })
         .map_err(|e| (400, format!("request.object: {e}")))?;
         let outcome = plan.decision();

@@ -9,13 +9,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{LimitRange, Namespace};
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use meshgate_api::node_gate::NodeGateSpec;
 use meshgate_api::{MutationPolicy, MutationPolicySpec, NodeGate};
+use meshgate_core::resources::ContainerLimits;
 use meshgate_core::select::Meta;
 
 /// The webhook's view of the cluster.
@@ -30,6 +31,7 @@ enum Inner {
         namespaces: BTreeMap<String, Meta>,
         policies: Policies,
         gates: Vec<NodeGateSpec>,
+        limits: BTreeMap<String, Vec<ContainerLimits>>,
     },
     Cluster {
         client: kube::Client,
@@ -37,6 +39,7 @@ enum Inner {
         /// Sorted by name; rebuilt from the watch cache on every policy event.
         policies: RwLock<Policies>,
         gates: Store<NodeGate>,
+        limit_ranges: Store<LimitRange>,
         synced: AtomicBool,
     },
 }
@@ -78,6 +81,20 @@ impl Sources {
             namespaces,
             policies: policies.into(),
             gates,
+            limits: BTreeMap::new(),
+        }))
+    }
+
+    /// Fixed data with LimitRanges (`Container` items by namespace).
+    pub fn fixed_with_limits(
+        namespaces: BTreeMap<String, Meta>,
+        limits: BTreeMap<String, Vec<ContainerLimits>>,
+    ) -> Self {
+        Sources(Arc::new(Inner::Fixed {
+            namespaces,
+            policies: Arc::from([]),
+            gates: Vec::new(),
+            limits,
         }))
     }
 
@@ -86,6 +103,16 @@ impl Sources {
         let (ns_store, ns_writer) = reflector::store();
         let (pol_store, pol_writer) = reflector::store();
         let (gate_store, gate_writer) = reflector::store();
+        let (lr_store, lr_writer) = reflector::store();
+        let lr_stream = reflector::reflector(
+            lr_writer,
+            watcher(
+                Api::<LimitRange>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+        )
+        .default_backoff()
+        .for_each(|_| async {});
         let ns_stream = reflector::reflector(
             ns_writer,
             watcher(
@@ -117,6 +144,7 @@ impl Sources {
             namespaces: ns_store.clone(),
             policies: RwLock::new(Arc::from([])),
             gates: gate_store.clone(),
+            limit_ranges: lr_store.clone(),
             synced: AtomicBool::new(false),
         }));
         let (publish, pol_cache) = (sources.clone(), pol_store.clone());
@@ -130,14 +158,17 @@ impl Sources {
                 let _ = ns_store.wait_until_ready().await;
                 let _ = pol_store.wait_until_ready().await;
                 let _ = gate_store.wait_until_ready().await;
+                let _ = lr_store.wait_until_ready().await;
                 flag.publish_policies(&pol_store);
                 if let Inner::Cluster { synced, .. } = &*flag.0 {
                     synced.store(true, Ordering::Release);
-                    tracing::info!("caches synced: namespaces, mutation policies, node gates");
+                    tracing::info!(
+                        "caches synced: namespaces, limit ranges, mutation policies, node gates"
+                    );
                 }
                 futures::future::pending::<()>().await;
             };
-            futures::join!(ns_stream, pol_stream, gate_stream, ready);
+            futures::join!(ns_stream, pol_stream, gate_stream, lr_stream, ready);
         };
         (sources, drive)
     }
@@ -190,6 +221,19 @@ impl Sources {
                     ns.metadata.annotations.as_ref(),
                 ))
             }
+        }
+    }
+
+    /// The `Container` items of a namespace's LimitRanges.
+    pub fn limit_ranges(&self, namespace: &str) -> Vec<ContainerLimits> {
+        match &*self.0 {
+            Inner::Fixed { limits, .. } => limits.get(namespace).cloned().unwrap_or_default(),
+            Inner::Cluster { limit_ranges, .. } => limit_ranges
+                .state()
+                .iter()
+                .filter(|lr| lr.metadata.namespace.as_deref() == Some(namespace))
+                .flat_map(|lr| ContainerLimits::of(lr))
+                .collect(),
         }
     }
 

@@ -171,6 +171,7 @@ fn canned(config: &GateConfig, pod: &Pod, namespace: &str) -> Result<Canned, Str
             namespace,
             pod: &pod,
             namespace_meta: &ns,
+            limit_ranges: &[],
         },
     );
     let meshgate_core::gate::PodPlan::Mutate { patch, .. } = plan else {

@@ -44,19 +44,24 @@ fn meta(name: &str, namespace: Option<&str>, component: &str) -> Value {
     m
 }
 
-/// The gate configuration of a profile.
-pub fn gate_config(profile: &str, namespace: &str, image: &str) -> anyhow::Result<GateConfig> {
-    let profiles = match profile {
-        "istio-ambient" => vec![Profile::IstioAmbient],
-        "istio-sidecar" | "kubeflow" => vec![Profile::IstioSidecar],
-        "linkerd" => vec![Profile::Linkerd],
+/// The mesh profile behind an install profile (`kubeflow` is Istio's sidecar mode with a
+/// policy).
+pub fn mesh_profile(profile: &str) -> anyhow::Result<Profile> {
+    Ok(match profile {
+        "istio-ambient" => Profile::IstioAmbient,
+        "istio-sidecar" | "kubeflow" => Profile::IstioSidecar,
+        "linkerd" => Profile::Linkerd,
         other => anyhow::bail!(
             "--profile {other:?}: expected one of {}",
             PROFILES.join(", ")
         ),
-    };
+    })
+}
+
+/// The gate configuration of a profile.
+pub fn gate_config(profile: &str, namespace: &str, image: &str) -> anyhow::Result<GateConfig> {
     let mut config = GateConfig {
-        profiles,
+        profiles: vec![mesh_profile(profile)?],
         ..GateConfig::default()
     };
     config.excluded_namespaces = vec!["kube-system".into(), namespace.into()];
@@ -65,33 +70,19 @@ pub fn gate_config(profile: &str, namespace: &str, image: &str) -> anyhow::Resul
     Ok(config)
 }
 
-/// The default NodeGate of a profile: the mesh's agents.
-fn default_gate(profile: &str) -> Option<NodeGate> {
-    let spec = match profile {
-        "istio-ambient" => json!({
-            "agents": [
-                {"name": "cni", "namespace": "istio-system", "selector": {"matchLabels": {"k8s-app": "istio-cni-node"}}, "daemonSet": "istio-cni-node"},
-                {"name": "node-proxy", "namespace": "istio-system", "selector": {"matchLabels": {"app": "ztunnel"}}, "daemonSet": "ztunnel"},
-            ],
-            "mode": "Continuous",
-        }),
-        "istio-sidecar" | "kubeflow" => json!({
-            "agents": [
-                {"name": "cni", "namespace": "istio-system", "selector": {"matchLabels": {"k8s-app": "istio-cni-node"}}, "daemonSet": "istio-cni-node"},
-            ],
-            "mode": "Bootstrap",
-        }),
-        "linkerd" => json!({
-            "agents": [
-                {"name": "cni", "namespace": "linkerd-cni", "selector": {"matchLabels": {"k8s-app": "linkerd-cni"}}, "daemonSet": "linkerd-cni"},
-            ],
-            "mode": "Bootstrap",
-        }),
-        _ => return None,
-    };
-    serde_json::from_value(spec)
-        .ok()
-        .map(|spec| NodeGate::new("mesh-agents", spec))
+/// The default NodeGate of a profile: the mesh's agents, from its record.
+fn default_gate(profile: &str) -> anyhow::Result<NodeGate> {
+    let record = mesh_profile(profile)?.record();
+    let agents: Vec<Value> = record
+        .agents
+        .iter()
+        .map(|a| {
+            json!({"name": a.name, "namespace": a.namespace,
+                   "selector": {"matchLabels": {a.label.0: a.label.1}}, "daemonSet": a.daemon_set})
+        })
+        .collect();
+    let spec = json!({"agents": agents, "mode": record.node_gate_mode});
+    Ok(NodeGate::new("mesh-agents", serde_json::from_value(spec)?))
 }
 
 /// Every manifest, in apply order.
@@ -108,6 +99,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     }
     let webhook_rules = json!([
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["limitranges"], "verbs": ["list", "watch"]},
         {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "nodegates"], "verbs": ["get", "list", "watch"]},
     ]);
     let controller_rules = json!([
@@ -200,18 +192,21 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     mwc["metadata"]["labels"] = labels("webhook");
     out.push(mwc);
     // Defaults of the profile.
-    if let Some(gate) = default_gate(&o.profile) {
-        let mut g = serde_json::to_value(gate)?;
-        g["metadata"]["labels"] = labels("defaults");
-        out.push(g);
-    }
-    if o.profile == "kubeflow" {
-        for doc in crate::render::parse_documents("deploy/policies/kubeflow.yaml", KUBEFLOW_POLICY)?
-        {
-            out.push(doc);
-        }
-    }
+    let mut g = serde_json::to_value(default_gate(&o.profile)?)?;
+    g["metadata"]["labels"] = labels("defaults");
+    out.push(g);
+    out.extend(profile_policies(&o.profile)?);
     Ok(out)
+}
+
+/// The MutationPolicies a profile installs.
+pub fn profile_policies(profile: &str) -> anyhow::Result<Vec<Value>> {
+    Ok(match profile {
+        "kubeflow" => {
+            crate::render::parse_documents("deploy/policies/kubeflow.yaml", KUBEFLOW_POLICY)?
+        }
+        _ => Vec::new(),
+    })
 }
 
 fn deployment(

@@ -97,8 +97,16 @@ enum Command {
         #[arg(long = "policy")]
         policies: Vec<PathBuf>,
         /// Labels of a namespace, as NS=key=value (repeatable), for namespaceSelector.
+        /// Namespace objects in the manifests supply their labels and annotations too.
         #[arg(long = "namespace-label")]
         namespace_labels: Vec<String>,
+        /// Also apply the init gate of an install profile to Pods and to the pod templates of
+        /// workloads, exactly as the webhook would (after the policies, as at admission).
+        #[arg(long, value_parser = meshgate::install::PROFILES)]
+        profile: Option<String>,
+        /// The gate configuration file the webhook reads (instead of --profile's).
+        #[arg(long, conflicts_with = "profile")]
+        config: Option<PathBuf>,
         /// Print the JSON patches instead of the objects.
         #[arg(long)]
         patch: bool,
@@ -298,6 +306,8 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             manifests,
             policies,
             namespace_labels,
+            profile,
+            config,
             patch,
         } => {
             let mut labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
@@ -313,7 +323,38 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     _ => anyhow::bail!("--namespace-label {item:?}: expected NS=key=value"),
                 }
             }
-            let (out, notes) = render::render(&manifests, &policies, &labels, patch)?;
+            let gate = match (&profile, &config) {
+                (Some(p), _) => Some(meshgate::install::gate_config(
+                    p,
+                    "meshgate-system",
+                    &meshgate_api::config::InitGate::default().image,
+                )?),
+                (None, Some(file)) => {
+                    let text = std::fs::read_to_string(file)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+                    Some(meshgate_api::GateConfig::from_yaml(
+                        &file.display().to_string(),
+                        &text,
+                    )?)
+                }
+                (None, None) => None,
+            };
+            // A profile's own policies apply as install puts them in the cluster.
+            let builtin = match &profile {
+                Some(p) => render::policies_of(
+                    &format!("--profile {p}"),
+                    meshgate::install::profile_policies(p)?,
+                )?,
+                None => Default::default(),
+            };
+            let (out, notes) = render::render(
+                &manifests,
+                &policies,
+                &labels,
+                gate.as_ref(),
+                builtin,
+                patch,
+            )?;
             print_notes(&notes);
             emit(&out)
         }

@@ -4,6 +4,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use meshgate_api::{MutationPolicy, MutationPolicySpec};
+use meshgate_core::resources::ContainerLimits;
+use meshgate_core::select::Meta;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -61,10 +63,15 @@ pub type Policies = (Vec<(String, MutationPolicySpec)>, Vec<String>);
 /// Reads policies: meshgate `MutationPolicy` documents and Kyverno `ClusterPolicy`/`Policy`
 /// documents (converted; what cannot be converted is returned as notes).
 pub fn read_policies(path: &Path) -> Result<Policies, InputError> {
-    let file = path.display().to_string();
+    policies_of(&path.display().to_string(), read_documents(path)?)
+}
+
+/// Policies from parsed documents; `file` names their source in errors.
+pub fn policies_of(file: &str, docs: Vec<Value>) -> Result<Policies, InputError> {
+    let file = file.to_owned();
     let mut policies = Vec::new();
     let mut notes = Vec::new();
-    for (index, doc) in read_documents(path)?.into_iter().enumerate() {
+    for (index, doc) in docs.into_iter().enumerate() {
         let err = |message: String| InputError::Document {
             file: file.clone(),
             index,
@@ -111,24 +118,73 @@ pub fn to_yaml_stream(docs: &[Value]) -> Result<String, serde_yaml::Error> {
 }
 
 /// The `render` command: the mutated objects (or their patches) as YAML.
+///
+/// Policies apply first, then the init gate of `gate` (if given) decides on the result, as at
+/// admission, where the gate is reinvoked after the policies changed a pod. Namespace objects
+/// in the manifests supply their namespace's labels and annotations (`ns_labels` adds labels),
+/// LimitRange objects their namespace's limits.
 pub fn render(
     manifests: &[std::path::PathBuf],
     policy_files: &[std::path::PathBuf],
     ns_labels: &BTreeMap<String, BTreeMap<String, String>>,
+    gate: Option<&meshgate_api::GateConfig>,
+    builtin: Policies,
     patches: bool,
 ) -> anyhow::Result<(String, Vec<String>)> {
-    let mut policies = Vec::new();
-    let mut notes = Vec::new();
+    let (mut policies, mut notes) = builtin;
     for p in policy_files {
         let (ps, ns) = read_policies(p)?;
         policies.extend(ps);
         notes.extend(ns);
     }
-    let mut out = Vec::new();
+    let mut inputs = Vec::new();
     for m in manifests {
-        let docs = read_documents(m)?;
+        inputs.push((m, read_documents(m)?));
+    }
+    // Namespaces and LimitRanges named anywhere in the input.
+    let mut namespaces: BTreeMap<String, Meta> = BTreeMap::new();
+    let mut limits: BTreeMap<String, Vec<ContainerLimits>> = BTreeMap::new();
+    for doc in inputs.iter().flat_map(|(_, docs)| docs) {
+        let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
+        let name = doc.pointer("/metadata/name").and_then(Value::as_str);
+        match (kind, name) {
+            ("Namespace", Some(name)) => {
+                namespaces.insert(name.to_owned(), Meta::of(doc));
+            }
+            ("LimitRange", _) => {
+                if let Ok(lr) =
+                    serde_json::from_value::<k8s_openapi::api::core::v1::LimitRange>(doc.clone())
+                {
+                    let ns = lr
+                        .metadata
+                        .namespace
+                        .clone()
+                        .unwrap_or_else(|| "default".into());
+                    limits
+                        .entry(ns)
+                        .or_default()
+                        .extend(ContainerLimits::of(&lr));
+                }
+            }
+            _ => {}
+        }
+    }
+    for (ns, labels) in ns_labels {
+        namespaces
+            .entry(ns.clone())
+            .or_default()
+            .labels
+            .extend(labels.clone());
+    }
+    let planner = gate.map(meshgate_core::gate::Planner::new);
+    let mut out = Vec::new();
+    for (m, docs) in inputs {
+        let originals = docs.clone();
         let rendered = meshgate_core::policy::render(docs, &policies, &|ns| {
-            ns_labels.get(ns).cloned().unwrap_or_default()
+            namespaces
+                .get(ns)
+                .map(|m| m.labels.clone())
+                .unwrap_or_default()
         })
         .map_err(|e| anyhow::anyhow!("{}: {e}", m.display()))?;
         for r in rendered {
@@ -139,15 +195,35 @@ pub fn render(
                     r.index
                 ));
             }
+            let mut object = r.object;
+            let mut patch = r.patch;
+            let mut verdict = None;
+            if let Some(planner) = &planner
+                && let Some(planned) = planner.plan_object(
+                    &object,
+                    &|ns| namespaces.get(ns).cloned().unwrap_or_default(),
+                    &|ns| limits.get(ns).cloned().unwrap_or_default(),
+                )
+            {
+                verdict = planned.plan.verdict().map(|v| match v {
+                    Ok(plan) => plan.annotation(),
+                    Err(no) => no.annotation(),
+                });
+                object = planned.object;
+                if let Some(original) = originals.get(r.index) {
+                    patch = meshgate_core::patch::JsonPatch::diff(original, &object);
+                }
+            }
             if patches {
                 out.push(serde_json::json!({
                     "document": r.index,
                     "file": m.display().to_string(),
                     "policies": r.policies,
-                    "patch": r.patch,
+                    "gate": verdict,
+                    "patch": patch,
                 }));
             } else {
-                out.push(r.object);
+                out.push(object);
             }
         }
     }

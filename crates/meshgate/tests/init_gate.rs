@@ -181,18 +181,6 @@ async fn reinvocation_leaves_exactly_one_gate_in_front() {
         .await
         .unwrap();
 
-    let ca = meshgate_pki::Ca::new("injector-ca", Duration::from_secs(3600)).unwrap();
-    let serving = ca
-        .issue_server(&["127.0.0.1"], Duration::from_secs(3600))
-        .unwrap();
-    let tls = axum_server::tls_rustls::RustlsConfig::from_pem(
-        serving.cert_pem.into_bytes(),
-        serving.key_pem.into_bytes(),
-    )
-    .await
-    .unwrap();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
     let app = axum::Router::new().route(
         "/inject",
         post(|Json(review): Json<Value>| async move {
@@ -209,19 +197,10 @@ async fn reinvocation_leaves_exactly_one_gate_in_front() {
                 json!([{"op": "add", "path": "/spec/initContainers",
                         "value": [{"name": "mesh-init", "image": "registry.invalid/init:1"}]}])
             };
-            let patch = serde_json::to_vec(&ops).unwrap_or_default();
-            Json(
-                json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-                "response": {"uid": review["request"]["uid"], "allowed": true,
-                             "patchType": "JSONPatch", "patch": k8s_openapi::ByteString(patch)}}),
-            )
+            Json(review_patch(&review, &ops))
         }),
     );
-    let server = tokio::spawn(
-        axum_server::from_tcp_rustls(listener, tls)
-            .unwrap()
-            .serve(app.into_make_service()),
-    );
+    let (url, ca_pem, server) = serve_test_webhook(app).await;
     let mwc = json!({
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
         "metadata": {"name": "zz-other-injector"},
@@ -229,8 +208,8 @@ async fn reinvocation_leaves_exactly_one_gate_in_front() {
             "name": "inject.other.example.com",
             "admissionReviewVersions": ["v1"], "sideEffects": "None", "failurePolicy": "Fail",
             "reinvocationPolicy": "IfNeeded",
-            "clientConfig": {"url": format!("https://127.0.0.1:{port}/inject"),
-                             "caBundle": k8s_openapi::ByteString(ca.certificate().cert_pem.clone().into_bytes())},
+            "clientConfig": {"url": format!("{url}/inject"),
+                             "caBundle": k8s_openapi::ByteString(ca_pem.into_bytes())},
             "namespaceSelector": {"matchLabels": {"reinvoke-test": "on"}},
             "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}],
         }],

@@ -80,42 +80,111 @@ fn assert_idempotent(policies: &[(String, MutationPolicySpec)], rendered: &Rende
     assert!(again.patch.is_empty(), "{:?}", again.patch);
 }
 
+/// A pod as Istio's injector leaves it in CNI mode: classic (proxy as a container) or with the
+/// proxy as a native sidecar, and the application's init containers after the mesh's.
+fn injected_pod(ns: &str, native: bool) -> Value {
+    let proxy = json!({"name": "istio-proxy", "image": "registry.invalid/proxy:1", "args": ["proxy", "sidecar"]});
+    let validation = json!({"name": "istio-validation", "image": "registry.invalid/proxy:1",
+                            "securityContext": {"runAsUser": 1337}});
+    let mut inits = vec![validation];
+    let mut containers = vec![json!({"name": "app", "image": "registry.invalid/app:1"})];
+    if native {
+        let mut p = proxy;
+        p["restartPolicy"] = json!("Always");
+        inits.push(p);
+    } else {
+        containers.push(proxy);
+    }
+    inits.push(json!({"name": "storage-initializer", "image": "registry.invalid/init:1"}));
+    inits.push(
+        json!({"name": "needs-root", "image": "registry.invalid/init:1",
+                      "securityContext": {"runAsUser": 0}}),
+    );
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "p", "namespace": ns},
+        "spec": {"initContainers": inits, "containers": containers},
+    })
+}
+
+fn init_users(pod: &Value) -> Vec<(String, Value)> {
+    pod["spec"]["initContainers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap().to_owned(),
+                c["securityContext"]["runAsUser"].clone(),
+            )
+        })
+        .collect()
+}
+
 #[test]
-fn kubeflow_excludes_all_outbound_traffic_in_injected_namespaces_with_a_warning() {
+fn kubeflow_runs_application_init_containers_as_the_proxy_uid_unless_the_proxy_is_native() {
     let policies = read("kubeflow.yaml");
+    assert_eq!(policies.len(), 1);
+    let warning = policies[0].1.warning.clone().unwrap_or_default();
+    assert!(
+        warning.contains("1337"),
+        "the warning names the trade-off: {warning}"
+    );
+
+    // Classic sidecar: the application's init container that sets no user runs as 1337; the
+    // mesh's and one with an explicit user keep theirs; nothing is excluded.
+    let r = render_one(&policies, injected_pod("injected", false));
+    assert_eq!(
+        init_users(&r.object),
+        [
+            ("istio-validation".to_owned(), json!(1337)),
+            ("storage-initializer".to_owned(), json!(1337)),
+            ("needs-root".to_owned(), json!(0)),
+        ]
+    );
+    assert!(r.object["metadata"]["annotations"][RANGES].is_null());
+    assert_eq!(r.policies, ["kubeflow"]);
+    assert_idempotent(&policies, &r);
+
+    // Native sidecar proxy: the application's init containers already have the network.
+    let r = render_one(&policies, injected_pod("injected", true));
+    assert!(r.patch.is_empty(), "{:?}", r.patch);
+
+    // Pod templates are left alone (they have no proxy yet), and so are other namespaces.
+    let r = render_one(
+        &policies,
+        deployment("injected", json!({"labels": {"app": "d"}})),
+    );
+    assert!(r.patch.is_empty(), "{:?}", r.patch);
+    let r = render_one(&policies, injected_pod("plain", false));
+    assert!(r.patch.is_empty() && r.warnings.is_empty());
+}
+
+#[test]
+fn exclude_all_outbound_is_the_labelled_last_resort() {
+    let policies = read("exclude-all-outbound.yaml");
     assert_eq!(policies.len(), 1);
     let warning = policies[0].1.warning.clone().unwrap_or_default();
     assert!(
         warning.contains("all outbound traffic") && warning.contains("whole life"),
         "the warning names the trade-off: {warning}"
     );
-
-    let r = render_one(&policies, pod("injected"));
+    let mut opted = pod("injected");
+    opted["metadata"]["labels"] = json!({"meshgate.dev/exclude-all-outbound": "true"});
+    let r = render_one(&policies, opted.clone());
     assert_eq!(r.object["metadata"]["annotations"][RANGES], "0.0.0.0/0");
-    assert_eq!(r.policies, ["kubeflow"]);
-    assert_eq!(r.warnings, [format!("kubeflow: {warning}")]);
+    assert_eq!(r.warnings, [format!("exclude-all-outbound: {warning}")]);
     assert_idempotent(&policies, &r);
-
     // A value set on the pod is kept.
-    let mut own = pod("injected");
-    own["metadata"]["annotations"] = json!({RANGES: "10.0.0.0/8"});
-    let r = render_one(&policies, own);
+    opted["metadata"]["annotations"] = json!({RANGES: "10.0.0.0/8"});
+    let r = render_one(&policies, opted);
     assert_eq!(r.object["metadata"]["annotations"][RANGES], "10.0.0.0/8");
     assert!(r.patch.is_empty());
-
-    // Pod templates of workloads too.
-    let r = render_one(
-        &policies,
-        deployment("injected", json!({"labels": {"app": "d"}})),
-    );
-    assert_eq!(
-        r.object["spec"]["template"]["metadata"]["annotations"][RANGES],
-        "0.0.0.0/0"
-    );
-
-    // Namespaces without sidecar injection are left alone.
-    let r = render_one(&policies, pod("plain"));
-    assert!(r.patch.is_empty() && r.warnings.is_empty());
+    // Without the label, or outside injected namespaces: nothing.
+    assert!(render_one(&policies, pod("injected")).patch.is_empty());
+    let mut elsewhere = pod("plain");
+    elsewhere["metadata"]["labels"] = json!({"meshgate.dev/exclude-all-outbound": "true"});
+    assert!(render_one(&policies, elsewhere).patch.is_empty());
 }
 
 #[test]
@@ -241,7 +310,12 @@ fn every_ready_made_policy_renders_through_the_cli_path() {
         .iter()
         .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
         .collect();
-    for expected in ["exclude-ranges.yaml", "init-uid.yaml", "kubeflow.yaml"] {
+    for expected in [
+        "exclude-all-outbound.yaml",
+        "exclude-ranges.yaml",
+        "init-uid.yaml",
+        "kubeflow.yaml",
+    ] {
         assert!(names.iter().any(|n| n == expected), "{names:?}");
     }
     for f in &files {
@@ -249,6 +323,8 @@ fn every_ready_made_policy_renders_through_the_cli_path() {
             std::slice::from_ref(&manifest),
             std::slice::from_ref(f),
             &BTreeMap::new(),
+            None,
+            Default::default(),
             false,
         )
         .unwrap_or_else(|e| panic!("{}: {e}", f.display()));

@@ -54,7 +54,15 @@ fn multi_document_yaml_round_trips() {
     let dir = tempfile::tempdir().unwrap();
     let m = write(&dir, "m.yaml", MANIFESTS);
     let p = write(&dir, "p.yaml", POLICY);
-    let (out, notes) = meshgate::render::render(&[m], &[p], &BTreeMap::new(), false).unwrap();
+    let (out, notes) = meshgate::render::render(
+        &[m],
+        &[p],
+        &BTreeMap::new(),
+        None,
+        Default::default(),
+        false,
+    )
+    .unwrap();
     assert!(notes.is_empty(), "{notes:?}");
     let input = meshgate::render::parse_documents("m.yaml", MANIFESTS).unwrap();
     let output = meshgate::render::parse_documents("out", &out).unwrap();
@@ -69,7 +77,15 @@ fn multi_document_yaml_round_trips() {
     // Rendering the output again changes nothing.
     let again = write(&dir, "again.yaml", &out);
     let p = dir.path().join("p.yaml");
-    let (out2, _) = meshgate::render::render(&[again], &[p], &BTreeMap::new(), false).unwrap();
+    let (out2, _) = meshgate::render::render(
+        &[again],
+        &[p],
+        &BTreeMap::new(),
+        None,
+        Default::default(),
+        false,
+    )
+    .unwrap();
     assert_eq!(out2, out);
 }
 

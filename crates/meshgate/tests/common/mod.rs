@@ -323,3 +323,41 @@ pub fn metric(text: &str, prefix: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(prefix))
         .and_then(|v| v.trim().parse().ok())
 }
+
+/// A test webhook server over TLS on loopback, with a CA of its own: `router` answers the
+/// reviews. Returns the base URL, the CA's PEM (the registration's caBundle) and the server task.
+pub async fn serve_test_webhook(
+    router: axum::Router,
+) -> (String, String, tokio::task::JoinHandle<std::io::Result<()>>) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = meshgate_pki::Ca::new("test-webhook-ca", Duration::from_secs(3600)).expect("ca");
+    let serving = ca
+        .issue_server(&["127.0.0.1"], Duration::from_secs(3600))
+        .expect("cert");
+    let tls = axum_server::tls_rustls::RustlsConfig::from_pem(
+        serving.cert_pem.into_bytes(),
+        serving.key_pem.into_bytes(),
+    )
+    .await
+    .expect("tls config");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let server = background().spawn(async move {
+        axum_server::from_tcp_rustls(listener, tls)?
+            .serve(router.into_make_service())
+            .await
+    });
+    (
+        format!("https://127.0.0.1:{port}"),
+        ca.certificate().cert_pem.clone(),
+        server,
+    )
+}
+
+/// An AdmissionReview answer allowing the object with a JSON patch.
+pub fn review_patch(review: &serde_json::Value, ops: &serde_json::Value) -> serde_json::Value {
+    let patch = serde_json::to_vec(ops).unwrap_or_default();
+    serde_json::json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "response": {"uid": review["request"]["uid"], "allowed": true,
+                     "patchType": "JSONPatch", "patch": k8s_openapi::ByteString(patch)}})
+}

@@ -1,0 +1,172 @@
+//! The mesh profile records: for each mesh meshgate knows, the names and numbers its rules read.
+//!
+//! One record per [`Profile`]: which pods the mesh selects, how it captures traffic (its proxy
+//! container, the proxy's uid, the init containers that install redirection themselves, its
+//! own validator), the agents that must be Ready on a node, and the node gate's mode. `install`,
+//! the webhook, `render` and `status` all read these records; the rules that use them (what the
+//! mesh does to a given pod) are in `meshgate_core::mesh`. Adding a mesh is adding a record and
+//! its rule there.
+//!
+//! Every value here was read from the meshes' own source (docs/design.md, "What the meshes do").
+
+use crate::config::{GateCheck, Profile};
+use crate::node_gate::GateMode;
+
+/// A mesh family: the rules that read a pod differ per family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mesh {
+    Istio,
+    Linkerd,
+}
+
+/// How the mesh captures a pod's traffic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Capture {
+    /// The node proxy opens its listeners inside the pod's network namespace (Istio ambient):
+    /// the gate waits for `listener_port` to be listening.
+    NodeProxy { listener_port: u16 },
+    /// A sidecar proxy, with redirection installed by the mesh's CNI plugin at pod sandbox
+    /// creation or by the pod's own init container: the gate proves that outbound TCP reaches
+    /// `outbound_port`.
+    Sidecar { outbound_port: u16 },
+}
+
+/// An agent DaemonSet of the mesh that must be Ready on a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AgentRecord {
+    /// The name the NodeGate gives it (`cni`, `node-proxy`).
+    pub name: &'static str,
+    pub namespace: &'static str,
+    /// The label that selects its pods.
+    pub label: (&'static str, &'static str),
+    pub daemon_set: &'static str,
+}
+
+/// Everything meshgate needs to know of one mesh mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MeshProfile {
+    pub profile: Profile,
+    pub mesh: Mesh,
+    pub capture: Capture,
+    /// The proxy container (a container, or a native sidecar in `initContainers`).
+    pub proxy_container: &'static str,
+    /// The uid whose traffic the redirection leaves alone (the proxy's), unless the pod says
+    /// otherwise.
+    pub proxy_uid: i64,
+    /// The gid whose traffic the redirection leaves alone, if any.
+    pub proxy_gid: Option<i64>,
+    /// Init containers of the mesh that install redirection themselves (no CNI plugin).
+    pub redirect_init_containers: &'static [&'static str],
+    /// The mesh's own check that redirection is in place (CNI mode).
+    pub validator_container: Option<&'static str>,
+    pub agents: &'static [AgentRecord],
+    /// How the profile's default NodeGate behaves.
+    pub node_gate_mode: GateMode,
+}
+
+const ISTIO_CNI: AgentRecord = AgentRecord {
+    name: "cni",
+    namespace: "istio-system",
+    label: ("k8s-app", "istio-cni-node"),
+    daemon_set: "istio-cni-node",
+};
+
+/// Istio ambient: the CNI agent enrols the pod and the node proxy opens 15001, 15006 and 15008
+/// inside it.
+pub const ISTIO_AMBIENT: MeshProfile = MeshProfile {
+    profile: Profile::IstioAmbient,
+    mesh: Mesh::Istio,
+    capture: Capture::NodeProxy {
+        listener_port: 15008,
+    },
+    proxy_container: "istio-proxy",
+    proxy_uid: 1337,
+    proxy_gid: Some(1337),
+    redirect_init_containers: &["istio-init"],
+    validator_container: Some("istio-validation"),
+    agents: &[
+        ISTIO_CNI,
+        AgentRecord {
+            name: "node-proxy",
+            namespace: "istio-system",
+            label: ("app", "ztunnel"),
+            daemon_set: "ztunnel",
+        },
+    ],
+    node_gate_mode: GateMode::Continuous,
+};
+
+/// Istio sidecar mode: `istio-proxy` listens for redirected outbound TCP on 15001.
+pub const ISTIO_SIDECAR: MeshProfile = MeshProfile {
+    profile: Profile::IstioSidecar,
+    mesh: Mesh::Istio,
+    capture: Capture::Sidecar {
+        outbound_port: 15001,
+    },
+    proxy_container: "istio-proxy",
+    proxy_uid: 1337,
+    proxy_gid: Some(1337),
+    redirect_init_containers: &["istio-init"],
+    validator_container: Some("istio-validation"),
+    agents: &[ISTIO_CNI],
+    node_gate_mode: GateMode::Bootstrap,
+};
+
+/// Linkerd: `linkerd-proxy` listens for redirected outbound TCP on 4140.
+pub const LINKERD: MeshProfile = MeshProfile {
+    profile: Profile::Linkerd,
+    mesh: Mesh::Linkerd,
+    capture: Capture::Sidecar {
+        outbound_port: 4140,
+    },
+    proxy_container: "linkerd-proxy",
+    proxy_uid: 2102,
+    proxy_gid: None,
+    redirect_init_containers: &["linkerd-init"],
+    validator_container: Some("linkerd-network-validator"),
+    agents: &[AgentRecord {
+        name: "cni",
+        namespace: "linkerd-cni",
+        label: ("k8s-app", "linkerd-cni"),
+        daemon_set: "linkerd-cni",
+    }],
+    node_gate_mode: GateMode::Bootstrap,
+};
+
+impl MeshProfile {
+    /// The gate check that fits the capture mode.
+    pub fn check(&self) -> GateCheck {
+        match self.capture {
+            Capture::NodeProxy { listener_port } => GateCheck::TcpListening {
+                port: listener_port,
+            },
+            Capture::Sidecar { outbound_port } => GateCheck::RedirectCheck {
+                port: outbound_port,
+            },
+        }
+    }
+}
+
+impl Profile {
+    /// The profile's record.
+    pub fn record(self) -> &'static MeshProfile {
+        match self {
+            Profile::IstioAmbient => &ISTIO_AMBIENT,
+            Profile::IstioSidecar => &ISTIO_SIDECAR,
+            Profile::Linkerd => &LINKERD,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_profile_has_its_record() {
+        for p in Profile::ALL {
+            assert_eq!(p.record().profile, p);
+            assert!(!p.record().agents.is_empty());
+        }
+    }
+}
