@@ -106,14 +106,17 @@ async fn pod_in_selected_namespace_is_stored_with_the_gate_first() {
         sc.capabilities.as_ref().unwrap().drop.as_deref(),
         Some(&["ALL".to_owned()][..])
     );
+    // A BestEffort pod stays BestEffort: the gate asks for no cpu or memory.
     assert!(
         gate.resources
             .as_ref()
-            .unwrap()
-            .limits
-            .as_ref()
-            .unwrap()
-            .contains_key("memory")
+            .is_none_or(|r| r.limits.is_none() && r.requests.is_none()),
+        "{:?}",
+        gate.resources
+    );
+    assert_eq!(
+        stored.status.as_ref().and_then(|s| s.qos_class.as_deref()),
+        Some("BestEffort")
     );
 
     // Existing init containers and native sidecars come after the gate.
