@@ -22,7 +22,8 @@ pub enum Profile {
     /// Namespaces labelled `istio-injection=enabled` or `istio.io/rev`, and pods labelled
     /// `sidecar.istio.io/inject=true`. The gate proves that outbound redirection works.
     IstioSidecar,
-    /// Pods or namespaces annotated `linkerd.io/inject: enabled`. The gate proves redirection.
+    /// Pods or namespaces annotated `linkerd.io/inject: enabled` (or `ingress`). The gate proves
+    /// redirection.
     Linkerd,
 }
 
@@ -112,28 +113,36 @@ impl Profile {
             }
             // Linkerd selects by annotation, which a webhook's selectors cannot see: the
             // clauses match every namespace and the webhook decides from the annotations.
-            Profile::Linkerd => vec![
-                SelectorClause {
-                    name: "linkerd-pod".into(),
-                    pod_annotations: BTreeMap::from([(
-                        "linkerd.io/inject".into(),
-                        "enabled".into(),
-                    )]),
-                    ..SelectorClause::default()
-                },
-                SelectorClause {
-                    name: "linkerd-namespace".into(),
-                    namespace_annotations: BTreeMap::from([(
-                        "linkerd.io/inject".into(),
-                        "enabled".into(),
-                    )]),
-                    pod_annotations_absent: BTreeMap::from([(
-                        "linkerd.io/inject".into(),
-                        "disabled".into(),
-                    )]),
-                    ..SelectorClause::default()
-                },
-            ],
+            Profile::Linkerd => ["enabled", "ingress"]
+                .into_iter()
+                .flat_map(|mode| {
+                    // `ingress` injects and redirects like `enabled` (the proxy runs in
+                    // ingress mode).
+                    let suffix = if mode == "enabled" { "" } else { "-ingress" };
+                    [
+                        SelectorClause {
+                            name: format!("linkerd-pod{suffix}"),
+                            pod_annotations: BTreeMap::from([(
+                                "linkerd.io/inject".into(),
+                                mode.into(),
+                            )]),
+                            ..SelectorClause::default()
+                        },
+                        SelectorClause {
+                            name: format!("linkerd-namespace{suffix}"),
+                            namespace_annotations: BTreeMap::from([(
+                                "linkerd.io/inject".into(),
+                                mode.into(),
+                            )]),
+                            pod_annotations_absent: BTreeMap::from([(
+                                "linkerd.io/inject".into(),
+                                "disabled".into(),
+                            )]),
+                            ..SelectorClause::default()
+                        },
+                    ]
+                })
+                .collect(),
         }
     }
 }
