@@ -28,10 +28,20 @@ use crate::selector::LabelSelector;
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "self.taint.effect != 'NoExecute' || self.allowNoExecute",
+    "message": "taint.effect NoExecute evicts running pods: set allowNoExecute: true to opt in"
+}]))]
 pub struct NodeGateSpec {
-    /// The startup taint this gate owns. meshgate never touches another taint.
+    /// The startup taint this gate owns. meshgate never touches another taint. Keys of
+    /// Kubernetes, the kubelet, cloud providers and autoscalers are refused, except the cluster
+    /// autoscaler's startup-taint prefix (`startup-taint.cluster-autoscaler.kubernetes.io/`).
     #[serde(default)]
     pub taint: GateTaint,
+    /// `taint.effect: NoExecute` evicts the pods already running on a node when the taint is
+    /// put back: it must be chosen explicitly.
+    #[serde(default)]
+    pub allow_no_execute: bool,
     /// The agents that must be Ready on a node (e.g. the CNI agent and the node proxy).
     #[schemars(length(min = 1))]
     pub agents: Vec<Agent>,
@@ -57,6 +67,154 @@ pub struct NodeGateSpec {
     /// Advertise an extended resource on nodes whose agents are Ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource: Option<GateResource>,
+    /// Continuous mode: the most nodes the gate keeps re-tainted at once (agents failed after
+    /// the node was released), as a number (`"3"`) or a percentage of the gate's nodes
+    /// (`"10%"`, rounded down, at least 1), like a `maxUnavailable`. Beyond it the gate reports
+    /// (condition `RetaintBudgetExhausted`, Events) instead of tainting more nodes.
+    #[serde(default = "default_max_retainted")]
+    #[schemars(regex(pattern = r"^([0-9]+|[0-9]+%)$"))]
+    pub max_retainted: String,
+    /// Decide and report (status, Events) but write nothing to nodes.
+    #[serde(default)]
+    pub dry_run: bool,
+    /// How long a node waits for an agent that has no pod on it (or whose DaemonSet does not
+    /// exist) before `onMissingAgent` applies. The gate is `Degraded` meanwhile.
+    #[serde(default = "default_missing_agent_timeout")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub missing_agent_timeout_seconds: u32,
+    /// What happens to a node after `missingAgentTimeoutSeconds`: `Release` it (default: a
+    /// missing agent never holds nodes forever) or keep it held (`Wait`).
+    #[serde(default)]
+    pub on_missing_agent: MissingAgentPolicy,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+fn default_max_retainted() -> String {
+    "10%".into()
+}
+
+fn default_missing_agent_timeout() -> u32 {
+    600
+}
+
+/// What the gate does with a node whose agent stays missing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum MissingAgentPolicy {
+    /// Stop holding the node (the gate stays `Degraded`).
+    #[default]
+    Release,
+    /// Keep holding the node.
+    Wait,
+}
+
+/// Domains of taint keys that belong to Kubernetes, the kubelet, cloud providers, autoscalers
+/// and other node add-ons (a key `D/name` or `sub.D/name`).
+pub const RESERVED_TAINT_DOMAINS: &[&str] = &[
+    "kubernetes.io",
+    "k8s.io",
+    "karpenter.sh",
+    "amazonaws.com",
+    "cloud.google.com",
+    "gke.io",
+    "azure.com",
+    "cilium.io",
+];
+
+/// Taint keys without a domain that others set (the cluster autoscaler, managed add-on pools).
+pub const RESERVED_TAINT_KEYS: &[&str] = &[
+    "ToBeDeletedByClusterAutoscaler",
+    "DeletionCandidateOfClusterAutoscaler",
+    "CriticalAddonsOnly",
+];
+
+/// The prefix the cluster autoscaler treats as a startup taint (ignored when it simulates
+/// scale-up from zero): allowed for gate keys.
+pub const AUTOSCALER_STARTUP_TAINT_PREFIX: &str = "startup-taint.cluster-autoscaler.kubernetes.io/";
+
+/// Why a taint key may not be a gate's: it belongs to someone else. `None` when it may.
+pub fn reserved_taint_key(key: &str) -> Option<String> {
+    if key.starts_with(AUTOSCALER_STARTUP_TAINT_PREFIX) {
+        return None;
+    }
+    if RESERVED_TAINT_KEYS.contains(&key) {
+        return Some(format!(
+            "taint key {key:?} is set by others (the cluster autoscaler, add-on node pools)"
+        ));
+    }
+    let domain = key.split_once('/').map(|(d, _)| d)?;
+    RESERVED_TAINT_DOMAINS
+        .iter()
+        .find(|r| domain == **r || domain.ends_with(&format!(".{r}")))
+        .map(|r| {
+            format!(
+                "taint key {key:?} is in the {r} domain, which belongs to Kubernetes, the kubelet, cloud providers or autoscalers (allowed prefix: {AUTOSCALER_STARTUP_TAINT_PREFIX})"
+            )
+        })
+}
+
+impl Default for NodeGateSpec {
+    fn default() -> Self {
+        Self {
+            taint: GateTaint::default(),
+            allow_no_execute: false,
+            agents: Vec::new(),
+            node_selector: LabelSelector::default(),
+            mode: GateMode::default(),
+            grace_period_seconds: default_grace(),
+            removal_delay_seconds: 0,
+            taint_on_create: true,
+            resource: None,
+            max_retainted: default_max_retainted(),
+            dry_run: false,
+            missing_agent_timeout_seconds: default_missing_agent_timeout(),
+            on_missing_agent: MissingAgentPolicy::default(),
+        }
+    }
+}
+
+impl NodeGateSpec {
+    /// Problems that make the controller leave the gate alone (the API server refuses them too,
+    /// by the CRD's rules; a gate stored before those rules existed is still caught here).
+    pub fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(why) = reserved_taint_key(&self.taint.key) {
+            out.push(format!("taint.key: {why}"));
+        }
+        if self.taint.effect == TaintEffect::NoExecute && !self.allow_no_execute {
+            out.push("taint.effect: NoExecute needs allowNoExecute: true".into());
+        }
+        if parse_budget(&self.max_retainted).is_none() {
+            out.push(format!(
+                "maxRetainted: {:?} is not a number or a percentage",
+                self.max_retainted
+            ));
+        }
+        out
+    }
+
+    /// The re-taint budget for a gate that selects `nodes` nodes.
+    pub fn retaint_budget(&self, nodes: usize) -> usize {
+        match parse_budget(&self.max_retainted) {
+            Some(Budget::Count(n)) => n,
+            Some(Budget::Percent(p)) => (nodes * p / 100).max(1),
+            None => 1,
+        }
+    }
+}
+
+enum Budget {
+    Count(usize),
+    Percent(usize),
+}
+
+fn parse_budget(s: &str) -> Option<Budget> {
+    match s.strip_suffix('%') {
+        Some(p) => p.parse().ok().filter(|p| *p <= 100).map(Budget::Percent),
+        None => s.parse().ok().map(Budget::Count),
+    }
 }
 
 fn default_grace() -> u32 {
@@ -72,6 +230,11 @@ fn yes() -> bool {
 #[serde(rename_all = "camelCase")]
 pub struct GateTaint {
     #[serde(default = "default_taint_key")]
+    #[schemars(length(min = 1, max = 316))]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "self.startsWith('startup-taint.cluster-autoscaler.kubernetes.io/') || !(self.matches('^([^/]*[.])?(kubernetes[.]io|k8s[.]io|karpenter[.]sh|amazonaws[.]com|cloud[.]google[.]com|gke[.]io|azure[.]com|cilium[.]io)/') || self in ['ToBeDeletedByClusterAutoscaler', 'DeletionCandidateOfClusterAutoscaler', 'CriticalAddonsOnly'])",
+        "message": "the taint key belongs to Kubernetes, the kubelet, a cloud provider or an autoscaler; use your own domain or the startup-taint.cluster-autoscaler.kubernetes.io/ prefix"
+    }]))]
     pub key: String,
     #[serde(default)]
     pub effect: TaintEffect,
@@ -163,6 +326,15 @@ pub struct NodeGateStatus {
     /// Nodes that carry the taint.
     #[serde(default)]
     pub held_nodes: u32,
+    /// `dryRun`: nodes the gate would taint now.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub would_taint: u32,
+    /// `dryRun`: nodes the gate would release now.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub would_untaint: u32,
+    /// Nodes whose re-taint the `maxRetainted` budget holds back.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub retaint_deferred: u32,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 }

@@ -5,7 +5,7 @@
 //! node, readiness), so memory grows with agent pods, not with all pods in the cluster. Every
 //! change to an agent pod triggers a reconcile of its node.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
 use futures::StreamExt;
@@ -16,48 +16,11 @@ use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{watcher, watcher::Event};
 use meshgate_api::node_gate::Agent;
-use meshgate_core::nodegate::{AgentState, daemonset_targets};
+use meshgate_core::nodegate::{AgentPod, AgentState, DaemonSetView, agent_state};
 use tokio::sync::mpsc::UnboundedSender;
 
-/// What the gate needs of one agent pod.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AgentPod {
-    pub namespace: String,
-    pub name: String,
-    pub labels: BTreeMap<String, String>,
-    pub ready: bool,
-    /// When the Ready condition last changed (else the pod's creation), Unix seconds.
-    pub since: i64,
-}
-
 fn summarize(pod: &Pod) -> Option<(String, AgentPod)> {
-    let node = pod.spec.as_ref()?.node_name.clone()?;
-    let ready_cond = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
-    let created = pod
-        .metadata
-        .creation_timestamp
-        .as_ref()
-        .map_or(0, |t| t.0.as_second());
-    // A pod being deleted is not counted as Ready.
-    let ready =
-        pod.metadata.deletion_timestamp.is_none() && ready_cond.is_some_and(|c| c.status == "True");
-    let since = ready_cond
-        .and_then(|c| c.last_transition_time.as_ref())
-        .map_or(created, |t| t.0.as_second());
-    Some((
-        node,
-        AgentPod {
-            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
-            name: pod.metadata.name.clone().unwrap_or_default(),
-            labels: pod.metadata.labels.clone().unwrap_or_default(),
-            ready,
-            since,
-        },
-    ))
+    AgentPod::of(pod)
 }
 
 fn key_of(pod: &Pod) -> (String, String) {
@@ -77,7 +40,9 @@ struct Inner {
     pod_node: HashMap<(String, String), String>,
     daemonsets: HashMap<(String, String), PodTemplateSpec>,
     watched: HashSet<String>,
+    /// Namespaces whose pods, and whose DaemonSets, have been listed.
     synced: HashSet<String>,
+    daemonsets_synced: HashSet<String>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -162,44 +127,44 @@ impl AgentIndex {
         touched
     }
 
-    /// The agent's state on a node.
+    /// The agent's state on a node ([`meshgate_core::nodegate::agent_state`]).
     pub fn state(&self, agent: &Agent, node: &Node, gate_taint: &str) -> AgentState {
         let node_name = node.metadata.name.as_deref().unwrap_or_default();
         let inner = self.read();
-        let pods: Vec<&AgentPod> = inner
-            .by_node
-            .get(node_name)
-            .into_iter()
-            .flatten()
-            .filter(|p| p.namespace == agent.namespace && agent.selector.matches(&p.labels))
-            .collect();
-        if let Some(since) = pods.iter().filter(|p| p.ready).map(|p| p.since).min() {
-            return AgentState::Ready { since };
-        }
-        if let Some(since) = pods.iter().map(|p| p.since).min() {
-            return AgentState::NotReady { since };
-        }
-        if let Some(ds) = &agent.daemon_set
-            && let Some(template) = inner.daemonsets.get(&(agent.namespace.clone(), ds.clone()))
-        {
-            let empty = BTreeMap::new();
-            let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
-            let taints = node
-                .spec
-                .as_ref()
-                .and_then(|s| s.taints.as_deref())
-                .unwrap_or_default();
-            if !daemonset_targets(template, node_name, labels, taints, gate_taint) {
-                return AgentState::NotTargeted;
-            }
-        }
-        AgentState::Missing
+        let daemonset = match &agent.daemon_set {
+            None => DaemonSetView::Unnamed,
+            Some(ds) => match inner.daemonsets.get(&(agent.namespace.clone(), ds.clone())) {
+                Some(template) => DaemonSetView::Template(template),
+                None => DaemonSetView::Absent,
+            },
+        };
+        agent_state(
+            agent,
+            inner.by_node.get(node_name).into_iter().flatten(),
+            daemonset,
+            node,
+            gate_taint,
+        )
     }
 
-    /// Whether the first list of every watched namespace has arrived.
+    /// Whether the agent's DaemonSet is named and absent (after its namespace was listed).
+    pub fn daemonset_absent(&self, agent: &Agent) -> bool {
+        let inner = self.read();
+        agent.daemon_set.as_ref().is_some_and(|ds| {
+            inner.daemonsets_synced.contains(&agent.namespace)
+                && !inner
+                    .daemonsets
+                    .contains_key(&(agent.namespace.clone(), ds.clone()))
+        })
+    }
+
+    /// Whether the first list of pods and of DaemonSets of every watched namespace has arrived.
     pub fn synced(&self) -> bool {
         let inner = self.read();
-        inner.watched.iter().all(|ns| inner.synced.contains(ns))
+        inner
+            .watched
+            .iter()
+            .all(|ns| inner.synced.contains(ns) && inner.daemonsets_synced.contains(ns))
     }
 
     /// Starts watching pods and DaemonSets in `namespace` unless already watched. Node names
@@ -287,6 +252,10 @@ async fn watch_daemonsets(
         .boxed();
     while let Some(event) = stream.next().await {
         let changed = match event {
+            Ok(Event::InitDone) => {
+                index.write().daemonsets_synced.insert(namespace.clone());
+                true
+            }
             Ok(Event::Apply(ds) | Event::InitApply(ds)) => {
                 let key = (
                     namespace.clone(),

@@ -30,6 +30,12 @@ pub struct Metrics {
     pub errors: Family<OperationLabels, Counter>,
     pub reconciles: Counter,
     pub leader: Gauge,
+    /// 1 once nodes, node gates, agent pods and DaemonSets have all been listed.
+    pub synced: Gauge,
+    /// 1 once every node was reconciled after the caches synced (or leadership was gained).
+    pub initial_reconcile_done: Gauge,
+    /// Re-taints the budget held back.
+    pub retaints_deferred: Counter,
     registry: Arc<Registry>,
 }
 
@@ -54,6 +60,9 @@ impl Metrics {
         let errors = Family::<OperationLabels, Counter>::default();
         let reconciles = Counter::default();
         let leader = Gauge::default();
+        let synced = Gauge::default();
+        let initial_reconcile_done = Gauge::default();
+        let retaints_deferred = Counter::default();
         let mut r = Registry::with_prefix("meshgate_controller");
         r.register("nodes", "Nodes by node gate and state", nodes.clone());
         r.register(
@@ -77,7 +86,25 @@ impl Metrics {
             "1 while this replica holds the leader lease",
             leader.clone(),
         );
+        r.register(
+            "synced",
+            "1 once nodes, node gates, agent pods and DaemonSets have all been listed (no decision before)",
+            synced.clone(),
+        );
+        r.register(
+            "initial_reconcile_done",
+            "1 once every node was reconciled after the caches synced or leadership was gained",
+            initial_reconcile_done.clone(),
+        );
+        r.register(
+            "retaints_deferred",
+            "Re-taints not written because the gate's maxRetainted budget was used up",
+            retaints_deferred.clone(),
+        );
         Self {
+            synced,
+            initial_reconcile_done,
+            retaints_deferred,
             nodes,
             ready_to_untaint,
             operations,

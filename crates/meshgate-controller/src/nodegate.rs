@@ -1,19 +1,32 @@
 //! The node gate controller.
 //!
 //! Reconciles Nodes. For each NodeGate it reads the node's agent states from the
-//! [`AgentIndex`], asks [`meshgate_core::nodegate::decide`] what the taint and resource should be,
-//! and writes the difference:
+//! [`AgentIndex`], asks [`meshgate_core::nodegate::decide_node`] what the taint and resource
+//! should be, and writes the difference:
 //! * the taint by a JSON patch that `test`s the taint list it read (a concurrent change to any
-//!   taint fails the write, and the node is reconciled again from a fresh read);
-//! * the resource by a merge patch of the `status` subresource;
+//!   taint fails the write, and the node is reconciled again from a fresh read); the ownership
+//!   annotation for keys outside meshgate's domain is written before a taint is added and after
+//!   it is removed;
+//! * the resource by a merge patch of the `status` subresource, and the gate's node condition
+//!   (`meshgate.dev/<gate>Ready`) by a strategic merge patch of it;
 //! * the first-ready time as a node annotation.
 //!
-//! Every write is preceded by a leadership check; a replica that is not the leader keeps its
-//! caches warm and writes nothing. Each NodeGate's status (counts, conditions) is refreshed
-//! every few seconds by the leader.
+//! Safety:
+//! * **No decision before sync.** Nothing is decided until Nodes, NodeGates and the agents' pods
+//!   and DaemonSets (every namespace a gate names) have all been listed; the metric
+//!   `meshgate_controller_synced` says when. A leader change or a restart starts from there.
+//! * Every write is preceded by a leadership check; a replica that is not the leader keeps its
+//!   caches warm and writes nothing.
+//! * Re-taints are limited by the gate's `maxRetainted` budget; `dryRun` gates write nothing to
+//!   nodes; gates with a reserved taint key or an unconfirmed `NoExecute` are left alone.
+//! * A gate carries a finalizer: when it is deleted its taint (where meshgate owns it and no
+//!   other gate holds the key) and its resource are removed from every node, then it goes.
+//!
+//! Each NodeGate's status (counts, conditions) is refreshed every few seconds by the leader.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -28,12 +41,17 @@ use kube::{Resource, ResourceExt};
 use meshgate_api::node_gate::NodeGateStatus;
 use meshgate_api::{NodeGate, names};
 use meshgate_core::nodegate::{
-    NodeDecision, NodeObservation, NodeState, decide, orphaned_taints, resource_patch, taint_patch,
+    AgentState, NodeDecision, NodeState, decide_node, has_taint, is_retainted, may_remove,
+    node_condition, orphaned_taints, owned_annotation_patch, resource_patch, taint_patch,
+    taints_of,
 };
 use tokio::sync::{mpsc, watch};
 
 use crate::agents::{AgentIndex, RESYNC_ALL};
 use crate::metrics::{GateStateLabels, Metrics, OperationLabels};
+
+/// The finalizer meshgate puts on every NodeGate.
+pub const FINALIZER: &str = "meshgate.dev/node-gate";
 
 /// Errors of one reconcile; the node is retried with backoff.
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +69,7 @@ pub enum Error {
 /// Controller settings.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    /// How often gate statuses are refreshed.
+    /// How often gate statuses are refreshed (and deleted gates finalized).
     pub status_interval: Duration,
     /// Reconcile every node at least this often.
     pub resync: Duration,
@@ -69,11 +87,51 @@ impl Default for Settings {
 struct Ctx {
     client: kube::Client,
     gates: Store<NodeGate>,
+    nodes: Store<Node>,
     agents: AgentIndex,
     leader: watch::Receiver<bool>,
     recorder: Recorder,
     metrics: Metrics,
     settings: Settings,
+    /// Set once every cache has its first list.
+    synced: AtomicBool,
+    /// Nodes reconciled since the last sync or leadership gain, until all were.
+    initial: Mutex<Option<HashSet<String>>>,
+}
+
+impl Ctx {
+    fn ready(&self) -> bool {
+        self.synced.load(Ordering::Acquire) && *self.leader.borrow()
+    }
+
+    /// Starts counting the nodes reconciled (after a sync or a leadership gain).
+    fn restart_initial(&self) {
+        self.metrics.initial_reconcile_done.set(0);
+        *self
+            .initial
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(HashSet::new());
+    }
+
+    fn reconciled(&self, node: &str) {
+        let mut guard = self
+            .initial
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(seen) = guard.as_mut() {
+            seen.insert(node.to_owned());
+            let all = self
+                .nodes
+                .state()
+                .iter()
+                .all(|n| seen.contains(n.metadata.name.as_deref().unwrap_or_default()));
+            if all {
+                *guard = None;
+                self.metrics.initial_reconcile_done.set(1);
+                tracing::info!("every node reconciled after the caches synced");
+            }
+        }
+    }
 }
 
 /// Runs the node gate controller until `shutdown` resolves.
@@ -110,11 +168,11 @@ pub async fn run(
                     agents.ensure_watch(&client, &a.namespace, &trigger);
                 }
                 // Every node is reconciled again when a gate's spec changes (a new generation)
-                // or the gate is gone (the reflector has removed it from the store); the gate's
-                // own status writes change neither and trigger nothing.
+                // or the gate is gone or going; the gate's own status writes trigger nothing.
                 let uid = gate.metadata.uid.clone().unwrap_or_default();
                 let generation = gate.metadata.generation.unwrap_or_default();
-                let deleted = gate_store.get(&ObjectRef::from_obj(&gate)).is_none();
+                let deleted = gate_store.get(&ObjectRef::from_obj(&gate)).is_none()
+                    || gate.metadata.deletion_timestamp.is_some();
                 let changed = seen.get(&uid) != Some(&generation);
                 if deleted {
                     seen.remove(&uid);
@@ -147,15 +205,55 @@ pub async fn run(
     .applied_objects();
     let controller = Controller::for_stream(node_stream, nodes.clone());
 
+    let ctx = Arc::new(Ctx {
+        client: client.clone(),
+        gates: gates.clone(),
+        nodes: nodes.clone(),
+        agents: agents.clone(),
+        leader: leader.clone(),
+        recorder,
+        metrics: metrics.clone(),
+        settings: settings.clone(),
+        synced: AtomicBool::new(false),
+        initial: Mutex::new(None),
+    });
+
+    // No decision before every cache has its first list: nodes, gates, then the agents' pods
+    // and DaemonSets of every namespace a gate names.
+    let sync = {
+        let ctx = ctx.clone();
+        let trigger = trigger_tx.clone();
+        let client = client.clone();
+        async move {
+            let _ = ctx.nodes.wait_until_ready().await;
+            let _ = ctx.gates.wait_until_ready().await;
+            for gate in ctx.gates.state() {
+                for a in &gate.spec.agents {
+                    ctx.agents.ensure_watch(&client, &a.namespace, &trigger);
+                }
+            }
+            while !ctx.agents.synced() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            ctx.restart_initial();
+            ctx.synced.store(true, Ordering::Release);
+            ctx.metrics.synced.set(1);
+            tracing::info!("caches synced: nodes, node gates, agent pods and DaemonSets");
+            let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
+            futures::future::pending::<()>().await;
+        }
+    };
+
     // Leadership gained: every node is reconciled again.
     let mut leader_rx = leader.clone();
     let resync_trigger = trigger_tx.clone();
-    let metrics_leader = metrics.clone();
+    let leader_ctx = ctx.clone();
     let leadership = async move {
         loop {
             let is_leader = *leader_rx.borrow_and_update();
-            metrics_leader.leader.set(i64::from(is_leader));
+            leader_ctx.metrics.leader.set(i64::from(is_leader));
             if is_leader {
+                leader_ctx.restart_initial();
                 let _ = resync_trigger.send(ObjectRef::new(RESYNC_ALL));
             }
             if leader_rx.changed().await.is_err() {
@@ -179,16 +277,7 @@ pub async fn run(
             futures::stream::iter(refs)
         });
 
-    let ctx = Arc::new(Ctx {
-        client: client.clone(),
-        gates: gates.clone(),
-        agents: agents.clone(),
-        leader,
-        recorder,
-        metrics: metrics.clone(),
-        settings: settings.clone(),
-    });
-    let status_loop = status_loop(ctx.clone(), nodes.clone());
+    let status_loop = status_loop(ctx.clone());
     let main = controller
         .reconcile_on(triggers)
         .graceful_shutdown_on(shutdown)
@@ -204,6 +293,7 @@ pub async fn run(
         _ = gate_stream => {},
         _ = leadership => {},
         _ = status_loop => {},
+        _ = sync => {},
     }
     agents.stop();
 }
@@ -230,14 +320,25 @@ pub fn slim_node(node: &mut Node) {
     });
 }
 
-fn error_policy(_node: Arc<Node>, err: &Error, ctx: Arc<Ctx>) -> Action {
+fn error_policy(_node: Arc<Node>, err: &Error, _ctx: Arc<Ctx>) -> Action {
     tracing::warn!(error = %err, "node reconcile failed; retrying");
-    let _ = &ctx;
     Action::requeue(Duration::from_millis(500))
 }
 
+/// Gates the controller acts on: not being deleted, and valid.
+fn live(gate: &NodeGate) -> bool {
+    gate.metadata.deletion_timestamp.is_none() && gate.spec.problems().is_empty()
+}
+
+fn json_patch(patch: meshgate_core::patch::JsonPatch) -> Result<json_patch::Patch, Error> {
+    serde_json::from_value(serde_json::Value::Array(patch.0))
+        .map_err(|e| Error::Patch(e.to_string()))
+}
+
 async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
-    if !*ctx.leader.borrow() {
+    if !ctx.ready() {
+        // Before sync, or not the leader: nothing is decided. Sync and leadership both
+        // trigger a reconcile of every node.
         return Ok(Action::await_change());
     }
     ctx.metrics.reconciles.inc();
@@ -245,100 +346,175 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     let name = node.name_any();
     let api = Api::<Node>::all(ctx.client.clone());
     let mut requeue = ctx.settings.resync;
-    let gates = ctx.gates.state();
+    let gates: Vec<Arc<NodeGate>> = ctx.gates.state().into_iter().filter(|g| live(g)).collect();
     for gate in &gates {
-        let gate_name = gate.name_any();
-        let (taints, decision) = decide_for(&ctx.agents, gate, &node, crate::now());
-        tracing::debug!(node = %name, gate = %gate_name, state = decision.state.as_str(), ?decision, "decided");
-        node = apply(&ctx, &api, gate, node, &taints, &decision).await?;
+        let states = agent_states(&ctx.agents, gate, &node);
+        let (taints, mut decision) = decide_node(&gate.spec, &node, &states, crate::now());
+        tracing::debug!(node = %name, gate = %gate.name_any(), state = decision.state.as_str(), ?decision, "decided");
         if let Some(after) = decision.requeue_after {
             requeue = requeue.min(Duration::from_secs(
                 u64::try_from(after.max(1)).unwrap_or(1),
             ));
         }
+        if gate.spec.dry_run {
+            dry_run_events(&ctx, gate, &node, &decision).await;
+            continue;
+        }
+        if decision.retaint && decision.taint == Some(true) && !retaint_allowed(&ctx, gate) {
+            ctx.metrics.retaints_deferred.inc();
+            event(
+                &ctx,
+                &node.object_ref(&()),
+                EventType::Warning,
+                "RetaintDeferred",
+                format!(
+                    "node gate {}: agents not ready, but {} nodes are re-tainted already (maxRetainted {}); not tainting",
+                    gate.name_any(),
+                    retainted_count(&ctx, gate),
+                    gate.spec.max_retainted
+                ),
+            )
+            .await;
+            decision.taint = None;
+            decision.resource = None;
+            requeue = requeue.min(Duration::from_secs(u64::from(
+                gate.spec.grace_period_seconds.max(1),
+            )));
+        }
+        node = apply(&ctx, &api, gate, node, &taints, &states, &decision).await?;
     }
-    // Taints of gates that no longer apply to this node.
+    // Taints of gates that no longer select this node (and that meshgate owns).
     let empty = BTreeMap::new();
     let taints = taints_of(&node);
     let orphans = orphaned_taints(
         gates.iter().map(|g| &g.spec),
         node.metadata.labels.as_ref().unwrap_or(&empty),
+        node.metadata.annotations.as_ref().unwrap_or(&empty),
         &taints,
     );
-    for key in orphans {
-        if let Some(gate) = gates.iter().find(|g| g.spec.taint.key == key)
-            && let Some(patch) = taint_patch(&gate.spec, &taints, false)
-        {
-            let patch: json_patch::Patch =
-                serde_json::from_value(serde_json::Value::Array(patch.0))
-                    .map_err(|e| Error::Patch(e.to_string()))?;
-            api.patch(&name, &PatchParams::default(), &Patch::<()>::Json(patch))
-                .await
-                .map_err(|source| Error::Write {
-                    node: name.clone(),
-                    source,
-                })?;
-            ctx.metrics
-                .operations
-                .get_or_create(&OperationLabels {
-                    operation: "untaint",
-                })
-                .inc();
-            tracing::info!(node = %name, taint = %key, "removed the taint of a gate that no longer selects the node");
-            // One write per reconcile: the next one starts from a fresh read.
-            return Ok(Action::requeue(Duration::from_millis(10)));
+    if let Some(key) = orphans.first()
+        && let Some(gate) = gates.iter().find(|g| g.spec.taint.key == *key)
+    {
+        if gate.spec.dry_run {
+            return Ok(Action::requeue(requeue));
         }
+        remove_taint(&ctx, &api, &node, gate, &taints).await?;
+        tracing::info!(node = %name, taint = %key, "removed the taint of a gate that no longer selects the node");
+        // One write per reconcile: the next one starts from a fresh read.
+        return Ok(Action::requeue(Duration::from_millis(10)));
     }
+    ctx.reconciled(&name);
     Ok(Action::requeue(requeue))
 }
 
-/// A copy of the node's taints (none when it has no spec).
-fn taints_of(node: &Node) -> Vec<k8s_openapi::api::core::v1::Taint> {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.clone())
-        .unwrap_or_default()
-}
-
-/// The node's taints and the gate's decision for the node as it is now: the one place that
-/// turns observed objects into a `NodeObservation` (reconcile and status share it).
-fn decide_for(
-    agents: &AgentIndex,
-    gate: &NodeGate,
-    node: &Node,
-    now: i64,
-) -> (Vec<k8s_openapi::api::core::v1::Taint>, NodeDecision) {
-    let spec = &gate.spec;
-    let states: Vec<_> = spec
+/// The gate's agents' states on a node.
+fn agent_states(agents: &AgentIndex, gate: &NodeGate, node: &Node) -> Vec<AgentState> {
+    gate.spec
         .agents
         .iter()
-        .map(|a| agents.state(a, node, &spec.taint.key))
-        .collect();
+        .map(|a| agents.state(a, node, &gate.spec.taint.key))
+        .collect()
+}
+
+fn gate_nodes<'n>(gate: &NodeGate, nodes: &'n [Arc<Node>]) -> impl Iterator<Item = &'n Arc<Node>> {
     let empty = BTreeMap::new();
-    let taints = taints_of(node);
-    let resource_advertised = spec.resource.as_ref().is_some_and(|r| {
-        node.status
-            .as_ref()
-            .and_then(|s| s.capacity.as_ref())
-            .is_some_and(|c| c.contains_key(&r.name))
-    });
-    let decision = decide(
-        spec,
-        &NodeObservation {
-            labels: node.metadata.labels.as_ref().unwrap_or(&empty),
-            annotations: node.metadata.annotations.as_ref().unwrap_or(&empty),
-            taints: &taints,
-            created: node
-                .metadata
-                .creation_timestamp
-                .as_ref()
-                .map_or(now, |t| t.0.as_second()),
-            agents: &states,
-            resource_advertised,
-            now,
-        },
-    );
-    (taints, decision)
+    let spec = gate.spec.clone();
+    nodes.iter().filter(move |n| {
+        spec.node_selector
+            .matches(n.metadata.labels.as_ref().unwrap_or(&empty))
+    })
+}
+
+fn retainted_count(ctx: &Ctx, gate: &NodeGate) -> usize {
+    let nodes = ctx.nodes.state();
+    let empty = BTreeMap::new();
+    gate_nodes(gate, &nodes)
+        .filter(|n| {
+            is_retainted(
+                &gate.spec,
+                n.metadata.annotations.as_ref().unwrap_or(&empty),
+                &taints_of(n),
+            )
+        })
+        .count()
+}
+
+/// Whether one more re-taint fits the gate's budget.
+fn retaint_allowed(ctx: &Ctx, gate: &NodeGate) -> bool {
+    let nodes = ctx.nodes.state();
+    let total = gate_nodes(gate, &nodes).count();
+    retainted_count(ctx, gate) < gate.spec.retaint_budget(total)
+}
+
+async fn dry_run_events(ctx: &Ctx, gate: &NodeGate, node: &Node, d: &NodeDecision) {
+    let what = match d.taint {
+        Some(true) => "would add",
+        Some(false) => "would remove",
+        None => return,
+    };
+    event(
+        ctx,
+        &node.object_ref(&()),
+        EventType::Normal,
+        "DryRun",
+        format!(
+            "node gate {} (dryRun): {what} taint {}",
+            gate.name_any(),
+            gate.spec.taint.key
+        ),
+    )
+    .await;
+}
+
+async fn remove_taint(
+    ctx: &Ctx,
+    api: &Api<Node>,
+    node: &Node,
+    gate: &NodeGate,
+    taints: &[k8s_openapi::api::core::v1::Taint],
+) -> Result<Node, Error> {
+    let name = node.name_any();
+    let empty = BTreeMap::new();
+    let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
+    let mut node = node.clone();
+    if let Some(patch) = taint_patch(&gate.spec, taints, false) {
+        node = api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::<()>::Json(json_patch(patch)?),
+            )
+            .await
+            .map_err(|source| {
+                count(ctx, true, "untaint");
+                Error::Write {
+                    node: name.clone(),
+                    source,
+                }
+            })?;
+        count(ctx, false, "untaint");
+    }
+    if let Some(p) = owned_annotation_patch(&gate.spec.taint.key, annotations, false) {
+        node = api
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .map_err(|source| Error::Write {
+                node: name.clone(),
+                source,
+            })?;
+    }
+    Ok(node)
+}
+
+fn count(ctx: &Ctx, error: bool, op: &'static str) {
+    let family = if error {
+        &ctx.metrics.errors
+    } else {
+        &ctx.metrics.operations
+    };
+    family
+        .get_or_create(&OperationLabels { operation: op })
+        .inc();
 }
 
 async fn apply(
@@ -347,6 +523,7 @@ async fn apply(
     gate: &NodeGate,
     mut node: Node,
     taints: &[k8s_openapi::api::core::v1::Taint],
+    states: &[AgentState],
     d: &NodeDecision,
 ) -> Result<Node, Error> {
     let name = node.name_any();
@@ -355,18 +532,6 @@ async fn apply(
     let write_err = |source| Error::Write {
         node: name.clone(),
         source,
-    };
-    let count = |op: &'static str| {
-        ctx.metrics
-            .operations
-            .get_or_create(&OperationLabels { operation: op })
-            .inc()
-    };
-    let count_err = |op: &'static str| {
-        ctx.metrics
-            .errors
-            .get_or_create(&OperationLabels { operation: op })
-            .inc()
     };
 
     if let Some(since) = d.mark_ready_since {
@@ -378,34 +543,51 @@ async fn apply(
             .patch(&name, &pp, &Patch::Merge(&patch))
             .await
             .map_err(|e| {
-                count_err("mark-ready");
+                count(ctx, true, "mark-ready");
                 write_err(e)
             })?;
-        count("mark-ready");
+        count(ctx, false, "mark-ready");
     }
     if let Some(want) = d.taint
-        && let Some(patch) = taint_patch(spec, taints, want)
+        && has_taint(spec, taints) != want
     {
-        let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(patch.0))
-            .map_err(|e| Error::Patch(e.to_string()))?;
-        let op = if want { "taint" } else { "untaint" };
-        node = api
-            .patch(&name, &pp, &Patch::<()>::Json(patch))
-            .await
-            .map_err(|e| {
-                count_err(op);
-                write_err(e)
-            })?;
-        count(op);
-        if !want && let Some(since) = d.ready_since {
-            let waited = (crate::now_precise() - since as f64).max(0.0);
-            ctx.metrics.ready_to_untaint.observe(waited);
+        let empty = BTreeMap::new();
+        if want {
+            // Ownership first: a taint meshgate added is always recorded as its own.
+            let annotations = node.metadata.annotations.clone().unwrap_or_default();
+            if let Some(p) = owned_annotation_patch(&spec.taint.key, &annotations, true) {
+                node = api
+                    .patch(&name, &pp, &Patch::Merge(&p))
+                    .await
+                    .map_err(write_err)?;
+            }
+            if let Some(patch) = taint_patch(spec, taints, true) {
+                node = api
+                    .patch(&name, &pp, &Patch::<()>::Json(json_patch(patch)?))
+                    .await
+                    .map_err(|e| {
+                        count(ctx, true, "taint");
+                        write_err(e)
+                    })?;
+                count(ctx, false, "taint");
+            }
+        } else if may_remove(spec, node.metadata.annotations.as_ref().unwrap_or(&empty)) {
+            node = remove_taint(ctx, api, &node, gate, taints).await?;
+            if let Some(since) = d.ready_since {
+                let waited = (crate::now_precise() - since as f64).max(0.0);
+                ctx.metrics.ready_to_untaint.observe(waited);
+            }
         }
         let (reason, note) = if want {
+            let why = if d.retaint {
+                "agents stopped being ready"
+            } else {
+                "agents not ready"
+            };
             (
                 "TaintAdded",
                 format!(
-                    "node gate {}: agents not ready; added taint {}",
+                    "node gate {}: {why}; added taint {}",
                     gate.name_any(),
                     spec.taint.key
                 ),
@@ -420,7 +602,7 @@ async fn apply(
                 ),
             )
         };
-        event(ctx, &node, reason, note).await;
+        event(ctx, &node.object_ref(&()), EventType::Normal, reason, note).await;
     }
     if let (Some(want), Some(res)) = (d.resource, &spec.resource) {
         let patch = resource_patch(&res.name, res.count, want);
@@ -429,10 +611,10 @@ async fn apply(
             .patch_status(&name, &pp, &Patch::Merge(&patch))
             .await
             .map_err(|e| {
-                count_err(op);
+                count(ctx, true, op);
                 write_err(e)
             })?;
-        count(op);
+        count(ctx, false, op);
         let (reason, note) = if want {
             (
                 "ResourceAdvertised",
@@ -449,108 +631,248 @@ async fn apply(
                 format!("node gate {}: withdrew {}", gate.name_any(), res.name),
             )
         };
-        event(ctx, &node, reason, note).await;
+        event(ctx, &node.object_ref(&()), EventType::Normal, reason, note).await;
+    }
+    if d.state != NodeState::Ignored {
+        node = publish_condition(ctx, api, gate, node, states, d).await?;
     }
     Ok(node)
 }
 
-async fn event(ctx: &Ctx, node: &Node, reason: &str, note: String) {
+/// Keeps the gate's node condition current (written only when it changes).
+async fn publish_condition(
+    ctx: &Ctx,
+    api: &Api<Node>,
+    gate: &NodeGate,
+    node: Node,
+    states: &[AgentState],
+    d: &NodeDecision,
+) -> Result<Node, Error> {
+    let (ctype, status, reason, message) = node_condition(&gate.spec, &gate.name_any(), states, d);
+    let current = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == ctype));
+    if current.is_some_and(|c| {
+        c.status == status
+            && c.reason.as_deref() == Some(reason)
+            && c.message.as_deref() == Some(message.as_str())
+    }) {
+        return Ok(node);
+    }
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let transition = current
+        .filter(|c| c.status == status)
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map_or_else(|| now.clone(), |t| t.0.to_string());
+    let patch = serde_json::json!({"status": {"conditions": [{
+        "type": ctype, "status": status, "reason": reason, "message": message,
+        "lastHeartbeatTime": now, "lastTransitionTime": transition,
+    }]}});
+    let name = node.name_any();
+    let mut updated = api
+        .patch_status(&name, &PatchParams::default(), &Patch::Strategic(&patch))
+        .await
+        .map_err(|source| {
+            count(ctx, true, "condition");
+            Error::Write {
+                node: name.clone(),
+                source,
+            }
+        })?;
+    count(ctx, false, "condition");
+    slim_node(&mut updated);
+    Ok(updated)
+}
+
+async fn event(
+    ctx: &Ctx,
+    object: &k8s_openapi::api::core::v1::ObjectReference,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
     let ev = KubeEvent {
-        type_: EventType::Normal,
+        type_,
         reason: reason.into(),
         note: Some(note),
         action: "Reconcile".into(),
         secondary: None,
     };
-    if let Err(e) = ctx.recorder.publish(&ev, &node.object_ref(&())).await {
+    if let Err(e) = ctx.recorder.publish(&ev, object).await {
         tracing::debug!(error = %e, "event not recorded");
     }
 }
 
-/// Refreshes each gate's status and the per-state node gauges.
-async fn status_loop(ctx: Arc<Ctx>, nodes: Store<Node>) {
+/// A deleted gate: its taints (owned, not held by another live gate with the same key) and its
+/// resource come off every node; then its finalizer goes. Any failure leaves the finalizer for
+/// the next round.
+async fn finalize(ctx: &Ctx, gate: &NodeGate) -> Result<(), Error> {
+    let api = Api::<Node>::all(ctx.client.clone());
+    let others: Vec<Arc<NodeGate>> = ctx
+        .gates
+        .state()
+        .into_iter()
+        .filter(|g| live(g) && g.metadata.uid != gate.metadata.uid)
+        .collect();
+    let empty = BTreeMap::new();
+    for node in ctx.nodes.state() {
+        let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
+        let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
+        let taints = taints_of(&node);
+        let shared = |f: &dyn Fn(&NodeGate) -> bool| {
+            others
+                .iter()
+                .any(|g| g.spec.node_selector.matches(labels) && f(g))
+        };
+        let mut current = (*node).clone();
+        if has_taint(&gate.spec, &taints)
+            && meshgate_core::nodegate::owns_key(&gate.spec.taint.key, annotations)
+            && !shared(&|g| g.spec.taint.key == gate.spec.taint.key)
+        {
+            current = remove_taint(ctx, &api, &current, gate, &taints).await?;
+            event(
+                ctx,
+                &current.object_ref(&()),
+                EventType::Normal,
+                "TaintRemoved",
+                format!(
+                    "node gate {} deleted; removed taint {}",
+                    gate.name_any(),
+                    gate.spec.taint.key
+                ),
+            )
+            .await;
+        }
+        if let Some(res) = &gate.spec.resource {
+            let advertised = node
+                .status
+                .as_ref()
+                .and_then(|s| s.capacity.as_ref())
+                .is_some_and(|c| c.contains_key(&res.name));
+            if advertised
+                && !shared(&|g| g.spec.resource.as_ref().is_some_and(|r| r.name == res.name))
+            {
+                api.patch_status(
+                    &current.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(&resource_patch(&res.name, res.count, false)),
+                )
+                .await
+                .map_err(|source| Error::Write {
+                    node: current.name_any(),
+                    source,
+                })?;
+                count(ctx, false, "withdraw");
+            }
+        }
+    }
+    let finalizers: Vec<String> = gate
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .cloned()
+        .collect();
+    let patch = serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": gate.resource_version()}});
+    Api::<NodeGate>::all(ctx.client.clone())
+        .patch(
+            &gate.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+        .map_err(|source| Error::Write {
+            node: format!("(gate {})", gate.name_any()),
+            source,
+        })?;
+    tracing::info!(gate = %gate.name_any(), "node gate deleted: its taints and resource are off every node");
+    Ok(())
+}
+
+async fn ensure_finalizer(ctx: &Ctx, gate: &NodeGate) {
+    if gate.finalizers().iter().any(|f| f == FINALIZER) {
+        return;
+    }
+    let mut finalizers = gate.finalizers().to_vec();
+    finalizers.push(FINALIZER.to_owned());
+    let patch = serde_json::json!({"metadata": {"finalizers": finalizers, "resourceVersion": gate.resource_version()}});
+    if let Err(e) = Api::<NodeGate>::all(ctx.client.clone())
+        .patch(
+            &gate.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        tracing::debug!(gate = %gate.name_any(), error = %e, "finalizer not added yet");
+    }
+}
+
+/// Refreshes each gate's status and the per-state node gauges; adds finalizers and finalizes
+/// deleted gates.
+async fn status_loop(ctx: Arc<Ctx>) {
     let mut tick = tokio::time::interval(ctx.settings.status_interval);
     let mut seen_states: HashSet<GateStateLabels> = HashSet::new();
     loop {
         tick.tick().await;
-        if !*ctx.leader.borrow() {
+        if !ctx.ready() {
             continue;
         }
-        let all_nodes = nodes.state();
+        let all_nodes = ctx.nodes.state();
         for gate in ctx.gates.state() {
+            if gate.metadata.deletion_timestamp.is_some() {
+                if gate.finalizers().iter().any(|f| f == FINALIZER)
+                    && let Err(e) = finalize(&ctx, &gate).await
+                {
+                    tracing::warn!(gate = %gate.name_any(), error = %e, "finalizing the gate failed; retrying");
+                }
+                continue;
+            }
+            ensure_finalizer(&ctx, &gate).await;
             let gate_name = gate.name_any();
-            let mut status = NodeGateStatus {
-                observed_generation: gate.metadata.generation.unwrap_or_default(),
-                ..NodeGateStatus::default()
-            };
-            let mut by_state: BTreeMap<NodeState, i64> = BTreeMap::new();
-            let now = crate::now();
-            for node in &all_nodes {
-                let empty = BTreeMap::new();
-                let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
-                if !gate.spec.node_selector.matches(labels) {
-                    continue;
-                }
-                status.nodes += 1;
-                let (taints, d) = decide_for(&ctx.agents, &gate, node, now);
-                if meshgate_core::nodegate::has_taint(&gate.spec, &taints) {
-                    status.held_nodes += 1;
-                }
-                if matches!(
-                    d.state,
-                    NodeState::Ready | NodeState::Released | NodeState::Releasing
-                ) {
-                    status.ready_nodes += 1;
-                }
-                *by_state.entry(d.state).or_default() += 1;
-            }
-            for labels in &seen_states {
-                if labels.gate == gate_name {
-                    ctx.metrics.nodes.get_or_create(labels).set(0);
-                }
-            }
-            for (state, n) in by_state {
-                let labels = GateStateLabels {
-                    gate: gate_name.clone(),
-                    state: state.as_str(),
-                };
-                ctx.metrics.nodes.get_or_create(&labels).set(n);
-                seen_states.insert(labels);
-            }
-            let message = format!(
-                "{} of {} nodes ready, {} held by taint {}",
-                status.ready_nodes, status.nodes, status.held_nodes, gate.spec.taint.key
-            );
+            let status = gate_status(&ctx, &gate, &all_nodes, &mut seen_states);
             let old = gate.status.clone().unwrap_or_default();
-            let previous = old.conditions.iter().find(|c| c.type_ == "Ready");
-            let condition_status = if status.ready_nodes == status.nodes {
-                "True"
-            } else {
-                "False"
+            let degraded_now = status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Degraded" && c.status == "True");
+            let degraded_before = old
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Degraded" && c.status == "True");
+            if degraded_now
+                && !degraded_before
+                && let Some(c) = status.conditions.iter().find(|c| c.type_ == "Degraded")
+            {
+                event(
+                    &ctx,
+                    &gate.object_ref(&()),
+                    EventType::Warning,
+                    "Degraded",
+                    c.message.clone(),
+                )
+                .await;
+            }
+            let same = |a: &NodeGateStatus, b: &NodeGateStatus| {
+                let key = |s: &NodeGateStatus| {
+                    (
+                        s.nodes,
+                        s.ready_nodes,
+                        s.held_nodes,
+                        s.would_taint,
+                        s.would_untaint,
+                        s.retaint_deferred,
+                        s.observed_generation,
+                        s.conditions
+                            .iter()
+                            .map(|c| (c.type_.clone(), c.status.clone(), c.message.clone()))
+                            .collect::<Vec<_>>(),
+                    )
+                };
+                key(a) == key(b)
             };
-            let transition = previous
-                .filter(|c| c.status == condition_status)
-                .map(|c| c.last_transition_time.clone())
-                .unwrap_or_else(|| Time(k8s_openapi::jiff::Timestamp::now()));
-            status.conditions = vec![Condition {
-                type_: "Ready".into(),
-                status: condition_status.into(),
-                reason: if condition_status == "True" {
-                    "AllNodesReady".into()
-                } else {
-                    "NodesWaiting".into()
-                },
-                message,
-                observed_generation: gate.metadata.generation,
-                last_transition_time: transition,
-            }];
-            let unchanged = old.nodes == status.nodes
-                && old.ready_nodes == status.ready_nodes
-                && old.held_nodes == status.held_nodes
-                && old.observed_generation == status.observed_generation
-                && old.conditions.first().map(|c| (&c.status, &c.message))
-                    == status.conditions.first().map(|c| (&c.status, &c.message));
-            if unchanged {
+            if same(&old, &status) {
                 continue;
             }
             let patch = serde_json::json!({"status": status});
@@ -562,6 +884,205 @@ async fn status_loop(ctx: Arc<Ctx>, nodes: Store<Node>) {
             }
         }
     }
+}
+
+fn condition(
+    old: &NodeGateStatus,
+    type_: &str,
+    status: bool,
+    reason: &str,
+    message: String,
+    generation: Option<i64>,
+) -> Condition {
+    let status = if status { "True" } else { "False" };
+    let transition = old
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map(|c| c.last_transition_time.clone())
+        .unwrap_or_else(|| Time(k8s_openapi::jiff::Timestamp::now()));
+    Condition {
+        type_: type_.into(),
+        status: status.into(),
+        reason: reason.into(),
+        message,
+        observed_generation: generation,
+        last_transition_time: transition,
+    }
+}
+
+/// A gate's status from the nodes it selects, and the per-state gauges.
+fn gate_status(
+    ctx: &Ctx,
+    gate: &NodeGate,
+    all_nodes: &[Arc<Node>],
+    seen_states: &mut HashSet<GateStateLabels>,
+) -> NodeGateStatus {
+    let gate_name = gate.name_any();
+    let old = gate.status.clone().unwrap_or_default();
+    let generation = gate.metadata.generation;
+    let mut status = NodeGateStatus {
+        observed_generation: generation.unwrap_or_default(),
+        ..NodeGateStatus::default()
+    };
+    let problems = gate.spec.problems();
+    if !problems.is_empty() {
+        status.conditions = vec![condition(
+            &old,
+            "Invalid",
+            true,
+            "InvalidSpec",
+            problems.join("; "),
+            generation,
+        )];
+        return status;
+    }
+    let mut by_state: BTreeMap<NodeState, i64> = BTreeMap::new();
+    let mut given_up: BTreeMap<usize, u32> = BTreeMap::new();
+    let now = crate::now();
+    let mut retainted = 0usize;
+    let mut want_retaint = 0u32;
+    for node in gate_nodes(gate, all_nodes) {
+        status.nodes += 1;
+        let states = agent_states(&ctx.agents, gate, node);
+        let (taints, d) = decide_node(&gate.spec, node, &states, now);
+        let tainted = has_taint(&gate.spec, &taints);
+        if tainted {
+            status.held_nodes += 1;
+        }
+        let empty = BTreeMap::new();
+        if is_retainted(
+            &gate.spec,
+            node.metadata.annotations.as_ref().unwrap_or(&empty),
+            &taints,
+        ) {
+            retainted += 1;
+        }
+        if d.retaint && d.taint == Some(true) {
+            want_retaint += 1;
+        }
+        if gate.spec.dry_run {
+            match d.taint {
+                Some(true) => status.would_taint += 1,
+                Some(false) => status.would_untaint += 1,
+                None => {}
+            }
+        }
+        if matches!(
+            d.state,
+            NodeState::Ready | NodeState::Released | NodeState::Releasing
+        ) {
+            status.ready_nodes += 1;
+        }
+        for i in &d.given_up {
+            *given_up.entry(*i).or_default() += 1;
+        }
+        *by_state.entry(d.state).or_default() += 1;
+    }
+    if !gate.spec.dry_run {
+        let budget = gate.spec.retaint_budget(status.nodes as usize);
+        status.retaint_deferred = want_retaint.min(
+            u32::try_from((retainted + want_retaint as usize).saturating_sub(budget))
+                .unwrap_or(u32::MAX),
+        );
+    }
+    for labels in seen_states.iter() {
+        if labels.gate == gate_name {
+            ctx.metrics.nodes.get_or_create(labels).set(0);
+        }
+    }
+    for (state, n) in by_state {
+        let labels = GateStateLabels {
+            gate: gate_name.clone(),
+            state: state.as_str(),
+        };
+        ctx.metrics.nodes.get_or_create(&labels).set(n);
+        seen_states.insert(labels);
+    }
+    let mut conditions = Vec::new();
+    let all_ready = status.ready_nodes == status.nodes;
+    conditions.push(condition(
+        &old,
+        "Ready",
+        all_ready,
+        if all_ready {
+            "AllNodesReady"
+        } else {
+            "NodesWaiting"
+        },
+        format!(
+            "{} of {} nodes ready, {} held by taint {}",
+            status.ready_nodes, status.nodes, status.held_nodes, gate.spec.taint.key
+        ),
+        generation,
+    ));
+    // Degraded: an agent's DaemonSet is missing, or agents missing past the timeout.
+    let mut why = Vec::new();
+    for (i, a) in gate.spec.agents.iter().enumerate() {
+        if ctx.agents.daemonset_absent(a) {
+            why.push(format!(
+                "agent {}: DaemonSet {}/{} does not exist",
+                a.name,
+                a.namespace,
+                a.daemon_set.as_deref().unwrap_or_default()
+            ));
+        }
+        if let Some(n) = given_up.get(&i) {
+            let action = match gate.spec.on_missing_agent {
+                meshgate_api::node_gate::MissingAgentPolicy::Release => "released",
+                meshgate_api::node_gate::MissingAgentPolicy::Wait => "still held",
+            };
+            why.push(format!(
+                "agent {}: no pod on {n} nodes after {}s ({action})",
+                a.name, gate.spec.missing_agent_timeout_seconds
+            ));
+        }
+    }
+    let degraded = !why.is_empty();
+    conditions.push(condition(
+        &old,
+        "Degraded",
+        degraded,
+        if degraded {
+            "AgentsMissing"
+        } else {
+            "AgentsPresent"
+        },
+        if degraded {
+            why.join("; ")
+        } else {
+            "every agent's DaemonSet exists and has pods".into()
+        },
+        generation,
+    ));
+    if status.retaint_deferred > 0 {
+        conditions.push(condition(
+            &old,
+            "RetaintBudgetExhausted",
+            true,
+            "MaxRetainted",
+            format!(
+                "{} nodes re-tainted (maxRetainted {}); {} more would be: not tainted, reported",
+                retainted, gate.spec.max_retainted, status.retaint_deferred
+            ),
+            generation,
+        ));
+    }
+    if gate.spec.dry_run {
+        conditions.push(condition(
+            &old,
+            "DryRun",
+            true,
+            "DryRun",
+            format!(
+                "writes nothing to nodes; would taint {} and release {} now",
+                status.would_taint, status.would_untaint
+            ),
+            generation,
+        ));
+    }
+    status.conditions = conditions;
+    status
 }
 
 #[cfg(test)]

@@ -446,21 +446,25 @@ impl DesiredGate {
 /// gone.
 fn place_gate(spec: &PodSpecView<'_>, desired: Option<&DesiredGate>) -> JsonPatch {
     let mut patch = JsonPatch::default();
-    let existing = spec
+    let existing: Vec<(usize, &ContainerView<'_>)> = spec
         .inits()
-        .find(|(_, c)| c.name() == Some(names::GATE_CONTAINER));
-    match (desired, existing) {
-        (None, None) => {}
-        (None, Some((i, _))) => patch.remove(format!("/spec/initContainers/{i}")),
-        (Some(d), Some((0, c))) if d.matches(c) => {}
-        (Some(d), Some((i, _))) => {
-            patch.remove(format!("/spec/initContainers/{i}"));
-            patch.add("/spec/initContainers/0", d.to_json());
-        }
-        (Some(d), None) if spec.init_containers.get().is_none() => {
+        .filter(|(_, c)| c.name() == Some(names::GATE_CONTAINER))
+        .collect();
+    match (desired, existing.as_slice()) {
+        (None, []) => {}
+        (Some(d), [(0, c)]) if d.matches(c) => {}
+        (Some(d), []) if spec.init_containers.get().is_none() => {
             patch.add("/spec/initContainers", Value::Array(vec![d.to_json()]));
         }
-        (Some(d), None) => patch.add("/spec/initContainers/0", d.to_json()),
+        (desired, existing) => {
+            // From the end, so that earlier indices stay valid.
+            for (i, _) in existing.iter().rev() {
+                patch.remove(format!("/spec/initContainers/{i}"));
+            }
+            if let Some(d) = desired {
+                patch.add("/spec/initContainers/0", d.to_json());
+            }
+        }
     }
     patch
 }

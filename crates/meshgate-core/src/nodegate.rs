@@ -24,6 +24,18 @@
 //! * Only the taint with the gate's key is ever added or removed; the patch carries a `test` of
 //!   the whole taint list it read, so a concurrent change to any taint makes the write fail and the
 //!   controller re-reads instead of overwriting.
+//! * **Ownership:** meshgate removes only taints it owns: keys in its own domain
+//!   (`*.meshgate.dev/`), keys it recorded on the node when it added them (annotation
+//!   `meshgate.dev/owned-taints`), and the key of a gate without `taintOnCreate` (its taint comes
+//!   from elsewhere — kubelet flags, node pool or Karpenter startup taints — and the gate is the
+//!   one that lifts it). Gate keys of Kubernetes, the kubelet, providers and autoscalers are
+//!   refused ([`meshgate_api::node_gate::reserved_taint_key`]).
+//! * **Missing agents:** an agent without a pod on the node (or whose DaemonSet does not exist)
+//!   holds the node at most `missingAgentTimeoutSeconds` after the node's creation; then, with
+//!   `onMissingAgent: Release`, it no longer counts (the gate reports itself `Degraded`).
+//! * **Re-taint budget:** a re-taint (Continuous mode, a node released before) is marked
+//!   [`NodeDecision::retaint`]; the controller applies it only within the gate's
+//!   `maxRetainted` budget.
 
 use std::collections::BTreeMap;
 
@@ -59,6 +71,191 @@ pub struct NodeObservation<'a> {
     /// Whether `status.capacity` carries the gate resource.
     pub resource_advertised: bool,
     pub now: i64,
+}
+
+/// What the gate needs of one agent pod (a summary: the controller keeps these, not pods).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentPod {
+    pub namespace: String,
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    /// Ready, and not being deleted.
+    pub ready: bool,
+    /// When the Ready condition last changed (else the pod's creation), Unix seconds.
+    pub since: i64,
+}
+
+impl AgentPod {
+    /// The pod's node and summary; `None` for a pod not bound to a node.
+    pub fn of(pod: &k8s_openapi::api::core::v1::Pod) -> Option<(String, AgentPod)> {
+        let node = pod.spec.as_ref()?.node_name.clone()?;
+        let ready_cond = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+        let created = pod
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .map_or(0, |t| t.0.as_second());
+        // A pod being deleted is not counted as Ready.
+        let ready = pod.metadata.deletion_timestamp.is_none()
+            && ready_cond.is_some_and(|c| c.status == "True");
+        let since = ready_cond
+            .and_then(|c| c.last_transition_time.as_ref())
+            .map_or(created, |t| t.0.as_second());
+        Some((
+            node,
+            AgentPod {
+                namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+                name: pod.metadata.name.clone().unwrap_or_default(),
+                labels: pod.metadata.labels.clone().unwrap_or_default(),
+                ready,
+                since,
+            },
+        ))
+    }
+}
+
+/// What is known of an agent's DaemonSet.
+#[derive(Clone, Copy, Debug)]
+pub enum DaemonSetView<'a> {
+    /// The agent names no DaemonSet.
+    Unnamed,
+    /// The named DaemonSet does not exist.
+    Absent,
+    /// The DaemonSet's pod template.
+    Template(&'a PodTemplateSpec),
+}
+
+/// An agent's state on a node, from the agent pods on that node and its DaemonSet: Ready if
+/// any of its pods is Ready (since the earliest), NotReady if it has pods but none Ready, else
+/// NotTargeted if its DaemonSet would never run there, else Missing.
+pub fn agent_state<'p>(
+    agent: &meshgate_api::node_gate::Agent,
+    pods_on_node: impl IntoIterator<Item = &'p AgentPod>,
+    daemonset: DaemonSetView<'_>,
+    node: &k8s_openapi::api::core::v1::Node,
+    gate_taint: &str,
+) -> AgentState {
+    let pods: Vec<&AgentPod> = pods_on_node
+        .into_iter()
+        .filter(|p| p.namespace == agent.namespace && agent.selector.matches(&p.labels))
+        .collect();
+    if let Some(since) = pods.iter().filter(|p| p.ready).map(|p| p.since).min() {
+        return AgentState::Ready { since };
+    }
+    if let Some(since) = pods.iter().map(|p| p.since).min() {
+        return AgentState::NotReady { since };
+    }
+    if let DaemonSetView::Template(template) = daemonset {
+        let empty = BTreeMap::new();
+        let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
+        let taints = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.as_deref())
+            .unwrap_or_default();
+        let name = node.metadata.name.as_deref().unwrap_or_default();
+        if !daemonset_targets(template, name, labels, taints, gate_taint) {
+            return AgentState::NotTargeted;
+        }
+    }
+    AgentState::Missing
+}
+
+/// A copy of the node's taints (none when it has no spec).
+pub fn taints_of(node: &k8s_openapi::api::core::v1::Node) -> Vec<Taint> {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default()
+}
+
+/// The gate's decision for a node as it is now, from the node and its agents' states: the one
+/// place that turns a Node into a [`NodeObservation`] (the controller's reconcile and status,
+/// and `meshgate status`, all call it). Returns the node's taints too.
+pub fn decide_node(
+    spec: &NodeGateSpec,
+    node: &k8s_openapi::api::core::v1::Node,
+    agents: &[AgentState],
+    now: i64,
+) -> (Vec<Taint>, NodeDecision) {
+    let empty = BTreeMap::new();
+    let taints = taints_of(node);
+    let resource_advertised = spec.resource.as_ref().is_some_and(|r| {
+        node.status
+            .as_ref()
+            .and_then(|s| s.capacity.as_ref())
+            .is_some_and(|c| c.contains_key(&r.name))
+    });
+    let decision = decide(
+        spec,
+        &NodeObservation {
+            labels: node.metadata.labels.as_ref().unwrap_or(&empty),
+            annotations: node.metadata.annotations.as_ref().unwrap_or(&empty),
+            taints: &taints,
+            created: node
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map_or(now, |t| t.0.as_second()),
+            agents,
+            resource_advertised,
+            now,
+        },
+    );
+    (taints, decision)
+}
+
+/// The node condition a gate publishes (`meshgate.dev/<gate>Ready`): status, reason, message
+/// naming the agents that are not ready.
+pub fn node_condition(
+    spec: &NodeGateSpec,
+    gate: &str,
+    agents: &[AgentState],
+    d: &NodeDecision,
+) -> (String, &'static str, &'static str, String) {
+    let unready: Vec<String> = spec
+        .agents
+        .iter()
+        .zip(agents)
+        .enumerate()
+        .filter(|(i, (_, s))| {
+            matches!(s, AgentState::NotReady { .. } | AgentState::Missing)
+                && !d.given_up.contains(i)
+        })
+        .map(|(_, (a, s))| {
+            let what = if *s == AgentState::Missing {
+                "missing"
+            } else {
+                "not ready"
+            };
+            format!(
+                "{} ({}/{}): {what}",
+                a.name,
+                a.namespace,
+                a.daemon_set.as_deref().unwrap_or("-")
+            )
+        })
+        .collect();
+    let ctype = format!("{}/{gate}Ready", meshgate_api::DOMAIN);
+    if unready.is_empty() {
+        let message = if d.given_up.is_empty() {
+            format!("node gate {gate}: every agent is Ready")
+        } else {
+            format!("node gate {gate}: agents Ready; missing agents no longer waited for")
+        };
+        (ctype, "True", "AgentsReady", message)
+    } else {
+        (
+            ctype,
+            "False",
+            "AgentsNotReady",
+            format!("node gate {gate}: {}", unready.join(", ")),
+        )
+    }
 }
 
 /// The node's state in the gate's terms.
@@ -105,6 +302,58 @@ pub struct NodeDecision {
     pub requeue_after: Option<i64>,
     /// When the agents became ready (for the ready-to-untaint histogram).
     pub ready_since: Option<i64>,
+    /// The taint is put back on a node released before (Continuous mode): subject to the
+    /// gate's re-taint budget.
+    pub retaint: bool,
+    /// Agents that no longer hold the node: missing past `missingAgentTimeoutSeconds`.
+    pub given_up: Vec<usize>,
+    /// The taint should go but meshgate does not own it: it is left alone.
+    pub not_owned: bool,
+}
+
+/// Node annotation listing the taint keys meshgate added (comma-separated), outside its own
+/// domain.
+pub const OWNED_TAINTS: &str = "meshgate.dev/owned-taints";
+
+fn in_own_domain(key: &str) -> bool {
+    key.split_once('/').is_some_and(|(domain, _)| {
+        domain == meshgate_api::DOMAIN || domain.ends_with(&format!(".{}", meshgate_api::DOMAIN))
+    })
+}
+
+/// Keys recorded in the node's ownership annotation.
+pub fn recorded_owned(annotations: &BTreeMap<String, String>) -> Vec<&str> {
+    annotations
+        .get(OWNED_TAINTS)
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether meshgate may remove the taint `key` from a node with these annotations (see the
+/// module docs): its own domain, or recorded when it was added.
+pub fn owns_key(key: &str, annotations: &BTreeMap<String, String>) -> bool {
+    in_own_domain(key) || recorded_owned(annotations).contains(&key)
+}
+
+/// Whether the gate may remove its taint from the node: it owns the key, or the gate lifts a
+/// taint that others put on (no `taintOnCreate`).
+pub fn may_remove(spec: &NodeGateSpec, annotations: &BTreeMap<String, String>) -> bool {
+    !spec.taint_on_create || owns_key(&spec.taint.key, annotations)
+}
+
+/// Whether the node carries the gate's taint as a re-taint: released once (bootstrap mark)
+/// and tainted again.
+pub fn is_retainted(
+    spec: &NodeGateSpec,
+    annotations: &BTreeMap<String, String>,
+    taints: &[Taint],
+) -> bool {
+    annotations.contains_key(meshgate_api::names::NODE_READY_SINCE) && has_taint(spec, taints)
 }
 
 /// Whether the gate selects the node.
@@ -119,6 +368,15 @@ pub fn has_taint(spec: &NodeGateSpec, taints: &[Taint]) -> bool {
 
 /// Decides the node's taint and resource.
 pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
+    let mut d = decide_taint(spec, node);
+    if d.taint == Some(false) && !may_remove(spec, node.annotations) {
+        d.taint = None;
+        d.not_owned = true;
+    }
+    d
+}
+
+fn decide_taint(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
     let tainted = has_taint(spec, node.taints);
     let mut d = NodeDecision {
         state: NodeState::Ignored,
@@ -127,6 +385,9 @@ pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
         mark_ready_since: None,
         requeue_after: None,
         ready_since: None,
+        retaint: false,
+        given_up: Vec::new(),
+        not_owned: false,
     };
     let has_resource = spec.resource.is_some();
     if !selects(spec, node.labels) {
@@ -157,7 +418,15 @@ pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
 
     let mut ready_since: Option<i64> = None;
     let mut unready_since: Option<i64> = None;
-    for a in node.agents {
+    let timeout = i64::from(spec.missing_agent_timeout_seconds);
+    let missing_expired = node.now >= node.created + timeout;
+    for (i, a) in node.agents.iter().enumerate() {
+        if *a == AgentState::Missing && missing_expired {
+            d.given_up.push(i);
+            if spec.on_missing_agent == meshgate_api::node_gate::MissingAgentPolicy::Release {
+                continue;
+            }
+        }
         match a {
             AgentState::Ready { since } => {
                 ready_since = Some(ready_since.map_or(*since, |r| r.max(*since)))
@@ -192,6 +461,12 @@ pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
         }
         Some(since) => {
             d.state = NodeState::Waiting;
+            if !missing_expired
+                && node.agents.contains(&AgentState::Missing)
+                && spec.on_missing_agent == meshgate_api::node_gate::MissingAgentPolicy::Release
+            {
+                d.requeue_after = Some(node.created + timeout - node.now);
+            }
             let never_ready = !bootstrapped;
             match spec.mode {
                 GateMode::Bootstrap => {
@@ -209,6 +484,7 @@ pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
                         d.requeue_after = Some(due - node.now);
                     } else {
                         d.taint = Some(true);
+                        d.retaint = true;
                         d.resource = (has_resource && node.resource_advertised).then_some(false);
                     }
                 }
@@ -218,12 +494,14 @@ pub fn decide(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision {
     d
 }
 
-/// Gate taint keys on the node that no gate selecting the node owns (its gate was deleted or no
-/// longer selects it): the controller removes them, so a node is never held by a rule that does
-/// not apply to it. Keys of no known gate are foreign and never touched.
+/// Gate taint keys on the node that no gate selecting the node holds (it no longer selects the
+/// node) and that meshgate owns: the controller removes them, so a node is never held by a rule
+/// that does not apply to it. Keys of no known gate, and keys meshgate does not own, are never
+/// touched. (A deleted gate's taints are removed by its finalizer.)
 pub fn orphaned_taints<'s>(
     gates: impl IntoIterator<Item = &'s NodeGateSpec> + Clone,
     labels: &BTreeMap<String, String>,
+    annotations: &BTreeMap<String, String>,
     taints: &[Taint],
 ) -> Vec<String> {
     let held: Vec<&str> = gates
@@ -236,6 +514,7 @@ pub fn orphaned_taints<'s>(
         .into_iter()
         .map(|g| g.taint.key.as_str())
         .filter(|k| !held.contains(k) && taints.iter().any(|t| t.key == *k))
+        .filter(|k| owns_key(k, annotations))
         .map(str::to_owned)
         .collect();
     out.sort();
@@ -254,13 +533,14 @@ pub fn taint_patch(
     if present == want_present {
         return None;
     }
+    let key = spec.taint.key.as_str();
     let mut desired: Vec<Value> = current
         .iter()
-        .filter(|t| t.key != spec.taint.key)
+        .filter(|t| t.key != key)
         .map(|t| serde_json::to_value(t).unwrap_or(Value::Null))
         .collect();
     if want_present {
-        desired.push(json!({"key": spec.taint.key, "effect": spec.taint.effect.as_str()}));
+        desired.push(json!({"key": key, "effect": spec.taint.effect.as_str()}));
     }
     let mut ops = Vec::new();
     if current.is_empty() {
@@ -275,6 +555,34 @@ pub fn taint_patch(
         ops.push(json!({"op": "replace", "path": "/spec/taints", "value": desired}));
     }
     Some(JsonPatch(ops))
+}
+
+/// The merge patch of the node's ownership annotation after the gate's key is added
+/// (`added`) or removed; `None` when it does not change (keys in meshgate's own domain are
+/// never recorded). Written before a taint is added and after it is removed, so a recorded key
+/// is never missing for a taint meshgate added.
+pub fn owned_annotation_patch(
+    key: &str,
+    annotations: &BTreeMap<String, String>,
+    added: bool,
+) -> Option<Value> {
+    if in_own_domain(key) {
+        return None;
+    }
+    let mut owned = recorded_owned(annotations);
+    if owned.contains(&key) == added {
+        return None;
+    }
+    owned.retain(|k| *k != key);
+    if added {
+        owned.push(key);
+    }
+    let value = if owned.is_empty() {
+        Value::Null
+    } else {
+        json!(owned.join(","))
+    };
+    Some(json!({"metadata": {"annotations": {OWNED_TAINTS: value}}}))
 }
 
 /// The merge patch for the Node `status` subresource that advertises (`count` units) or
@@ -422,6 +730,7 @@ mod tests {
                 name: "meshgate.dev/mesh-ready".into(),
                 count: 100,
             }),
+            ..NodeGateSpec::default()
         }
     }
 
@@ -591,9 +900,9 @@ mod tests {
         // Another gate with the same key selects the node: the taint is its, not an orphan.
         let mut other = s.clone();
         other.node_selector = LabelSelector::default();
-        assert!(orphaned_taints([&s, &other], &f.labels, &f.taints).is_empty());
+        assert!(orphaned_taints([&s, &other], &f.labels, &f.annotations, &f.taints).is_empty());
         assert_eq!(
-            orphaned_taints([&s], &f.labels, &f.taints),
+            orphaned_taints([&s], &f.labels, &f.annotations, &f.taints),
             [meshgate_api::names::DEFAULT_TAINT_KEY]
         );
         let p = taint_patch(&s, &f.taints, false).unwrap();
@@ -723,6 +1032,8 @@ pub fn taints_on_create<'s>(
     for gate in gates {
         let key = gate.taint.key.as_str();
         if gate.taint_on_create
+            && !gate.dry_run
+            && gate.problems().is_empty()
             && selects(gate, &labels)
             && !existing.contains(&key)
             && !new.iter().any(|t| t["key"] == key)
@@ -747,7 +1058,57 @@ pub fn taints_on_create<'s>(
     } else {
         patch.add("/spec", json!({"taints": new}));
     }
+    // Keys outside meshgate's domain are recorded as meshgate's (see the module docs).
+    let meta = crate::select::Meta::of(node);
+    let added = new_keys(&patch);
+    let mut owned: Vec<&str> = recorded_owned(&meta.annotations);
+    let before = owned.len();
+    for t in &added {
+        if !in_own_domain(t) && !owned.contains(&t.as_str()) {
+            owned.push(t);
+        }
+    }
+    if owned.len() != before {
+        let value = owned.join(",");
+        if node
+            .pointer("/metadata/annotations")
+            .is_some_and(Value::is_object)
+        {
+            patch.add(
+                format!(
+                    "/metadata/annotations/{}",
+                    crate::patch::escape(OWNED_TAINTS)
+                ),
+                json!(value),
+            );
+        } else if node.get("metadata").is_some_and(Value::is_object) {
+            patch.add("/metadata/annotations", json!({OWNED_TAINTS: value}));
+        }
+    }
     patch
+}
+
+/// The taint keys a patch of [`taints_on_create`] adds.
+fn new_keys(patch: &JsonPatch) -> Vec<String> {
+    let mut out = Vec::new();
+    for op in &patch.0 {
+        let v = &op["value"];
+        let taints: Vec<&Value> = match v {
+            Value::Array(a) => a.iter().collect(),
+            Value::Object(o) if o.contains_key("taints") => v["taints"]
+                .as_array()
+                .map(|a| a.iter().collect())
+                .unwrap_or_default(),
+            Value::Object(_) => vec![v],
+            _ => Vec::new(),
+        };
+        out.extend(
+            taints
+                .iter()
+                .filter_map(|t| t["key"].as_str().map(str::to_owned)),
+        );
+    }
+    out
 }
 
 #[cfg(test)]
@@ -774,6 +1135,7 @@ mod create_tests {
             removal_delay_seconds: 0,
             taint_on_create: true,
             resource: None,
+            ..NodeGateSpec::default()
         }
     }
 

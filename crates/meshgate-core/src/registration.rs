@@ -185,11 +185,35 @@ pub fn node_taint_policy(gate_name: &str, gate: &NodeGateSpec, api: PolicyApi) -
     let key = cel_string(&gate.taint.key);
     let effect = cel_string(gate.taint.effect.as_str());
     let taint = format!("Object.spec.taints{{key: {key}, effect: {effect}}}");
-    let expression = format!(
-        "!has(object.spec.taints) ? \
+    let add_taint = format!(
+        "(!has(object.spec.taints) ? \
 [JSONPatch{{op: \"add\", path: \"/spec/taints\", value: [{taint}]}}] : \
-(object.spec.taints.exists(t, t.key == {key}) ? [] : \
 [JSONPatch{{op: \"add\", path: \"/spec/taints/-\", value: {taint}}}])"
+    );
+    // A key outside meshgate's domain is recorded as meshgate's when it is added (the
+    // controller only removes keys it owns).
+    let own_domain = gate.taint.key.split_once('/').is_some_and(|(d, _)| {
+        d == meshgate_api::DOMAIN || d.ends_with(&format!(".{}", meshgate_api::DOMAIN))
+    });
+    let record = if own_domain {
+        String::new()
+    } else {
+        let ann = cel_string(crate::nodegate::OWNED_TAINTS);
+        let path = cel_string(&format!(
+            "/metadata/annotations/{}",
+            crate::patch::escape(crate::nodegate::OWNED_TAINTS)
+        ));
+        format!(
+            " + (!has(object.metadata.annotations) ? \
+[JSONPatch{{op: \"add\", path: \"/metadata/annotations\", value: {{{ann}: {key}}}}}] : \
+({ann} in object.metadata.annotations ? \
+[JSONPatch{{op: \"replace\", path: {path}, value: object.metadata.annotations[{ann}] + \",\" + {key}}}] : \
+[JSONPatch{{op: \"add\", path: {path}, value: {key}}}]))"
+        )
+    };
+    let expression = format!(
+        "has(object.spec.taints) && object.spec.taints.exists(t, t.key == {key}) ? [] : \
+{add_taint}{record}"
     );
     let labels = json!({names::MANAGED_BY: "meshgate", "meshgate.dev/node-gate": gate_name});
     let policy = json!({

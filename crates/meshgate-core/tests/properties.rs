@@ -121,6 +121,7 @@ fn gate_spec() -> impl Strategy<Value = NodeGateSpec> {
                         name: names::DEFAULT_RESOURCE.into(),
                         count: 100,
                     }),
+                    ..NodeGateSpec::default()
                 }
             },
         )
@@ -231,8 +232,14 @@ proptest! {
         gates in vec(gate_spec(), 0..4),
         labels in node_labels(),
         taints in vec(taint(), 0..6),
+        recorded in vec(select(TAINT_KEYS), 0..3),
     ) {
-        let orphans = orphaned_taints(gates.iter(), &labels, &taints);
+        let annotations: BTreeMap<String, String> = if recorded.is_empty() {
+            BTreeMap::new()
+        } else {
+            [(meshgate_core::nodegate::OWNED_TAINTS.to_owned(), recorded.join(","))].into()
+        };
+        let orphans = orphaned_taints(gates.iter(), &labels, &annotations, &taints);
         for key in &orphans {
             prop_assert!(gates.iter().any(|g| &g.taint.key == key), "{} is no gate's key", key);
             prop_assert!(
@@ -240,12 +247,17 @@ proptest! {
                 "{} is held by a gate selecting the node", key
             );
             prop_assert!(taints.iter().any(|t| &t.key == key), "{} is not on the node", key);
+            prop_assert!(
+                meshgate_core::nodegate::owns_key(key, &annotations),
+                "{} is not meshgate's", key
+            );
         }
-        // ...and every such key is named.
+        // ...and every such key meshgate owns is named.
         for g in &gates {
             let key = &g.taint.key;
             let held = gates.iter().any(|h| &h.taint.key == key && selects(h, &labels));
-            if !held && taints.iter().any(|t| &t.key == key) {
+            let owned = meshgate_core::nodegate::owns_key(key, &annotations);
+            if !held && owned && taints.iter().any(|t| &t.key == key) {
                 prop_assert!(orphans.contains(key), "{} is an orphan", key);
             }
         }
@@ -284,7 +296,18 @@ proptest! {
             now,
         };
         let d = decide(&gate, &node);
-        prop_assert_ne!(d.taint, Some(false), "{:?}", d);
+        // The one documented exception: agents with no pod at all, past the gate's
+        // missingAgentTimeoutSeconds, with onMissingAgent: Release, no longer hold the node
+        // (a missing agent must not hold nodes forever). A NotReady agent always holds it.
+        let unready_present = agents
+            .iter()
+            .any(|a| matches!(a, AgentState::NotReady { .. }));
+        let missing_given_up = !d.given_up.is_empty()
+            && gate.on_missing_agent == meshgate_api::node_gate::MissingAgentPolicy::Release
+            && now >= created + i64::from(gate.missing_agent_timeout_seconds);
+        if unready_present || !missing_given_up {
+            prop_assert_ne!(d.taint, Some(false), "{:?}", d);
+        }
     }
 
     #[test]

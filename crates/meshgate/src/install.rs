@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use meshgate_api::config::GateConfig;
 use meshgate_api::{NodeGate, Profile, names};
-use meshgate_core::registration::{Registration, WebhookTarget, webhook_configuration};
+use meshgate_core::registration::{
+    PolicyApi, Registration, WebhookTarget, node_taint_policy, webhook_configuration,
+};
 use serde_json::{Value, json};
 
 /// What to render.
@@ -21,6 +23,42 @@ pub struct InstallOptions {
     pub profile: String,
     pub namespace: String,
     pub image: String,
+    /// How new nodes get the startup taint at registration.
+    pub node_taint: NodeTaint,
+}
+
+/// How new nodes get the startup taint at registration (`--node-taint`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeTaint {
+    /// A `MutatingAdmissionPolicy` the API server evaluates itself: no webhook on Node CREATE
+    /// (no circular dependency between nodes and the webhook that runs on them).
+    Policy(PolicyApi),
+    /// meshgate's webhook on Node CREATE (failure policy `Ignore`), for API servers that serve
+    /// no admission policy API.
+    Webhook,
+}
+
+impl NodeTaint {
+    /// `--node-taint policy|webhook|auto`: `auto` picks the policy where the API server serves
+    /// `MutatingAdmissionPolicy` (`served`, from discovery), else the webhook.
+    pub fn choose(flag: &str, served: Option<PolicyApi>) -> anyhow::Result<Self> {
+        Ok(match (flag, served) {
+            ("webhook", _) => NodeTaint::Webhook,
+            ("policy" | "auto", Some(api)) => NodeTaint::Policy(api),
+            ("auto", None) => NodeTaint::Webhook,
+            ("policy", None) => anyhow::bail!(
+                "--node-taint policy: the API server serves no MutatingAdmissionPolicy API (admissionregistration.k8s.io/v1 or v1beta1); use --node-taint webhook"
+            ),
+            (other, _) => anyhow::bail!("--node-taint {other:?}: expected policy, webhook or auto"),
+        })
+    }
+
+    pub fn describe(self) -> String {
+        match self {
+            NodeTaint::Policy(api) => format!("MutatingAdmissionPolicy ({})", api.api_version()),
+            NodeTaint::Webhook => "webhook (/mutate/node-taint)".into(),
+        }
+    }
 }
 
 /// The profiles `install` knows.
@@ -110,7 +148,9 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "replicasets"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": ["batch"], "resources": ["jobs", "cronjobs"], "verbs": ["get", "list", "watch", "patch"]},
-        {"apiGroups": ["meshgate.dev"], "resources": ["nodegates", "mutationpolicies"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies"], "verbs": ["get", "list", "watch"]},
+        // patch: the gate's finalizer (taints come off every node before a gate goes).
+        {"apiGroups": ["meshgate.dev"], "resources": ["nodegates"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": ["meshgate.dev"], "resources": ["nodegates/status", "mutationpolicies/status"], "verbs": ["patch", "update"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"], "resourceNames": ["meshgate"], "verbs": ["get", "patch"]},
@@ -187,14 +227,19 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         },
         ca_bundle_pem: &ca.certificate().cert_pem,
         policies: true,
-        node_taint: true,
+        node_taint: o.node_taint == NodeTaint::Webhook,
     });
     mwc["metadata"]["labels"] = labels("webhook");
     out.push(mwc);
     // Defaults of the profile.
-    let mut g = serde_json::to_value(default_gate(&o.profile)?)?;
+    let gate = default_gate(&o.profile)?;
+    let mut g = serde_json::to_value(&gate)?;
     g["metadata"]["labels"] = labels("defaults");
     out.push(g);
+    if let NodeTaint::Policy(api) = o.node_taint {
+        let name = gate.metadata.name.clone().unwrap_or_default();
+        out.extend(node_taint_policy(&name, &gate.spec, api));
+    }
     out.extend(profile_policies(&o.profile)?);
     Ok(out)
 }
@@ -232,6 +277,8 @@ fn deployment(
                 "spec": {
                     "serviceAccountName": format!("meshgate-{component}"),
                     "securityContext": {"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
+                    // meshgate must run on nodes its own gate holds, or nothing lifts the taint.
+                    "tolerations": [{"key": names::DEFAULT_TAINT_KEY, "operator": "Exists"}],
                     "containers": [{
                         "name": component,
                         "image": image,

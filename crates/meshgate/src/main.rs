@@ -125,6 +125,11 @@ enum Command {
         /// With --apply: validate on the server, persist nothing.
         #[arg(long, requires = "apply")]
         dry_run: bool,
+        /// How new nodes get the startup taint at registration: `policy` (a
+        /// MutatingAdmissionPolicy, evaluated by the API server), `webhook`, or `auto` (the policy
+        /// where the API server serves it; without --apply: the policy, v1).
+        #[arg(long, default_value = "auto", value_parser = ["policy", "webhook", "auto"])]
+        node_taint: String,
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
@@ -364,17 +369,30 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             image,
             apply,
             dry_run,
+            node_taint,
             kubeconfig,
         } => {
+            let client = if apply {
+                Some(client_for(kubeconfig).await?)
+            } else {
+                None
+            };
+            let served = match &client {
+                Some(c) => meshgate::discovery::policy_api(c).await,
+                // Offline: a Kubernetes 1.36+ API server (v1 is GA there).
+                None => Some(meshgate_core::registration::PolicyApi::V1),
+            };
+            let node_taint = meshgate::install::NodeTaint::choose(&node_taint, served)?;
+            eprintln!("node taint at registration: {}", node_taint.describe());
             let docs = meshgate::install::render(&meshgate::install::InstallOptions {
                 profile,
                 namespace,
                 image,
+                node_taint,
             })?;
-            if !apply {
+            let Some(client) = client else {
                 return emit(&render::to_yaml_stream(&docs)?);
-            }
-            let client = client_for(kubeconfig).await?;
+            };
             let total = docs.len();
             let mut n = 0;
             meshgate::install::apply(&client, &docs, dry_run, |line| {

@@ -3,10 +3,13 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams};
 use meshgate_api::{MutationPolicy, NodeGate};
-use meshgate_core::nodegate::{AgentState, NodeObservation, decide};
+use meshgate_core::nodegate::{
+    AgentPod, AgentState, DaemonSetView, agent_state, decide_node, has_taint,
+};
 use serde::Serialize;
 
 #[derive(Clone, Debug, Serialize)]
@@ -50,13 +53,6 @@ pub struct Status {
     pub webhooks: Vec<WebhookRow>,
 }
 
-fn ready(p: &Pod) -> bool {
-    p.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
 /// Reads the cluster.
 pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
     let gates = Api::<NodeGate>::all(client.clone())
@@ -65,96 +61,13 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
     let nodes = Api::<Node>::all(client.clone())
         .list(&ListParams::default())
         .await?;
-    let mut pods_by_ns: BTreeMap<String, Vec<Pod>> = BTreeMap::new();
-    for g in &gates {
-        for a in &g.spec.agents {
-            if !pods_by_ns.contains_key(&a.namespace) {
-                let pods = Api::<Pod>::namespaced(client.clone(), &a.namespace)
-                    .list(&ListParams::default())
-                    .await?;
-                pods_by_ns.insert(a.namespace.clone(), pods.items);
-            }
-        }
-    }
-    let now = k8s_openapi::jiff::Timestamp::now().as_second();
-    let mut rows = Vec::new();
-    let empty = BTreeMap::new();
-    for g in &gates {
-        for n in &nodes {
-            let labels = n.metadata.labels.as_ref().unwrap_or(&empty);
-            if !g.spec.node_selector.matches(labels) {
-                continue;
-            }
-            let name = n.metadata.name.clone().unwrap_or_default();
-            let agents: Vec<AgentState> = g
-                .spec
-                .agents
-                .iter()
-                .map(|a| {
-                    let on_node: Vec<&Pod> = pods_by_ns
-                        .get(&a.namespace)
-                        .into_iter()
-                        .flatten()
-                        .filter(|p| {
-                            p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-                                == Some(name.as_str())
-                        })
-                        .filter(|p| {
-                            a.selector
-                                .matches(p.metadata.labels.as_ref().unwrap_or(&empty))
-                        })
-                        .collect();
-                    if on_node.iter().any(|p| ready(p)) {
-                        AgentState::Ready { since: now }
-                    } else if on_node.is_empty() {
-                        AgentState::Missing
-                    } else {
-                        AgentState::NotReady { since: now }
-                    }
-                })
-                .collect();
-            let taints = n
-                .spec
-                .as_ref()
-                .and_then(|s| s.taints.clone())
-                .unwrap_or_default();
-            let resource = g.spec.resource.as_ref().map(|r| {
-                n.status
-                    .as_ref()
-                    .and_then(|s| s.capacity.as_ref())
-                    .and_then(|c| c.get(&r.name))
-                    .map_or_else(|| "-".to_owned(), |q| q.0.clone())
-            });
-            let d = decide(
-                &g.spec,
-                &NodeObservation {
-                    labels,
-                    annotations: n.metadata.annotations.as_ref().unwrap_or(&empty),
-                    taints: &taints,
-                    created: n
-                        .metadata
-                        .creation_timestamp
-                        .as_ref()
-                        .map_or(now, |t| t.0.as_second()),
-                    agents: &agents,
-                    resource_advertised: resource.as_deref().is_some_and(|r| r != "-"),
-                    now,
-                },
-            );
-            let ready_count = agents
-                .iter()
-                .filter(|a| matches!(a, AgentState::Ready { .. } | AgentState::NotTargeted))
-                .count();
-            rows.push(NodeRow {
-                gate: g.metadata.name.clone().unwrap_or_default(),
-                node: name,
-                agents_ready: format!("{ready_count}/{}", agents.len()),
-                state: d.state.as_str().to_owned(),
-                tainted: meshgate_core::nodegate::has_taint(&g.spec, &taints),
-                resource,
-            });
-        }
-    }
+    let rows = node_rows(
+        client,
+        &gates.items,
+        &nodes.items,
+        meshgate_controller::now(),
+    )
+    .await?;
     let policies = Api::<MutationPolicy>::all(client.clone())
         .list(&ListParams::default())
         .await?
@@ -302,4 +215,96 @@ pub fn table(s: &Status) -> String {
             .collect(),
     ));
     out
+}
+
+/// Per gate and selected node: the agents' states and the gate's decision, computed by the same
+/// rule the controller applies (`meshgate_core::nodegate::agent_state` and `decide_node`), from
+/// the agent pods and DaemonSets listed now.
+pub async fn node_rows(
+    client: &kube::Client,
+    gates: &[NodeGate],
+    nodes: &[Node],
+    now: i64,
+) -> anyhow::Result<Vec<NodeRow>> {
+    let mut pods_by_node: BTreeMap<String, Vec<AgentPod>> = BTreeMap::new();
+    let mut daemonsets: BTreeMap<(String, String), DaemonSet> = BTreeMap::new();
+    let mut listed = std::collections::BTreeSet::new();
+    for g in gates {
+        for a in &g.spec.agents {
+            if !listed.insert(a.namespace.clone()) {
+                continue;
+            }
+            for pod in Api::<Pod>::namespaced(client.clone(), &a.namespace)
+                .list(&ListParams::default())
+                .await?
+            {
+                if let Some((node, summary)) = AgentPod::of(&pod) {
+                    pods_by_node.entry(node).or_default().push(summary);
+                }
+            }
+            for ds in Api::<DaemonSet>::namespaced(client.clone(), &a.namespace)
+                .list(&ListParams::default())
+                .await?
+            {
+                let name = ds.metadata.name.clone().unwrap_or_default();
+                daemonsets.insert((a.namespace.clone(), name), ds);
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    let empty = BTreeMap::new();
+    for g in gates {
+        for n in nodes {
+            let labels = n.metadata.labels.as_ref().unwrap_or(&empty);
+            if !g.spec.node_selector.matches(labels) {
+                continue;
+            }
+            let name = n.metadata.name.clone().unwrap_or_default();
+            let agents: Vec<AgentState> = g
+                .spec
+                .agents
+                .iter()
+                .map(|a| {
+                    let daemonset = match &a.daemon_set {
+                        None => DaemonSetView::Unnamed,
+                        Some(ds) => match daemonsets
+                            .get(&(a.namespace.clone(), ds.clone()))
+                            .and_then(|d| d.spec.as_ref())
+                        {
+                            Some(spec) => DaemonSetView::Template(&spec.template),
+                            None => DaemonSetView::Absent,
+                        },
+                    };
+                    agent_state(
+                        a,
+                        pods_by_node.get(&name).into_iter().flatten(),
+                        daemonset,
+                        n,
+                        &g.spec.taint.key,
+                    )
+                })
+                .collect();
+            let (taints, d) = decide_node(&g.spec, n, &agents, now);
+            let resource = g.spec.resource.as_ref().map(|r| {
+                n.status
+                    .as_ref()
+                    .and_then(|s| s.capacity.as_ref())
+                    .and_then(|c| c.get(&r.name))
+                    .map_or_else(|| "-".to_owned(), |q| q.0.clone())
+            });
+            let ready_count = agents
+                .iter()
+                .filter(|a| matches!(a, AgentState::Ready { .. } | AgentState::NotTargeted))
+                .count();
+            rows.push(NodeRow {
+                gate: g.metadata.name.clone().unwrap_or_default(),
+                node: name,
+                agents_ready: format!("{ready_count}/{}", agents.len()),
+                state: d.state.as_str().to_owned(),
+                tainted: has_taint(&g.spec, &taints),
+                resource,
+            });
+        }
+    }
+    Ok(rows)
 }

@@ -8,13 +8,15 @@ mod common;
 
 use std::path::PathBuf;
 
-use meshgate::install::{InstallOptions, PROFILES, apply, masked, render};
+use meshgate::install::{InstallOptions, NodeTaint, PROFILES, apply, masked, render};
+use meshgate_core::registration::PolicyApi;
 
 fn options(profile: &str) -> InstallOptions {
     InstallOptions {
         profile: profile.into(),
         namespace: "meshgate-system".into(),
         image: "meshgate/meshgate:0.1.0".into(),
+        node_taint: NodeTaint::Policy(PolicyApi::V1),
     }
 }
 
@@ -79,10 +81,60 @@ async fn every_profile_passes_server_side_dry_run_apply() {
                 .any(|l| l.starts_with("MutatingWebhookConfiguration/meshgate"))
         );
     }
+    // The webhook path for Node CREATE validates too.
+    let mut webhook = options("istio-ambient");
+    webhook.node_taint = NodeTaint::Webhook;
+    let docs = render(&webhook).unwrap();
+    assert!(!docs.iter().any(|d| d["kind"] == "MutatingAdmissionPolicy"));
+    let rest: Vec<_> = docs
+        .into_iter()
+        .filter(|d| d["kind"] != "Namespace" && d["kind"] != "CustomResourceDefinition")
+        .collect();
+    apply(&client, &rest, true, |_| {}).await.unwrap();
     // Dry run persisted nothing.
     let mwcs =
         kube::Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(
             client.clone(),
         );
     assert!(mwcs.get_opt("meshgate").await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn node_taint_auto_picks_the_admission_policy_on_this_api_server() {
+    let cp = common::control_plane(false).await;
+    let client = cp.client().await.unwrap();
+    let served = meshgate::discovery::policy_api(&client).await;
+    assert_eq!(
+        served,
+        Some(PolicyApi::V1),
+        "Kubernetes 1.36 serves it as v1"
+    );
+    let chosen = NodeTaint::choose("auto", served).unwrap();
+    assert_eq!(chosen, NodeTaint::Policy(PolicyApi::V1));
+    let docs = render(&InstallOptions {
+        node_taint: chosen,
+        ..options("linkerd")
+    })
+    .unwrap();
+    // The policy and its binding, and no webhook on Node CREATE.
+    assert!(docs.iter().any(|d| d["kind"] == "MutatingAdmissionPolicy"));
+    assert!(
+        docs.iter()
+            .any(|d| d["kind"] == "MutatingAdmissionPolicyBinding")
+    );
+    let mwc = docs
+        .iter()
+        .find(|d| d["kind"] == "MutatingWebhookConfiguration")
+        .unwrap();
+    assert!(
+        !mwc["webhooks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w["name"].as_str().unwrap().starts_with("nodes.")),
+        "{mwc}"
+    );
+    // Without a policy API, auto falls back to the webhook; policy is refused.
+    assert_eq!(NodeTaint::choose("auto", None).unwrap(), NodeTaint::Webhook);
+    assert!(NodeTaint::choose("policy", None).is_err());
 }

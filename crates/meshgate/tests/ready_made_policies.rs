@@ -110,11 +110,11 @@ fn injected_pod(ns: &str, native: bool) -> Value {
 fn init_users(pod: &Value) -> Vec<(String, Value)> {
     pod["spec"]["initContainers"]
         .as_array()
-        .unwrap()
+        .expect("init containers")
         .iter()
         .map(|c| {
             (
-                c["name"].as_str().unwrap().to_owned(),
+                c["name"].as_str().expect("a name").to_owned(),
                 c["securityContext"]["runAsUser"].clone(),
             )
         })
