@@ -97,6 +97,9 @@ struct Ctx {
     synced: AtomicBool,
     /// Nodes reconciled since the last sync or leadership gain, until all were.
     initial: Mutex<Option<HashSet<String>>>,
+    /// Re-taints reserved within a gate's budget (gate uid → nodes), so that reconciles running
+    /// at the same time never exceed it before the node cache shows their writes.
+    retaints: Mutex<std::collections::HashMap<String, HashSet<String>>>,
 }
 
 impl Ctx {
@@ -216,6 +219,7 @@ pub async fn run(
         settings: settings.clone(),
         synced: AtomicBool::new(false),
         initial: Mutex::new(None),
+        retaints: Mutex::new(std::collections::HashMap::new()),
     });
 
     // No decision before every cache has its first list: nodes, gates, then the agents' pods
@@ -299,7 +303,8 @@ pub async fn run(
 }
 
 /// Drops from a Node what the gate never reads, before it is cached: `managedFields`, the
-/// status other than `capacity` (images, conditions, addresses, node info, volumes) and
+/// status other than `capacity` and meshgate's conditions (images, other conditions, addresses,
+/// node info, volumes) and
 /// annotations outside meshgate's domain. A real node carries tens of KiB of these; the
 /// controller caches every node.
 pub fn slim_node(node: &mut Node) {
@@ -314,9 +319,19 @@ pub fn slim_node(node: &mut Node) {
             })
         });
     }
-    node.status = node.status.take().map(|s| NodeStatus {
-        capacity: s.capacity,
-        ..NodeStatus::default()
+    node.status = node.status.take().map(|s| {
+        // The gates' own conditions are kept: a condition is written only when it changes.
+        let conditions: Vec<_> = s
+            .conditions
+            .into_iter()
+            .flatten()
+            .filter(|c| c.type_.starts_with(&format!("{}/", meshgate_api::DOMAIN)))
+            .collect();
+        NodeStatus {
+            capacity: s.capacity,
+            conditions: (!conditions.is_empty()).then_some(conditions),
+            ..NodeStatus::default()
+        }
     });
 }
 
@@ -360,7 +375,8 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
             dry_run_events(&ctx, gate, &node, &decision).await;
             continue;
         }
-        if decision.retaint && decision.taint == Some(true) && !retaint_allowed(&ctx, gate) {
+        let retaint = decision.retaint && decision.taint == Some(true);
+        if retaint && !reserve_retaint(&ctx, gate, &name) {
             ctx.metrics.retaints_deferred.inc();
             event(
                 &ctx,
@@ -381,7 +397,11 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
                 gate.spec.grace_period_seconds.max(1),
             )));
         }
-        node = apply(&ctx, &api, gate, node, &taints, &states, &decision).await?;
+        let applied = apply(&ctx, &api, gate, node, &taints, &states, &decision).await;
+        if (retaint && applied.is_err()) || decision.taint == Some(false) {
+            release_retaint(&ctx, gate, &name);
+        }
+        node = applied?;
     }
     // Taints of gates that no longer select this node (and that meshgate owns).
     let empty = BTreeMap::new();
@@ -425,10 +445,12 @@ fn gate_nodes<'n>(gate: &NodeGate, nodes: &'n [Arc<Node>]) -> impl Iterator<Item
     })
 }
 
-fn retainted_count(ctx: &Ctx, gate: &NodeGate) -> usize {
+/// Nodes of the gate that carry a re-taint (as cached), plus re-taints reserved but not yet
+/// seen in the cache.
+fn retainted(ctx: &Ctx, gate: &NodeGate, reserved: &HashSet<String>) -> HashSet<String> {
     let nodes = ctx.nodes.state();
     let empty = BTreeMap::new();
-    gate_nodes(gate, &nodes)
+    let mut out: HashSet<String> = gate_nodes(gate, &nodes)
         .filter(|n| {
             is_retainted(
                 &gate.spec,
@@ -436,14 +458,59 @@ fn retainted_count(ctx: &Ctx, gate: &NodeGate) -> usize {
                 &taints_of(n),
             )
         })
-        .count()
+        .map(|n| n.name_any())
+        .collect();
+    out.extend(reserved.iter().cloned());
+    out
 }
 
-/// Whether one more re-taint fits the gate's budget.
-fn retaint_allowed(ctx: &Ctx, gate: &NodeGate) -> bool {
+fn retainted_count(ctx: &Ctx, gate: &NodeGate) -> usize {
+    let guard = ctx
+        .retaints
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let empty = HashSet::new();
+    let reserved = guard.get(&gate.uid().unwrap_or_default()).unwrap_or(&empty);
+    retainted(ctx, gate, reserved).len()
+}
+
+/// Reserves a re-taint of `node` within the gate's budget; `false` when the budget is used up.
+/// The check and the reservation happen under one lock, so concurrent reconciles cannot both
+/// take the last slot.
+fn reserve_retaint(ctx: &Ctx, gate: &NodeGate, node: &str) -> bool {
     let nodes = ctx.nodes.state();
     let total = gate_nodes(gate, &nodes).count();
-    retainted_count(ctx, gate) < gate.spec.retaint_budget(total)
+    let mut guard = ctx
+        .retaints
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let reserved = guard.entry(gate.uid().unwrap_or_default()).or_default();
+    // A reservation whose taint the cache shows is counted from the cache from now on.
+    reserved.retain(|n| {
+        !nodes
+            .iter()
+            .any(|x| x.name_any() == *n && has_taint(&gate.spec, &taints_of(x)))
+    });
+    let current = retainted(ctx, gate, reserved);
+    if current.contains(node) {
+        return true;
+    }
+    if current.len() >= gate.spec.retaint_budget(total) {
+        return false;
+    }
+    reserved.insert(node.to_owned());
+    true
+}
+
+/// Drops a node's re-taint reservation (its taint was removed, or the write failed).
+fn release_retaint(ctx: &Ctx, gate: &NodeGate, node: &str) {
+    let mut guard = ctx
+        .retaints
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(r) = guard.get_mut(&gate.uid().unwrap_or_default()) {
+        r.remove(node);
+    }
 }
 
 async fn dry_run_events(ctx: &Ctx, gate: &NodeGate, node: &Node, d: &NodeDecision) {

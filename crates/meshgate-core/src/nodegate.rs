@@ -209,8 +209,9 @@ pub fn decide_node(
     (taints, decision)
 }
 
-/// The node condition a gate publishes (`meshgate.dev/<gate>Ready`): status, reason, message
-/// naming the agents that are not ready.
+/// The node condition a gate publishes (`meshgate.dev/<gate>Ready`): `True` when the gate lets
+/// the node run mesh pods (its state is Ready, Releasing or Released), with a reason, and a
+/// message naming the agents that are not ready.
 pub fn node_condition(
     spec: &NodeGateSpec,
     gate: &str,
@@ -222,15 +223,12 @@ pub fn node_condition(
         .iter()
         .zip(agents)
         .enumerate()
-        .filter(|(i, (_, s))| {
-            matches!(s, AgentState::NotReady { .. } | AgentState::Missing)
-                && !d.given_up.contains(i)
-        })
-        .map(|(_, (a, s))| {
-            let what = if *s == AgentState::Missing {
-                "missing"
-            } else {
-                "not ready"
+        .filter(|(_, (_, s))| matches!(s, AgentState::NotReady { .. } | AgentState::Missing))
+        .map(|(i, (a, s))| {
+            let what = match s {
+                AgentState::Missing if d.given_up.contains(&i) => "missing, no longer waited for",
+                AgentState::Missing => "missing",
+                _ => "not ready",
             };
             format!(
                 "{} ({}/{}): {what}",
@@ -241,21 +239,26 @@ pub fn node_condition(
         })
         .collect();
     let ctype = format!("{}/{gate}Ready", meshgate_api::DOMAIN);
-    if unready.is_empty() {
-        let message = if d.given_up.is_empty() {
-            format!("node gate {gate}: every agent is Ready")
-        } else {
-            format!("node gate {gate}: agents Ready; missing agents no longer waited for")
-        };
-        (ctype, "True", "AgentsReady", message)
+    let agents_note = if unready.is_empty() {
+        "every agent is Ready".to_owned()
     } else {
-        (
-            ctype,
-            "False",
-            "AgentsNotReady",
-            format!("node gate {gate}: {}", unready.join(", ")),
-        )
-    }
+        unready.join(", ")
+    };
+    let (status, reason) = match d.state {
+        NodeState::Ready | NodeState::Releasing if unready.is_empty() => ("True", "AgentsReady"),
+        NodeState::Ready | NodeState::Releasing => ("True", "MissingAgentsReleased"),
+        NodeState::Released if unready.is_empty() => ("True", "AgentsReady"),
+        // Bootstrap mode: released once, not held again.
+        NodeState::Released => ("True", "ReleasedOnce"),
+        NodeState::Degraded => ("False", "AgentsNotReadyGrace"),
+        NodeState::Waiting | NodeState::Ignored => ("False", "AgentsNotReady"),
+    };
+    (
+        ctype,
+        status,
+        reason,
+        format!("node gate {gate}: {agents_note}"),
+    )
 }
 
 /// The node's state in the gate's terms.

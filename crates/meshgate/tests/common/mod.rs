@@ -361,3 +361,56 @@ pub fn review_patch(review: &serde_json::Value, ops: &serde_json::Value) -> serd
         "response": {"uid": review["request"]["uid"], "allowed": true,
                      "patchType": "JSONPatch", "patch": k8s_openapi::ByteString(patch)}})
 }
+
+/// A client that acts as meshgate's `component` ServiceAccount (`meshgate-webhook`,
+/// `meshgate-controller`) in `namespace`: the admin client impersonates it, so the API server
+/// authorizes every request against the RBAC that `meshgate install` renders.
+pub async fn client_as_service_account(
+    kubeconfig: &std::path::Path,
+    namespace: &str,
+    service_account: &str,
+) -> Client {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig");
+    let mut config =
+        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            .await
+            .expect("config");
+    config.auth_info.impersonate = Some(format!(
+        "system:serviceaccount:{namespace}:{service_account}"
+    ));
+    config.auth_info.impersonate_groups = Some(vec![
+        "system:serviceaccounts".into(),
+        format!("system:serviceaccounts:{namespace}"),
+        "system:authenticated".into(),
+    ]);
+    Client::try_from(config).expect("client")
+}
+
+/// Applies, for real, the namespace, ServiceAccounts and RBAC that `meshgate install` renders for
+/// `profile` in `namespace`: the identities the components run as.
+pub async fn install_identities(client: &Client, profile: &str, namespace: &str) {
+    let docs = meshgate::install::render(&meshgate::install::InstallOptions {
+        profile: profile.into(),
+        namespace: namespace.into(),
+        image: "meshgate/meshgate:test".into(),
+        node_taint: meshgate::install::NodeTaint::Webhook,
+    })
+    .expect("install renders");
+    let identities: Vec<serde_json::Value> = docs
+        .into_iter()
+        .filter(|d| {
+            [
+                "Namespace",
+                "ServiceAccount",
+                "ClusterRole",
+                "ClusterRoleBinding",
+                "Role",
+                "RoleBinding",
+            ]
+            .contains(&d["kind"].as_str().unwrap_or_default())
+        })
+        .collect();
+    meshgate::install::apply(client, &identities, false, |_| {})
+        .await
+        .expect("identities applied");
+}
