@@ -237,7 +237,10 @@ fn condition<'s>(
 /// Every Node update seen for the watched nodes after the watch started: (node, taint keys,
 /// whether the taints changed from the previous update).
 #[derive(Clone, Default)]
-struct NodeLog(Arc<StdMutex<Vec<(String, Vec<String>, bool)>>>);
+struct NodeLog(Arc<StdMutex<Vec<NodeUpdate>>>);
+
+/// One Node update: the node, its taint keys, whether they changed.
+type NodeUpdate = (String, Vec<String>, bool);
 
 impl NodeLog {
     /// Starts watching; returns once the watch has its initial list.
@@ -282,7 +285,7 @@ impl NodeLog {
         (log, task)
     }
 
-    fn entries(&self) -> Vec<(String, Vec<String>, bool)> {
+    fn entries(&self) -> Vec<NodeUpdate> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
