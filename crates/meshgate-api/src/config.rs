@@ -479,7 +479,18 @@ mod tests {
             ..GateConfig::default()
         };
         c.validate().unwrap();
-        assert_eq!(c.clauses().len(), 4);
+        // Ambient: namespace and pod-label enrolment; sidecar: injection label, revision, pod.
+        let names: Vec<String> = c.clauses().into_iter().map(|c| c.name).collect();
+        assert_eq!(
+            names,
+            [
+                "istio-ambient",
+                "istio-ambient-pod",
+                "istio-injection",
+                "istio-revision",
+                "istio-pod"
+            ]
+        );
         assert_eq!(
             c.checks(),
             vec![

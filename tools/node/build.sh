@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Builds the node-side Kubernetes binaries (kubelet, kube-controller-manager, kube-proxy) from the Go
+# module beside this script, once, into a cache outside the repository, and prints the directory
+# that holds the binaries. They match the control plane that tools/controlplane/build.sh builds:
+# kube/go.mod pins the same k8s.io/kubernetes release and the same staging-module replaces.
+#
+#   tools/node/build.sh            # build if missing, print the bin directory on stdout
+#
+# The cache key is the pinned version plus a hash of the go.mod/go.sum files, so a version bump
+# builds a new set and an unchanged checkout reuses the old one. Progress goes to stderr.
+# All three are static (CGO_ENABLED=0): the kubelet needs no cgo (only net and os/user would use
+# it, and both have pure-Go fallbacks), as in the Kubernetes release build.
+# Env: MESHGATE_CACHE (default: ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate).
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cache=${MESHGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
+
+# The version a module requires, in either go.mod form: `require M V` or a line `M V` in a block.
+pinned() { awk -v m="$1" '($1 == m && $2 ~ /^v/) {print $2} ($1 == "require" && $2 == m) {print $3}' "$2" | head -n1; }
+kube_version=$(pinned k8s.io/kubernetes "$here/kube/go.mod")
+[ -n "$kube_version" ] || {
+  echo "build.sh: cannot read the pinned version from $here/kube/go.mod" >&2
+  exit 1
+}
+sum=$(cat "$here"/kube/go.mod "$here"/kube/go.sum | sha256sum | cut -c1-12)
+bin="$cache/node/kube-$kube_version-$sum"
+tools=(kubelet kube-controller-manager kube-proxy)
+
+log() { printf '[node %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+built() { local t; for t in "${tools[@]}"; do [ -x "$bin/$t" ] || return 1; done; }
+
+if built; then
+  echo "$bin"
+  exit 0
+fi
+
+mkdir -p "$cache/node"
+exec 9>"$cache/node/.lock"
+log "waiting for the build lock ($cache/node/.lock)"
+flock 9
+if built; then
+  echo "$bin"
+  exit 0
+fi
+
+# k8s.io/component-base/version is stamped the way the Kubernetes release build does it.
+major=${kube_version#v}; major=${major%%.*}
+minor=${kube_version#v*.}; minor=${minor%%.*}
+kube_ldflags="-s -w \
+ -X k8s.io/component-base/version.gitVersion=$kube_version \
+ -X k8s.io/component-base/version.gitMajor=$major \
+ -X k8s.io/component-base/version.gitMinor=$minor \
+ -X k8s.io/component-base/version.gitTreeState=clean \
+ -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
+
+tmp="$bin.tmp.$$"
+rm -rf "$tmp"; mkdir -p "$tmp"
+trap 'rm -rf "$tmp"' EXIT
+export CGO_ENABLED=0 GOFLAGS=-mod=mod
+start=$(date +%s)
+log "building into $bin (a cold build takes several minutes on 2 cores)"
+log "kube $kube_version: downloading modules"
+(cd "$here/kube" && go mod download)
+n=0
+for t in "${tools[@]}"; do
+  n=$((n + 1))
+  log "[$n/${#tools[@]}] $t $kube_version: compiling"
+  (cd "$here/kube" && go build -trimpath -ldflags "$kube_ldflags" -o "$tmp/$t" "k8s.io/kubernetes/cmd/$t")
+done
+"$tmp/kubelet" --version >&2
+rm -rf "$bin"
+mv "$tmp" "$bin"
+trap - EXIT
+log "done in $(( $(date +%s) - start ))s"
+echo "$bin"
