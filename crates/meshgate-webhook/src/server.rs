@@ -532,6 +532,8 @@ pub struct Server {
     /// The bound health address.
     pub health_addr: SocketAddr,
     task: tokio::task::JoinHandle<Result<(), ServerError>>,
+    /// Tasks that live as long as the server (its cache watches), ended after it.
+    companions: Vec<tokio::task::AbortHandle>,
 }
 
 impl std::fmt::Debug for Server {
@@ -603,6 +605,7 @@ impl Server {
             addr,
             health_addr,
             task,
+            companions: Vec::new(),
         })
     }
 
@@ -616,8 +619,18 @@ impl Server {
         self.fresh.drain(grace / 2).await;
         self.handle
             .graceful_shutdown(Some(grace.saturating_sub(start.elapsed())));
-        self.task
+        let served = self
+            .task
             .await
-            .map_err(|e| ServerError::Serve(std::io::Error::other(e.to_string())))?
+            .map_err(|e| ServerError::Serve(std::io::Error::other(e.to_string())));
+        for c in &self.companions {
+            c.abort();
+        }
+        served?
+    }
+
+    /// Ends `task` (e.g. the watches that feed the server's caches) when the server shuts down.
+    pub fn attach(&mut self, task: tokio::task::AbortHandle) {
+        self.companions.push(task);
     }
 }

@@ -97,7 +97,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     std::fs::write(&cert, &serving.cert_pem)?;
     std::fs::write(&key, &serving.key_pem)?;
     let config = GateConfig {
-        profiles: vec![Profile::IstioAmbient],
+        profiles: vec![Profile::IstioAmbient, Profile::IstioSidecar],
         ..GateConfig::default()
     };
     let webhook = crate::run::start_webhook(
@@ -282,7 +282,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     .await?;
     story.detail(&format!("shop/web scheduled to {bound}; its first init container meshgate-wait holds the app until the node proxy's listener exists in the pod"));
 
-    story.say("Kubeflow-style namespace: init containers need network, so pods get the outbound exclusion");
+    story.say("Kubeflow-style namespace: an application init container that needs the network");
     for doc in crate::render::parse_documents("deploy/policies/kubeflow.yaml", KUBEFLOW_POLICY)? {
         let policy: MutationPolicy = serde_json::from_value(doc)?;
         Api::<MutationPolicy>::all(client.clone())
@@ -293,23 +293,70 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
             )
             .await?;
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // No mesh injector runs here: the pod is written as Istio's injector leaves it in CNI mode
+    // with a classic sidecar (validation first, the proxy a regular container).
     let kf: Api<Pod> = Api::namespaced(client.clone(), "kubeflow-user");
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "notebook"},
-        "spec": {"initContainers": [{"name": "fetch-model", "image": "registry.invalid/fetch:1"}],
-                 "containers": [{"name": "notebook", "image": "registry.invalid/notebook:1"}]},
-    }))?;
-    let stored = kf.create(&PostParams::default(), &pod).await?;
-    let annotation = stored
+    let notebook = |name: &str| -> serde_json::Result<Pod> {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "annotations": {
+                "sidecar.istio.io/status": "{\"initContainers\":[\"istio-validation\"],\"containers\":[\"istio-proxy\"]}"}},
+            "spec": {"initContainers": [
+                        {"name": "istio-validation", "image": "registry.invalid/proxy:1", "securityContext": {"runAsUser": 1337}},
+                        {"name": "fetch-model", "image": "registry.invalid/fetch:1"}],
+                     "containers": [
+                        {"name": "notebook", "image": "registry.invalid/notebook:1"},
+                        {"name": "istio-proxy", "image": "registry.invalid/proxy:1", "args": ["proxy", "sidecar"]}]},
+        }))
+    };
+    // The policy reaches the webhook's cache asynchronously: dry-run until it applies.
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let fetch_user = |p: &Pod| -> Option<i64> {
+        p.spec
+            .as_ref()?
+            .init_containers
+            .as_ref()?
+            .iter()
+            .find(|c| c.name == "fetch-model")?
+            .security_context
+            .as_ref()?
+            .run_as_user
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::time::Instant::now() < deadline {
+        if kf
+            .create(&dry, &notebook("probe")?)
+            .await
+            .ok()
+            .and_then(|p| fetch_user(&p))
+            .is_some()
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stored = kf
+        .create(&PostParams::default(), &notebook("notebook")?)
+        .await?;
+    let user = fetch_user(&stored).map_or_else(|| "<unset>".to_owned(), |u| u.to_string());
+    let verdict = stored
         .metadata
         .annotations
-        .unwrap_or_default()
-        .get("traffic.sidecar.istio.io/excludeOutboundIPRanges")
+        .as_ref()
+        .and_then(|a| a.get("meshgate.dev/gate"))
         .cloned()
-        .unwrap_or_else(|| "<missing>".into());
+        .unwrap_or_else(|| "<none>".into());
+    let excluded = stored
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get("traffic.sidecar.istio.io/excludeOutboundIPRanges"))
+        .cloned()
+        .unwrap_or_else(|| "<none>".into());
     story.detail(&format!(
-        "kubeflow-user/notebook: traffic.sidecar.istio.io/excludeOutboundIPRanges = {annotation}"
+        "kubeflow-user/notebook: init container fetch-model runs as uid {user} (the proxy's, whose traffic is not redirected); excludeOutboundIPRanges {excluded}; gate verdict {verdict:?}"
     ));
 
     story.say("Summary");
@@ -319,9 +366,12 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     println!(
         "  node-1 was held by its startup taint until both agents were Ready; the taint lifted after {untaint_ms} ms;"
     );
-    println!("  shop/web waited Pending, then ran on node-1 behind its meshgate-wait gate;");
     println!(
-        "  kubeflow-user/notebook got {annotation:?} from the kubeflow policy (trade-off: all its outbound traffic bypasses the mesh)."
+        "  shop/web waited Pending, then was bound to node-1 with meshgate-wait as its first init container"
+    );
+    println!("    (no kubelet runs in this demo: the gate's binary does not execute here);");
+    println!(
+        "  kubeflow-user/notebook: its init container fetch-model runs as uid {user}, nothing else of the pod left the mesh (excludeOutboundIPRanges {excluded})."
     );
 
     if options.keep {

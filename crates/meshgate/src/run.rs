@@ -26,7 +26,7 @@ pub struct WebhookSettings {
 /// Starts the webhook in the background; its caches follow the cluster through `client`.
 pub async fn start_webhook(client: kube::Client, s: WebhookSettings) -> anyhow::Result<Server> {
     let (sources, drive) = Sources::watch(client);
-    tokio::spawn(drive);
+    let drive = tokio::spawn(drive);
     let app = App::new(s.config, sources, meshgate_webhook::metrics::Metrics::new());
     let server = Server::start(
         ServerOptions {
@@ -43,6 +43,8 @@ pub async fn start_webhook(client: kube::Client, s: WebhookSettings) -> anyhow::
         app,
     )
     .await?;
+    let mut server = server;
+    server.attach(drive.abort_handle());
     Ok(server)
 }
 
