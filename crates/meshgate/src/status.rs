@@ -51,6 +51,9 @@ pub struct Status {
     pub nodes: Vec<NodeRow>,
     pub policies: Vec<PolicyRow>,
     pub webhooks: Vec<WebhookRow>,
+    /// How new nodes get the startup taint at registration: the admission policies meshgate
+    /// installed, the webhook, or (neither) the controller after registration.
+    pub node_taint: String,
 }
 
 /// Reads the cluster.
@@ -125,10 +128,28 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
         }
     }
     Ok(Status {
+        node_taint: node_taint_path(client, &webhooks).await,
         nodes: rows,
         policies,
         webhooks,
     })
+}
+
+/// Which path taints nodes at registration (see docs/design.md, "Taint at registration").
+async fn node_taint_path(client: &kube::Client, webhooks: &[WebhookRow]) -> String {
+    use k8s_openapi::api::admissionregistration::v1::MutatingAdmissionPolicy;
+    let policies: Vec<String> = Api::<MutatingAdmissionPolicy>::all(client.clone())
+        .list(&ListParams::default().labels("app.kubernetes.io/managed-by=meshgate"))
+        .await
+        .map(|l| l.items.into_iter().filter_map(|p| p.metadata.name).collect())
+        .unwrap_or_default();
+    if !policies.is_empty() {
+        format!("admission policy ({})", policies.join(", "))
+    } else if webhooks.iter().any(|w| w.webhook.starts_with("nodes.")) {
+        "webhook (/mutate/node-taint)".into()
+    } else {
+        "none at registration: the controller taints nodes after they register".into()
+    }
 }
 
 fn table_of(headers: &[&str], rows: Vec<Vec<String>>) -> String {
@@ -199,6 +220,7 @@ pub fn table(s: &Status) -> String {
             })
             .collect(),
     ));
+    out.push_str(&format!("\nNODE TAINT AT REGISTRATION: {}\n", s.node_taint));
     out.push_str("\nWEBHOOKS\n");
     out.push_str(&table_of(
         &["CONFIGURATION", "WEBHOOK", "TARGET", "FAILURE-POLICY"],
