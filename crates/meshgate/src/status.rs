@@ -141,7 +141,12 @@ async fn node_taint_path(client: &kube::Client, webhooks: &[WebhookRow]) -> Stri
     let policies: Vec<String> = Api::<MutatingAdmissionPolicy>::all(client.clone())
         .list(&ListParams::default().labels("app.kubernetes.io/managed-by=meshgate"))
         .await
-        .map(|l| l.items.into_iter().filter_map(|p| p.metadata.name).collect())
+        .map(|l| {
+            l.items
+                .into_iter()
+                .filter_map(|p| p.metadata.name)
+                .collect()
+        })
         .unwrap_or_default();
     if !policies.is_empty() {
         format!("admission policy ({})", policies.join(", "))

@@ -220,6 +220,34 @@ async fn set_ready(client: &kube::Client, ns: &str, name: &str, ready: bool) {
         .expect("agent status");
 }
 
+/// Waits until the controller has published, on `node`, a condition of gate `gate` whose message
+/// satisfies `f`: the controller's own report that it processed the latest agent change, after
+/// which a negative assertion is safe.
+async fn wait_condition(
+    client: &kube::Client,
+    node: &str,
+    gate: &str,
+    what: &str,
+    f: impl Fn(&str, &str) -> bool,
+) {
+    let ctype = format!("meshgate.dev/{gate}Ready");
+    let f = &f;
+    let ctype = &ctype;
+    wait_for(what, Duration::from_secs(30), || async move {
+        Api::<Node>::all(client.clone())
+            .get(node)
+            .await
+            .ok()
+            .and_then(|n| n.status?.conditions)
+            .is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    &c.type_ == ctype && f(&c.status, c.message.as_deref().unwrap_or_default())
+                })
+            })
+    })
+    .await;
+}
+
 fn mesh_pod(name: &str, pool: &str) -> Pod {
     serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
@@ -285,8 +313,18 @@ async fn new_node_is_tainted_until_its_agents_are_ready_then_the_pod_binds() {
     agent(&client, &agents_ns, "cni-1", "cni", &node).await;
     agent(&client, &agents_ns, "proxy-1", "node-proxy", &node).await;
     set_ready(&client, &agents_ns, "cni-1", true).await;
-    // One agent Ready is not enough.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // One agent Ready is not enough: once the controller reports it saw the cni agent Ready
+    // (its node condition names only the node proxy), the node is still held.
+    wait_condition(
+        &client,
+        &node,
+        &pool,
+        "the controller to see the cni agent Ready",
+        |status, message| {
+            status == "False" && message.contains("node-proxy") && !message.contains("cni (")
+        },
+    )
+    .await;
     assert!(
         node_has_taint(&client, &node).await,
         "still held with one agent unready"
@@ -463,9 +501,20 @@ async fn continuous_mode_puts_the_taint_back_and_bootstrap_mode_does_not() {
         "not before the grace period: {:?}",
         unready_at.elapsed()
     );
-    // Well past the grace period, the bootstrap node is still free.
-    tokio::time::sleep(Duration::from_secs(grace * 2)).await;
+    // Once the controller reports that it saw the bootstrap node's agent unready (its decision
+    // does not depend on time: released once, never held again), that node is still free.
     let (_, bootstrap, _) = &nodes[1];
+    let bootstrap_gate = format!("bootstrap-{agents_ns}");
+    wait_condition(
+        &client,
+        bootstrap,
+        &bootstrap_gate,
+        "the controller to see the bootstrap node's agent unready",
+        |status, message| {
+            status == "True" && message.contains("cni (") && message.contains("not ready")
+        },
+    )
+    .await;
     assert!(
         !node_has_taint(&client, bootstrap).await,
         "bootstrap mode never re-taints"
@@ -531,7 +580,7 @@ async fn resource_gate_holds_pods_until_the_node_advertises_the_resource() {
         blocking.is_empty(),
         "only the missing resource holds the pod: {blocking:?}"
     );
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The scheduler reported the pod unschedulable above: it is not bound.
     assert_eq!(
         node_of(&client, &mesh_ns, "app").await,
         None,
@@ -605,7 +654,14 @@ async fn a_node_the_agent_daemonset_cannot_target_is_not_held() {
     // A Linux node of the same pool waits for its agent.
     let linux = format!("{pool}-linux");
     create_node(&client, &linux, &pool, &[("kubernetes.io/os", "linux")]).await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    wait_condition(
+        &client,
+        &linux,
+        &pool,
+        "the controller to report the linux node waiting",
+        |status, message| status == "False" && message.contains("missing"),
+    )
+    .await;
     assert!(
         node_has_taint(&client, &linux).await,
         "a node the agent targets keeps waiting"
