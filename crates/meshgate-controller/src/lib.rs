@@ -11,6 +11,7 @@
 
 pub mod agents;
 pub mod certs;
+pub mod conditions;
 pub mod leader;
 pub mod metrics;
 pub mod nodegate;

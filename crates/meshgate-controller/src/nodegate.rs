@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, NodeStatus};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
@@ -961,21 +961,7 @@ fn condition(
     message: String,
     generation: Option<i64>,
 ) -> Condition {
-    let status = if status { "True" } else { "False" };
-    let transition = old
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_ && c.status == status)
-        .map(|c| c.last_transition_time.clone())
-        .unwrap_or_else(|| Time(k8s_openapi::jiff::Timestamp::now()));
-    Condition {
-        type_: type_.into(),
-        status: status.into(),
-        reason: reason.into(),
-        message,
-        observed_generation: generation,
-        last_transition_time: transition,
-    }
+    crate::conditions::condition(&old.conditions, type_, status, reason, &message, generation)
 }
 
 /// A gate's status from the nodes it selects, and the per-state gauges.

@@ -44,6 +44,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::conditions::truncate;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::api::batch::v1::{CronJob, Job};
@@ -274,7 +275,7 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
     Ok(Action::await_change())
 }
 
-/// A condition; its transition time is kept when the status does not change.
+/// A condition of the policy's status (see [`crate::conditions::condition`]).
 fn condition(
     old: &MutationPolicyStatus,
     generation: i64,
@@ -283,33 +284,14 @@ fn condition(
     reason: &str,
     message: &str,
 ) -> Condition {
-    let status = if status { "True" } else { "False" };
-    let last_transition_time = old
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_ && c.status == status)
-        .map(|c| c.last_transition_time.clone())
-        .unwrap_or_else(|| Time(k8s_openapi::jiff::Timestamp::now()));
-    Condition {
-        type_: type_.to_owned(),
-        status: status.to_owned(),
-        reason: reason.to_owned(),
-        // The API server caps condition messages at 32768 bytes.
-        message: truncate(message, 4096),
-        observed_generation: Some(generation),
-        last_transition_time,
-    }
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_owned();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
+    crate::conditions::condition(
+        &old.conditions,
+        type_,
+        status,
+        reason,
+        message,
+        Some(generation),
+    )
 }
 
 /// Merge patch of the status subresource; `existing: None` leaves the last report in place.

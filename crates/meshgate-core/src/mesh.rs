@@ -131,6 +131,20 @@ fn has_init(spec: &PodSpecView<'_>, name: &str) -> bool {
     spec.inits().any(|(_, c)| c.name() == Some(name))
 }
 
+/// `Err` when one of the pod's init containers installs the mesh's redirection itself.
+fn own_redirect_init(record: &MeshProfile, spec: &PodSpecView<'_>) -> Result<(), NoGate> {
+    match record
+        .redirect_init_containers
+        .iter()
+        .find(|init| has_init(spec, init))
+    {
+        Some(init) => Err(NoGate::RedirectByInit(format!(
+            "{init} installs redirection before later containers"
+        ))),
+        None => Ok(()),
+    }
+}
+
 fn is_true(v: &str) -> Option<bool> {
     // Go's strconv.ParseBool, which both meshes use.
     match v {
@@ -212,13 +226,7 @@ fn istio_sidecar(
     pod: &Meta,
     options: Options<'_>,
 ) -> Verdict {
-    for init in record.redirect_init_containers {
-        if has_init(spec, init) {
-            return Err(NoGate::RedirectByInit(format!(
-                "{init} installs redirection before later containers"
-            )));
-        }
-    }
+    own_redirect_init(record, spec)?;
     let Some(proxy) = container(spec, record.proxy_container) else {
         return Err(NoGate::NoProxy);
     };
@@ -311,13 +319,7 @@ fn linkerd(
     namespace: &Meta,
     options: Options<'_>,
 ) -> Verdict {
-    for init in record.redirect_init_containers {
-        if has_init(spec, init) {
-            return Err(NoGate::RedirectByInit(format!(
-                "{init} installs redirection before later containers"
-            )));
-        }
-    }
+    own_redirect_init(record, spec)?;
     if container(spec, record.proxy_container).is_none() {
         return Err(NoGate::NoProxy);
     }

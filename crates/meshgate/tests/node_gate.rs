@@ -16,8 +16,7 @@ use k8s_openapi::api::core::v1::{Node, Pod, Taint};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use meshgate_api::node_gate::NodeGateSpec;
 use meshgate_api::{GateConfig, NodeGate, Profile};
-use meshgate_controller::Metrics;
-use meshgate_controller::leader::{self, LeaseSettings};
+use meshgate_controller::leader::LeaseSettings;
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, OnceCell};
 
@@ -27,50 +26,19 @@ const LEASE_NS: &str = "default";
 const LEASE: &str = "meshgate-node-gate-test";
 const LEASE_SECONDS: u64 = 4;
 
-/// A controller replica running on the background runtime.
-struct Replica {
-    identity: String,
-    metrics: Metrics,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
 struct Shared {
     replicas: Mutex<Vec<Replica>>,
 }
 
 async fn start_replica(kubeconfig: std::path::PathBuf, identity: &str) -> Replica {
-    let metrics = Metrics::new();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let m = metrics.clone();
-    let id = identity.to_owned();
-    background().spawn(async move {
-        let client = client_from(&kubeconfig).await;
-        let leader = leader::elect(
-            client.clone(),
-            LeaseSettings {
-                namespace: LEASE_NS.into(),
-                name: LEASE.into(),
-                identity: id,
-                duration: LEASE_SECONDS,
-                grace: 1,
-            },
-        )
-        .await
-        .expect("lease manager");
-        let settings = meshgate_controller::nodegate::Settings {
-            status_interval: Duration::from_secs(1),
-            ..Default::default()
-        };
-        meshgate_controller::nodegate::run(client, leader, m, settings, async move {
-            let _ = stopped.await;
-        })
-        .await;
-    });
-    Replica {
-        identity: identity.to_owned(),
-        metrics,
-        stop: Some(stop),
-    }
+    let lease = LeaseSettings {
+        namespace: LEASE_NS.into(),
+        name: LEASE.into(),
+        identity: identity.into(),
+        duration: LEASE_SECONDS,
+        grace: 1,
+    };
+    Replica::start(kubeconfig, lease, Duration::from_secs(1), None).await
 }
 
 /// Control plane with scheduler, CRDs, meshgate's webhook (node taint path, resource gate for
@@ -676,7 +644,7 @@ async fn lease_holder(client: &kube::Client) -> Option<String> {
         .and_then(|l| l.spec?.holder_identity)
 }
 
-fn writes(m: &Metrics) -> u64 {
+fn writes(m: &meshgate_controller::Metrics) -> u64 {
     let text = m.encode();
     text.lines()
         .filter(|l| l.starts_with("meshgate_controller_operations_total{"))

@@ -30,66 +30,29 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
 use meshgate_api::node_gate::NodeGateSpec;
 use meshgate_api::{NodeGate, names};
-use meshgate_controller::Metrics;
-use meshgate_controller::leader::{self, LeaseSettings};
+use meshgate_controller::leader::LeaseSettings;
 use serde_json::{Value, json};
 use tokio::sync::OnceCell;
 
 const SYSTEM_NS: &str = "meshgate-system";
 const LEASE_SECONDS: u64 = 3;
 
-/// A controller replica on the background runtime, as meshgate's controller ServiceAccount.
-struct Replica {
-    metrics: Metrics,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-}
-
-impl Replica {
-    fn stop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
 async fn start_replica(kubeconfig: std::path::PathBuf, lease: &str, identity: &str) -> Replica {
-    let metrics = Metrics::new();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let m = metrics.clone();
-    let (lease, id) = (lease.to_owned(), identity.to_owned());
-    background().spawn(async move {
-        let client = client_as_service_account(&kubeconfig, SYSTEM_NS, "meshgate-controller").await;
-        let leader = leader::elect(
-            client.clone(),
-            LeaseSettings {
-                namespace: SYSTEM_NS.into(),
-                name: lease,
-                identity: id,
-                duration: LEASE_SECONDS,
-                grace: 1,
-            },
-        )
-        .await
-        .expect("lease manager");
-        let settings = meshgate_controller::nodegate::Settings {
-            status_interval: Duration::from_millis(300),
-            ..Default::default()
-        };
-        meshgate_controller::nodegate::run(client, leader, m, settings, async move {
-            let _ = stopped.await;
-        })
-        .await;
-    });
-    Replica {
-        metrics,
-        stop: Some(stop),
-    }
+    let lease = LeaseSettings {
+        namespace: SYSTEM_NS.into(),
+        name: lease.into(),
+        identity: identity.into(),
+        duration: LEASE_SECONDS,
+        grace: 1,
+    };
+    // As meshgate's controller ServiceAccount: its installed RBAC, not cluster-admin.
+    Replica::start(
+        kubeconfig,
+        lease,
+        Duration::from_millis(300),
+        Some(SYSTEM_NS),
+    )
+    .await
 }
 
 struct Env {

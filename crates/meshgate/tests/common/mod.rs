@@ -414,3 +414,64 @@ pub async fn install_identities(client: &Client, profile: &str, namespace: &str)
         .await
         .expect("identities applied");
 }
+
+/// A node gate controller replica running on the background runtime, leader-elected on a
+/// Lease; `stop` ends it (so does dropping it).
+pub struct Replica {
+    pub identity: String,
+    pub metrics: meshgate_controller::Metrics,
+    pub stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Replica {
+    /// Starts a replica. `service_account`: run as meshgate's controller ServiceAccount in that
+    /// namespace (its installed RBAC), else as the admin.
+    pub async fn start(
+        kubeconfig: std::path::PathBuf,
+        lease: meshgate_controller::leader::LeaseSettings,
+        status_interval: Duration,
+        service_account: Option<&str>,
+    ) -> Self {
+        let metrics = meshgate_controller::Metrics::new();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let m = metrics.clone();
+        let identity = lease.identity.clone();
+        let sa = service_account.map(str::to_owned);
+        background().spawn(async move {
+            let client = match sa {
+                Some(ns) => {
+                    client_as_service_account(&kubeconfig, &ns, "meshgate-controller").await
+                }
+                None => client_from(&kubeconfig).await,
+            };
+            let leader = meshgate_controller::leader::elect(client.clone(), lease)
+                .await
+                .expect("lease manager");
+            let settings = meshgate_controller::nodegate::Settings {
+                status_interval,
+                ..Default::default()
+            };
+            meshgate_controller::nodegate::run(client, leader, m, settings, async move {
+                let _ = stopped.await;
+            })
+            .await;
+        });
+        Self {
+            identity,
+            metrics,
+            stop: Some(stop),
+        }
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
