@@ -15,8 +15,10 @@
 #
 #   tools/node/packages.sh        # installs what is missing; prints what it installs on stderr
 #
-# Needs root (CI and these machines run as root). Installing containerd starts no daemon here: the
-# tests start containerd themselves, with their own config, state and socket.
+# Needs root (CI and these machines run as root). Installing containerd starts no daemon on these
+# machines (no systemd; /usr/sbin/policy-rc.d forbids service starts); on a host with systemd,
+# Debian's unit starts one on /run/containerd/containerd.sock. The tests start their own
+# containerd, with their own config, root, state and socket, and do not use that one.
 set -euo pipefail
 
 # package name, then how to tell it is there without dpkg (a binary from elsewhere counts).
