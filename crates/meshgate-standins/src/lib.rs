@@ -1,0 +1,16 @@
+//! Mesh-like agents for meshgate's tests and demo: small programs that behave, where meshgate
+//! can observe it, like a service mesh's node agents, without being one.
+//!
+//! * [`cni`]: a **chained CNI plugin** (`mesh-cni`). On `ADD` it installs, inside the new pod's
+//!   network namespace, a mesh-style outbound redirect (every TCP connection leaving the pod goes
+//!   to the proxy's outbound port, except the proxy's own uid/gid and loopback), like a mesh's CNI
+//!   plugin in sidecar mode; it passes the previous plugin's result on. Namespaces on its
+//!   exclusion list are left alone, as the meshes' plugins leave theirs.
+//! * [`conflist`]: how the **CNI agent** (`mesh-cni-agent`) inserts that plugin into the node's
+//!   CNI configuration once it is "ready", and takes it out again, as a mesh's CNI DaemonSet
+//!   does: pods whose sandbox is created before that get no redirect.
+//!
+//! Everything here is plain functions of their inputs; the binaries in `src/bin` do the I/O.
+
+pub mod cni;
+pub mod conflist;
