@@ -10,7 +10,13 @@
 //!   CNI configuration once it is "ready", and takes it out again, as a mesh's CNI DaemonSet
 //!   does: pods whose sandbox is created before that get no redirect.
 //!
+//! * [`nodeproxy`]: a **node proxy** (`mesh-node-proxy`) that, once "ready", opens listeners
+//!   (15008, 15001, 15006) inside the network namespace of each pod sandbox on the node, as an
+//!   ambient node proxy does for the pods it captures. It finds sandboxes by their process name
+//!   (the pause binary), not through the API: every pod on the node is enrolled.
+//!
 //! Everything here is plain functions of their inputs; the binaries in `src/bin` do the I/O.
 
 pub mod cni;
 pub mod conflist;
+pub mod nodeproxy;
