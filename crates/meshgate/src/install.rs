@@ -25,7 +25,12 @@ pub struct InstallOptions {
     pub image: String,
     /// How new nodes get the startup taint at registration.
     pub node_taint: NodeTaint,
+    /// The repair loop (`None`: off) and what it may do to pods: `label` them, or `delete`
+    /// them. The controller's RBAC grants pod writes only for this.
+    pub repair: Option<RepairAction>,
 }
+
+pub use meshgate_core::repair::RepairAction;
 
 /// How new nodes get the startup taint at registration (`--node-taint`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,10 +148,11 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     let controller_rules = json!([
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch", "delete"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "replicasets"], "verbs": ["get", "list", "watch", "patch"]},
+        // patch: policy backfill of existing workloads' pod templates (DaemonSets included;
+        // their pods are also read for the agents' DaemonSets).
+        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "daemonsets", "replicasets"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": ["batch"], "resources": ["jobs", "cronjobs"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies"], "verbs": ["get", "list", "watch"]},
         // patch: the gate's finalizer (taints come off every node before a gate goes).
@@ -155,6 +161,18 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"], "resourceNames": ["meshgate"], "verbs": ["get", "patch"]},
     ]);
+    let mut controller_rules = controller_rules;
+    if let Some(action) = o.repair {
+        // Only with the repair loop: label, or delete, pods whose gate timed out.
+        // (`delete` deletes pods a controller recreates and labels the others.)
+        let verbs = match action {
+            RepairAction::Label => json!(["patch"]),
+            RepairAction::Delete => json!(["patch", "delete"]),
+        };
+        if let Some(rules) = controller_rules.as_array_mut() {
+            rules.push(json!({"apiGroups": [""], "resources": ["pods"], "verbs": verbs}));
+        }
+    }
     for (c, rules) in [("webhook", webhook_rules), ("controller", controller_rules)] {
         let name = format!("meshgate-{c}");
         out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": meta(&name, None, c), "rules": rules}));
@@ -205,13 +223,27 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         ns,
         "controller",
         &o.image,
-        json!([
-            "controller",
-            "--lease-namespace",
-            ns,
-            "--manage-certs",
-            "--log-json"
-        ]),
+        {
+            let mut args = vec![
+                "controller".to_owned(),
+                "--lease-namespace".to_owned(),
+                ns.to_owned(),
+                "--manage-certs".to_owned(),
+                "--log-json".to_owned(),
+            ];
+            if let Some(action) = o.repair {
+                args.push("--repair".into());
+                args.push("--repair-action".into());
+                args.push(
+                    match action {
+                        RepairAction::Label => "label",
+                        RepairAction::Delete => "delete",
+                    }
+                    .into(),
+                );
+            }
+            json!(args)
+        },
         json!([{"name": "health", "containerPort": 8080}]),
         json!([]),
         json!([]),

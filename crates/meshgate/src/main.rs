@@ -130,6 +130,10 @@ enum Command {
         /// where the API server serves it; without --apply: the policy, v1).
         #[arg(long, default_value = "auto", value_parser = ["policy", "webhook", "auto"])]
         node_taint: String,
+        /// Run the controller's repair loop for pods whose gate timed out, and grant it the pod
+        /// writes it needs: `label` (patch) or `delete` (patch and delete). Off by default.
+        #[arg(long, value_parser = ["label", "delete"])]
+        repair: Option<String>,
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
@@ -370,6 +374,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             apply,
             dry_run,
             node_taint,
+            repair,
             kubeconfig,
         } => {
             let client = if apply {
@@ -389,6 +394,13 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 namespace,
                 image,
                 node_taint,
+                repair: repair.map(|r| {
+                    if r == "delete" {
+                        meshgate::install::RepairAction::Delete
+                    } else {
+                        meshgate::install::RepairAction::Label
+                    }
+                }),
             })?;
             let Some(client) = client else {
                 return emit(&render::to_yaml_stream(&docs)?);

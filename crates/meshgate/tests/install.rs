@@ -8,7 +8,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use meshgate::install::{InstallOptions, NodeTaint, PROFILES, apply, masked, render};
+use meshgate::install::{InstallOptions, NodeTaint, PROFILES, RepairAction, apply, masked, render};
 use meshgate_core::registration::PolicyApi;
 
 fn options(profile: &str) -> InstallOptions {
@@ -17,6 +17,7 @@ fn options(profile: &str) -> InstallOptions {
         namespace: "meshgate-system".into(),
         image: "meshgate/meshgate:0.1.0".into(),
         node_taint: NodeTaint::Policy(PolicyApi::V1),
+        repair: None,
     }
 }
 
@@ -137,4 +138,120 @@ async fn node_taint_auto_picks_the_admission_policy_on_this_api_server() {
     // Without a policy API, auto falls back to the webhook; policy is refused.
     assert_eq!(NodeTaint::choose("auto", None).unwrap(), NodeTaint::Webhook);
     assert!(NodeTaint::choose("policy", None).is_err());
+}
+
+/// Each component's RBAC is what its enabled features need, checked by SubjectAccessReviews of
+/// its ServiceAccount on the real API server: no pod writes without the repair loop, pod
+/// `patch` for labelling repair, `patch` and `delete` for deleting repair, workload `patch`
+/// (DaemonSets included) for policy backfill, nothing on Secrets cluster-wide.
+#[tokio::test]
+async fn rbac_is_what_the_enabled_features_need() {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    };
+    let cp = common::control_plane(false).await;
+    let client = cp.client().await.unwrap();
+    let ns = "meshgate-rbac";
+    let allowed =
+        |sa: &'static str, verb: &'static str, group: &'static str, resource: &'static str| {
+            let client = client.clone();
+            async move {
+                let review = SubjectAccessReview {
+                    spec: SubjectAccessReviewSpec {
+                        user: Some(format!("system:serviceaccount:{ns}:{sa}")),
+                        groups: Some(vec![
+                            "system:serviceaccounts".into(),
+                            format!("system:serviceaccounts:{ns}"),
+                        ]),
+                        resource_attributes: Some(ResourceAttributes {
+                            verb: Some(verb.into()),
+                            group: Some(group.into()),
+                            resource: Some(resource.into()),
+                            namespace: Some("apps".into()),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                };
+                let out = kube::Api::<SubjectAccessReview>::all(client)
+                    .create(&Default::default(), &review)
+                    .await
+                    .expect("subject access review");
+                out.status.is_some_and(|s| s.allowed)
+            }
+        };
+    for repair in [None, Some(RepairAction::Label), Some(RepairAction::Delete)] {
+        let docs = render(&InstallOptions {
+            namespace: ns.into(),
+            repair,
+            ..options("istio-ambient")
+        })
+        .unwrap();
+        let identities: Vec<_> = docs
+            .into_iter()
+            .filter(|d| {
+                [
+                    "Namespace",
+                    "ServiceAccount",
+                    "ClusterRole",
+                    "ClusterRoleBinding",
+                    "Role",
+                    "RoleBinding",
+                ]
+                .contains(&d["kind"].as_str().unwrap_or_default())
+            })
+            .collect();
+        apply(&client, &identities, false, |_| {}).await.unwrap();
+        // RBAC changes reach the authorizer's cache asynchronously.
+        let want_patch = repair.is_some();
+        let want_delete = repair == Some(RepairAction::Delete);
+        common::wait_for(
+            "the RBAC to take effect",
+            std::time::Duration::from_secs(20),
+            || async {
+                allowed("meshgate-controller", "patch", "", "pods").await == want_patch
+                    && allowed("meshgate-controller", "delete", "", "pods").await == want_delete
+            },
+        )
+        .await;
+        let c = "meshgate-controller";
+        for (verb, group, resource, want) in [
+            ("list", "", "pods", true),
+            ("watch", "", "pods", true),
+            ("patch", "", "pods", want_patch),
+            ("delete", "", "pods", want_delete),
+            ("patch", "", "nodes", true),
+            ("patch", "", "nodes/status", true),
+            ("patch", "apps", "deployments", true),
+            ("patch", "apps", "statefulsets", true),
+            ("patch", "apps", "daemonsets", true),
+            ("patch", "batch", "cronjobs", true),
+            ("patch", "meshgate.dev", "nodegates", true),
+            ("list", "", "secrets", false),
+            ("create", "", "pods", false),
+            ("delete", "", "nodes", false),
+        ] {
+            assert_eq!(
+                allowed(c, verb, group, resource).await,
+                want,
+                "controller {verb} {group}/{resource} (repair {repair:?})"
+            );
+        }
+        let w = "meshgate-webhook";
+        for (verb, group, resource, want) in [
+            ("list", "", "namespaces", true),
+            ("watch", "", "limitranges", true),
+            ("list", "meshgate.dev", "mutationpolicies", true),
+            ("patch", "", "pods", false),
+            ("patch", "", "nodes", false),
+            ("get", "", "secrets", false),
+        ] {
+            assert_eq!(
+                allowed(w, verb, group, resource).await,
+                want,
+                "webhook {verb} {group}/{resource}"
+            );
+        }
+    }
 }

@@ -394,6 +394,7 @@ pub async fn install_identities(client: &Client, profile: &str, namespace: &str)
         namespace: namespace.into(),
         image: "meshgate/meshgate:test".into(),
         node_taint: meshgate::install::NodeTaint::Webhook,
+        repair: None,
     })
     .expect("install renders");
     let identities: Vec<serde_json::Value> = docs
