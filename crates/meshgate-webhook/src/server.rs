@@ -261,11 +261,12 @@ async fn pod_gate(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Re
         })
         .map_err(|e| (400, format!("request.object: {e}")))?;
         let outcome = plan.decision();
-        let patch = match plan {
-            PodPlan::Skip(_) => JsonPatch::default(),
-            PodPlan::Mutate { patch, .. } => patch,
+        let (patch, gated) = match plan {
+            PodPlan::Skip(_) => (JsonPatch::default(), false),
+            PodPlan::Mutate { patch, verdict, .. } => (patch, verdict.is_ok()),
         };
-        if !patch.is_empty() && !req.dry_run {
+        // A pod the gate leaves alone may still get its verdict annotation: only gates count.
+        if gated && !patch.is_empty() && !req.dry_run {
             a.metrics
                 .mutations
                 .get_or_create(&MutationLabels {
