@@ -14,6 +14,7 @@
 //! when the process ends, whether the tests passed, panicked or were interrupted. [`Drop`] stops a
 //! private control plane early.
 
+pub mod image;
 pub mod measure;
 mod process;
 mod secret_dir;
@@ -62,6 +63,8 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error("kubeconfig: {0}")]
     Kubeconfig(String),
+    #[error("real node: {0}")]
+    Node(String),
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {

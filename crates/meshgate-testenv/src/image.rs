@@ -1,0 +1,392 @@
+//! Container images without a registry or a container engine: OCI image archives written here
+//! (an `oci-layout`, an `index.json`, one uncompressed layer, a config and a manifest, all in
+//! one tar) holding static binaries, for `ctr images import`.
+//!
+//! [`static_binaries`] builds `meshgate-wait` and the test programs of `meshgate-testbins`
+//! (`pause`, `app`) as static executables once (Cargo caches them in a target directory of their
+//! own under the cache); [`TestImages::write`] puts each into an image.
+
+use std::path::{Path, PathBuf};
+
+use crate::{Error, io};
+
+/// The image the node's containerd uses for pod sandboxes (`sandbox_image`).
+pub const PAUSE_IMAGE: &str = "meshgate.local/pause:1";
+/// The test application: prints a line and sleeps (`app listen PORT` listens first).
+pub const APP_IMAGE: &str = "meshgate.local/app:1";
+/// `meshgate-wait` at `/meshgate-wait`.
+pub const GATE_IMAGE: &str = "meshgate.local/meshgate-wait:1";
+
+/// An image archive on disk and the name it is imported under.
+#[derive(Clone, Debug)]
+pub struct ImageArchive {
+    pub name: String,
+    pub path: PathBuf,
+    /// `sha256:…` of the manifest.
+    pub manifest_digest: String,
+}
+
+/// The directory of the static builds: `meshgate-wait`, `pause`, `app`.
+#[derive(Clone, Debug)]
+pub struct StaticBinaries {
+    pub dir: PathBuf,
+}
+
+impl StaticBinaries {
+    pub fn meshgate_wait(&self) -> PathBuf {
+        self.dir.join("meshgate-wait")
+    }
+    pub fn pause(&self) -> PathBuf {
+        self.dir.join("pause")
+    }
+    pub fn app(&self) -> PathBuf {
+        self.dir.join("app")
+    }
+}
+
+/// The cache directory: `MESHGATE_CACHE`, else `$XDG_CACHE_HOME/meshgate`, else
+/// `$HOME/.cache/meshgate` (as the tools' scripts).
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("MESHGATE_CACHE") {
+        return PathBuf::from(dir);
+    }
+    if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(dir).join("meshgate");
+    }
+    let home = std::env::var_os("HOME").map_or_else(std::env::temp_dir, PathBuf::from);
+    home.join(".cache/meshgate")
+}
+
+/// Builds `meshgate-wait`, `pause` and `app` as static executables (glibc, static PIE, as
+/// crates/meshgate-wait/README.md describes) into `<cache>/static-target`, or returns
+/// `MESHGATE_STATIC_BIN` when that names a directory holding all three. Cargo makes the second
+/// call a no-op.
+pub fn static_binaries() -> Result<StaticBinaries, Error> {
+    const TARGET: &str = "x86_64-unknown-linux-gnu";
+    if let Some(dir) = std::env::var_os("MESHGATE_STATIC_BIN") {
+        let bins = StaticBinaries {
+            dir: PathBuf::from(dir),
+        };
+        for p in [bins.meshgate_wait(), bins.pause(), bins.app()] {
+            if !p.is_file() {
+                return Err(Error::Build {
+                    script: "MESHGATE_STATIC_BIN".into(),
+                    message: format!("{} is missing", p.display()),
+                });
+            }
+        }
+        return Ok(bins);
+    }
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let target_dir = cache_dir().join("static-target");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = std::process::Command::new(&cargo)
+        .current_dir(&workspace)
+        .args(["build", "--release", "--locked", "--target", TARGET])
+        .args(["-p", "meshgate-wait", "-p", "meshgate-testbins"])
+        .env("CARGO_TARGET_DIR", &target_dir)
+        .env("RUSTFLAGS", "-C target-feature=+crt-static")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env_remove("CARGO_BUILD_TARGET")
+        .stdout(std::process::Stdio::inherit())
+        .stderr(std::process::Stdio::inherit())
+        .status()
+        .map_err(io(format!(
+            "running {} build (static binaries)",
+            PathBuf::from(&cargo).display()
+        )))?;
+    if !status.success() {
+        return Err(Error::Build {
+            script: format!(
+                "cargo build --release --target {TARGET} -p meshgate-wait -p meshgate-testbins \
+                 (RUSTFLAGS=\"-C target-feature=+crt-static\", CARGO_TARGET_DIR={})",
+                target_dir.display()
+            ),
+            message: format!("exit {status}"),
+        });
+    }
+    Ok(StaticBinaries {
+        dir: target_dir.join(TARGET).join("release"),
+    })
+}
+
+/// The three images the node tests use, written into one directory.
+#[derive(Clone, Debug)]
+pub struct TestImages {
+    pub binaries: StaticBinaries,
+    pub pause: ImageArchive,
+    pub app: ImageArchive,
+    pub gate: ImageArchive,
+}
+
+impl TestImages {
+    /// Builds the static binaries (cached) and writes `pause.tar`, `app.tar` and
+    /// `meshgate-wait.tar` into `dir`.
+    pub fn write(dir: &Path) -> Result<Self, Error> {
+        Self::write_with(dir, static_binaries()?)
+    }
+
+    /// [`TestImages::write`] with binaries built already.
+    pub fn write_with(dir: &Path, binaries: StaticBinaries) -> Result<Self, Error> {
+        std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+        let image = |name: &str, file: &str, host: PathBuf| {
+            write_archive(
+                name,
+                &[(file, host.as_path())],
+                &[&format!("/{file}")],
+                &dir.join(format!("{file}.tar")),
+            )
+        };
+        Ok(Self {
+            pause: image(PAUSE_IMAGE, "pause", binaries.pause())?,
+            app: image(APP_IMAGE, "app", binaries.app())?,
+            gate: image(GATE_IMAGE, "meshgate-wait", binaries.meshgate_wait())?,
+            binaries,
+        })
+    }
+
+    pub fn all(&self) -> [&ImageArchive; 3] {
+        [&self.pause, &self.app, &self.gate]
+    }
+}
+
+/// Writes an OCI image archive named `name` (`registry/repo:tag`) to `out`: one layer holding
+/// `files` (path in the image, without the leading `/`; file on the host; mode 0755, owner
+/// root) and a config with this entrypoint, for linux/amd64.
+pub fn write_archive(
+    name: &str,
+    files: &[(&str, &Path)],
+    entrypoint: &[&str],
+    out: &Path,
+) -> Result<ImageArchive, Error> {
+    let tag = name
+        .rsplit_once(':')
+        .filter(|(repo, _)| !repo.is_empty() && !repo.ends_with('/'))
+        .map(|(_, tag)| tag)
+        .ok_or_else(|| Error::Node(format!("image name {name:?} has no tag")))?;
+    let mut layer = Tar::default();
+    for (path, host) in files {
+        let data = std::fs::read(host).map_err(io(format!("reading {}", host.display())))?;
+        let mut parent = String::new();
+        let parts: Vec<&str> = path.split('/').collect();
+        for dir in &parts[..parts.len() - 1] {
+            parent.push_str(dir);
+            parent.push('/');
+            layer.dir(&parent)?;
+        }
+        layer.file(path, &data, 0o755)?;
+    }
+    let layer = layer.finish();
+    let layer_digest = sha256(&layer);
+    let config = serde_json::to_vec(&serde_json::json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {"Entrypoint": entrypoint, "WorkingDir": "/"},
+        "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+        "history": [{"created_by": "meshgate-testenv image::write_archive"}],
+    }))
+    .map_err(|e| Error::Node(format!("image config: {e}")))?;
+    let config_digest = sha256(&config);
+    let manifest = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": config_digest, "size": config.len()},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
+                    "digest": layer_digest, "size": layer.len()}],
+    }))
+    .map_err(|e| Error::Node(format!("image manifest: {e}")))?;
+    let manifest_digest = sha256(&manifest);
+    let index = serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": manifest_digest, "size": manifest.len(),
+            "platform": {"architecture": "amd64", "os": "linux"},
+            "annotations": {"io.containerd.image.name": name,
+                            "org.opencontainers.image.ref.name": tag},
+        }],
+    }))
+    .map_err(|e| Error::Node(format!("image index: {e}")))?;
+
+    let mut archive = Tar::default();
+    archive.file("oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#, 0o644)?;
+    archive.file("index.json", &index, 0o644)?;
+    archive.dir("blobs/")?;
+    archive.dir("blobs/sha256/")?;
+    for (digest, data) in [
+        (&layer_digest, &layer),
+        (&config_digest, &config),
+        (&manifest_digest, &manifest),
+    ] {
+        let hex = digest.trim_start_matches("sha256:");
+        archive.file(&format!("blobs/sha256/{hex}"), data, 0o644)?;
+    }
+    std::fs::write(out, archive.finish()).map_err(io(format!("writing {}", out.display())))?;
+    Ok(ImageArchive {
+        name: name.to_owned(),
+        path: out.to_owned(),
+        manifest_digest,
+    })
+}
+
+/// `sha256:<hex>` of `data`.
+pub fn sha256(data: &[u8]) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, data);
+    let mut s = String::from("sha256:");
+    for b in digest.as_ref() {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+/// A ustar archive in memory: regular files and directories, owner root, mtime 0.
+#[derive(Default)]
+struct Tar {
+    bytes: Vec<u8>,
+}
+
+impl Tar {
+    fn dir(&mut self, path: &str) -> Result<(), Error> {
+        self.entry(path, b"", 0o755, b'5')
+    }
+
+    fn file(&mut self, path: &str, data: &[u8], mode: u32) -> Result<(), Error> {
+        self.entry(path, data, mode, b'0')
+    }
+
+    fn entry(&mut self, path: &str, data: &[u8], mode: u32, kind: u8) -> Result<(), Error> {
+        if path.is_empty() || path.len() > 99 || path.starts_with('/') {
+            return Err(Error::Node(format!(
+                "tar entry name {path:?} must be relative and under 100 bytes"
+            )));
+        }
+        let mut h = [0u8; 512];
+        let field = |h: &mut [u8; 512], at: usize, value: &[u8]| {
+            h[at..at + value.len()].copy_from_slice(value);
+        };
+        let octal = |h: &mut [u8; 512], at: usize, width: usize, value: u64| {
+            // width-1 octal digits and a NUL.
+            let text = format!("{value:0w$o}", w = width - 1);
+            h[at..at + width - 1].copy_from_slice(text.as_bytes());
+        };
+        field(&mut h, 0, path.as_bytes());
+        octal(&mut h, 100, 8, u64::from(mode));
+        octal(&mut h, 108, 8, 0); // uid
+        octal(&mut h, 116, 8, 0); // gid
+        octal(&mut h, 124, 12, data.len() as u64);
+        octal(&mut h, 136, 12, 0); // mtime
+        h[156] = kind;
+        field(&mut h, 257, b"ustar\0");
+        field(&mut h, 263, b"00");
+        field(&mut h, 265, b"root");
+        field(&mut h, 297, b"root");
+        // The checksum is computed with its own field as eight spaces.
+        h[148..156].copy_from_slice(b"        ");
+        let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
+        let text = format!("{sum:06o}\0 ");
+        h[148..156].copy_from_slice(text.as_bytes());
+        self.bytes.extend_from_slice(&h);
+        self.bytes.extend_from_slice(data);
+        let pad = (512 - data.len() % 512) % 512;
+        self.bytes.extend(std::iter::repeat_n(0u8, pad));
+        Ok(())
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        self.bytes.extend(std::iter::repeat_n(0u8, 1024));
+        self.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sha256_of_known_input() {
+        assert_eq!(
+            sha256(b"abc"),
+            "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    /// The archive reads back with tar(1): entries, sizes, modes and contents; the index
+    /// points at the manifest, the manifest at the config and the layer, by digest.
+    #[test]
+    fn archive_is_a_valid_oci_layout() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let bin = dir.path().join("prog");
+        std::fs::write(&bin, b"#!/bin/true\nsome bytes").expect("write input");
+        let out = dir.path().join("img.tar");
+        let archive = write_archive(
+            "meshgate.local/prog:7",
+            &[("usr/bin/prog", bin.as_path())],
+            &["/usr/bin/prog"],
+            &out,
+        )
+        .expect("archive written");
+        assert_eq!(std::fs::metadata(&out).expect("archive").len() % 512, 0);
+
+        let unpacked = dir.path().join("x");
+        std::fs::create_dir(&unpacked).expect("mkdir");
+        let status = std::process::Command::new("tar")
+            .arg("-xf")
+            .arg(&out)
+            .arg("-C")
+            .arg(&unpacked)
+            .status()
+            .expect("tar runs");
+        assert!(status.success(), "tar -xf the archive");
+        let read = |p: &str| std::fs::read(unpacked.join(p)).expect("entry");
+        let json = |p: &str| -> serde_json::Value {
+            serde_json::from_slice(&read(p)).expect("json entry")
+        };
+        assert_eq!(json("oci-layout")["imageLayoutVersion"], "1.0.0");
+        let index = json("index.json");
+        let m = &index["manifests"][0];
+        assert_eq!(
+            m["annotations"]["io.containerd.image.name"],
+            "meshgate.local/prog:7"
+        );
+        assert_eq!(m["annotations"]["org.opencontainers.image.ref.name"], "7");
+        assert_eq!(m["digest"], archive.manifest_digest.as_str());
+        let blob = |d: &serde_json::Value| {
+            let d = d.as_str().expect("digest");
+            let data = read(&format!("blobs/sha256/{}", d.trim_start_matches("sha256:")));
+            assert_eq!(sha256(&data), d, "blob content matches its digest");
+            data
+        };
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&blob(&m["digest"])).expect("manifest");
+        let config: serde_json::Value =
+            serde_json::from_slice(&blob(&manifest["config"]["digest"])).expect("config");
+        assert_eq!(config["config"]["Entrypoint"][0], "/usr/bin/prog");
+        let layer = blob(&manifest["layers"][0]["digest"]);
+        assert_eq!(
+            manifest["layers"][0]["size"].as_u64(),
+            Some(layer.len() as u64)
+        );
+        assert_eq!(
+            config["rootfs"]["diff_ids"][0],
+            manifest["layers"][0]["digest"]
+        );
+
+        let layer_tar = dir.path().join("layer.tar");
+        std::fs::write(&layer_tar, &layer).expect("write layer");
+        let listing = std::process::Command::new("tar")
+            .arg("-tvf")
+            .arg(&layer_tar)
+            .output()
+            .expect("tar runs");
+        let listing = String::from_utf8_lossy(&listing.stdout);
+        assert!(listing.contains("drwxr-xr-x root/root"), "{listing}");
+        let prog = listing
+            .lines()
+            .find(|l| l.ends_with(" usr/bin/prog"))
+            .unwrap_or_else(|| panic!("usr/bin/prog in the layer: {listing}"));
+        let fields: Vec<&str> = prog.split_whitespace().collect();
+        assert_eq!(fields[..3], ["-rwxr-xr-x", "root/root", "22"], "{prog}");
+    }
+}
