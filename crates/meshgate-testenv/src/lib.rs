@@ -14,6 +14,7 @@
 //! when the process ends, whether the tests passed, panicked or were interrupted. [`Drop`] stops a
 //! private control plane early.
 
+pub mod host;
 pub mod image;
 pub mod measure;
 mod process;
