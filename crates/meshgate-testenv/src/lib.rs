@@ -9,6 +9,10 @@
 //! with RBAC, signs service-account tokens with a generated key, and runs without the
 //! `ServiceAccount` admission plugin (there is no controller manager to create tokens).
 //!
+//! [`node::RealNode`] adds one real node to a control plane: containerd, kubelet,
+//! kube-controller-manager (and kube-proxy on request), with images written by [`image`] and the
+//! host restored afterwards by [`host`].
+//!
 //! No process outlives the test binary: every child is started through `setpriv --pdeathsig KILL`
 //! from one supervisor thread that lives as long as the process, so the kernel kills the children
 //! when the process ends, whether the tests passed, panicked or were interrupted. [`Drop`] stops a
@@ -17,6 +21,7 @@
 pub mod host;
 pub mod image;
 pub mod measure;
+pub mod node;
 mod process;
 mod secret_dir;
 
@@ -64,6 +69,9 @@ pub enum Error {
     Kube(#[from] kube::Error),
     #[error("kubeconfig: {0}")]
     Kubeconfig(String),
+    /// The host lacks what a real node needs (root, binaries, packages): each item says what.
+    #[error("this host cannot run a real node: {}", .0.join("; "))]
+    NodeUnsupported(Vec<String>),
     #[error("real node: {0}")]
     Node(String),
 }
@@ -114,6 +122,7 @@ pub struct Options {
 pub struct ControlPlane {
     bin: PathBuf,
     dir: tempfile::TempDir,
+    ca: meshgate_pki::Ca,
     etcd: Process,
     apiserver: Process,
     scheduler: tokio::sync::Mutex<Option<Process>>,
@@ -252,15 +261,17 @@ impl ControlPlane {
         )
         .map_err(io("writing the kubeconfig"))?;
 
+        let ca_pem = ca.certificate().cert_pem.clone();
         let cp = Self {
             bin,
             dir,
+            ca,
             etcd,
             apiserver,
             scheduler: tokio::sync::Mutex::new(None),
             server,
             kubeconfig_path,
-            ca_pem: ca.certificate().cert_pem.clone(),
+            ca_pem,
             etcd_url,
             etcd_args,
             apiserver_args,
@@ -286,6 +297,26 @@ impl ControlPlane {
     /// The directory holding the logs (`etcd.log`, `kube-apiserver.log`, `kube-scheduler.log`).
     pub fn dir(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// The CA's certificate file (the API server's client CA and serving CA).
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir().join("ca.crt")
+    }
+
+    /// The private key that signs service-account tokens (kube-controller-manager needs it).
+    pub fn service_account_key_file(&self) -> PathBuf {
+        self.dir().join("sa.key")
+    }
+
+    /// A client certificate from the control plane's CA: the API server authenticates it as
+    /// `user` in `groups` (e.g. `system:node:NAME` in `system:nodes` for a kubelet).
+    pub fn issue_client(
+        &self,
+        user: &str,
+        groups: &[&str],
+    ) -> Result<meshgate_pki::CertifiedKey, Error> {
+        Ok(self.ca.issue_client(user, groups, CERT_LIFETIME)?)
     }
 
     /// The etcd client URL.

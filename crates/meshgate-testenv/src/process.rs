@@ -51,6 +51,17 @@ impl Process {
         args: &[String],
         log: &Path,
     ) -> Result<Self, Error> {
+        Self::spawn_with_env(name, program, args, &[], log)
+    }
+
+    /// [`Process::spawn`] with `env` added to the environment.
+    pub fn spawn_with_env(
+        name: &'static str,
+        program: &Path,
+        args: &[String],
+        env: &[(&str, &std::ffi::OsStr)],
+        log: &Path,
+    ) -> Result<Self, Error> {
         let out = File::options()
             .create(true)
             .append(true)
@@ -66,6 +77,7 @@ impl Process {
             Command::new(program)
         };
         cmd.args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::from(out))
             .stderr(Stdio::from(err));
