@@ -6,11 +6,16 @@
 # 0. installs the Debian packages the tests need when missing (tools/packages.sh; root);
 # 1. builds (once, cached outside the clone) etcd, kube-apiserver and kube-scheduler from the Go
 #    module proxy: tools/controlplane/build.sh;
+# 1b. for the real node of the real_node test: installs containerd, runc, the CNI plugins and
+#    iptables when missing (tools/node/packages.sh; root) and builds, once, kubelet,
+#    kube-controller-manager and kube-proxy (tools/node/build.sh);
 # 2. cargo fmt --check, cargo clippy --all-targets -D warnings, the CRD manifests are current;
-# 3. cargo test --workspace: unit tests and the end-to-end tests against the real control plane.
+# 3. cargo test --workspace: unit tests, the end-to-end tests against the real control plane, and
+#    real_node on a real node (it builds meshgate-wait, pause and app static, once).
 #
-# Env: MESHGATE_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate) holds the control plane
-# and, unless CARGO_TARGET_DIR is set, the Cargo build directory, so that a new clone reuses them.
+# Env: MESHGATE_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate) holds the control plane,
+# the node binaries, the static test binaries (static-target) and, unless CARGO_TARGET_DIR is set,
+# the Cargo build directory, so that a new clone reuses them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 cache=${MESHGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
@@ -25,6 +30,12 @@ step "control plane (etcd, kube-apiserver, kube-scheduler)"
 MESHGATE_CONTROLPLANE_BIN=$(tools/controlplane/build.sh)
 export MESHGATE_CONTROLPLANE_BIN
 ls -l "$MESHGATE_CONTROLPLANE_BIN"
+
+step "real node (containerd, runc, CNI plugins; kubelet, kube-controller-manager, kube-proxy)"
+tools/node/packages.sh
+MESHGATE_NODE_BIN=$(tools/node/build.sh)
+export MESHGATE_NODE_BIN
+ls -l "$MESHGATE_NODE_BIN"
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
