@@ -43,7 +43,7 @@ pub use process::Process;
 /// Errors of the test environment, each naming what failed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("building the control plane failed ({script}): {message}")]
+    #[error("build failed ({script}): {message}")]
     Build { script: String, message: String },
     #[error("{what}: {source}")]
     Io {
