@@ -695,7 +695,10 @@ async fn a_crashed_test_process_leaves_the_host_to_the_sweeper() {
 #[tokio::test]
 #[ignore = "run by a_crashed_test_process_leaves_the_host_to_the_sweeper in a child process"]
 async fn crashing_child() {
-    let marker = std::env::var_os(CHILD_ENV).expect("run by the sweep test");
+    let Some(marker) = std::env::var_os(CHILD_ENV) else {
+        eprintln!("crashing_child runs only as the sweep test's child ({CHILD_ENV} unset)");
+        return;
+    };
     let cp = control_plane(false).await;
     let node = RealNode::start(
         &cp,
