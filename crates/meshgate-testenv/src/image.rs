@@ -16,6 +16,9 @@ pub const PAUSE_IMAGE: &str = "meshgate.local/pause:1";
 pub const APP_IMAGE: &str = "meshgate.local/app:1";
 /// `meshgate-wait` at `/meshgate-wait`.
 pub const GATE_IMAGE: &str = "meshgate.local/meshgate-wait:1";
+/// The mesh-like agents (`meshgate-standins`): `/mesh-node-proxy`, `/mesh-cni`,
+/// `/mesh-cni-agent`.
+pub const AGENTS_IMAGE: &str = "meshgate.local/mesh-agents:1";
 
 /// An image archive on disk and the name it is imported under.
 #[derive(Clone, Debug)]
@@ -42,7 +45,14 @@ impl StaticBinaries {
     pub fn app(&self) -> PathBuf {
         self.dir.join("app")
     }
+    /// A program of `meshgate-standins` (`mesh-node-proxy`, `mesh-cni`, `mesh-cni-agent`).
+    pub fn standin(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
 }
+
+/// The programs of the agents image.
+pub const STANDINS: [&str; 3] = ["mesh-node-proxy", "mesh-cni", "mesh-cni-agent"];
 
 /// The cache directory: `MESHGATE_CACHE`, else `$XDG_CACHE_HOME/meshgate`, else
 /// `$HOME/.cache/meshgate` (as the tools' scripts).
@@ -67,7 +77,11 @@ pub fn static_binaries() -> Result<StaticBinaries, Error> {
         let bins = StaticBinaries {
             dir: PathBuf::from(dir),
         };
-        for p in [bins.meshgate_wait(), bins.pause(), bins.app()] {
+        let standins = STANDINS.map(|s| bins.standin(s));
+        for p in [bins.meshgate_wait(), bins.pause(), bins.app()]
+            .iter()
+            .chain(&standins)
+        {
             if !p.is_file() {
                 return Err(Error::Build {
                     script: "MESHGATE_STATIC_BIN".into(),
@@ -83,7 +97,14 @@ pub fn static_binaries() -> Result<StaticBinaries, Error> {
     let status = std::process::Command::new(&cargo)
         .current_dir(&workspace)
         .args(["build", "--release", "--locked", "--target", TARGET])
-        .args(["-p", "meshgate-wait", "-p", "meshgate-testbins"])
+        .args([
+            "-p",
+            "meshgate-wait",
+            "-p",
+            "meshgate-testbins",
+            "-p",
+            "meshgate-standins",
+        ])
         .env("CARGO_TARGET_DIR", &target_dir)
         .env("RUSTFLAGS", "-C target-feature=+crt-static")
         .env_remove("CARGO_ENCODED_RUSTFLAGS")
@@ -98,7 +119,7 @@ pub fn static_binaries() -> Result<StaticBinaries, Error> {
     if !status.success() {
         return Err(Error::Build {
             script: format!(
-                "cargo build --release --target {TARGET} -p meshgate-wait -p meshgate-testbins \
+                "cargo build --release --target {TARGET} -p meshgate-wait -p meshgate-testbins -p meshgate-standins \
                  (RUSTFLAGS=\"-C target-feature=+crt-static\", CARGO_TARGET_DIR={})",
                 target_dir.display()
             ),
@@ -117,6 +138,7 @@ pub struct TestImages {
     pub pause: ImageArchive,
     pub app: ImageArchive,
     pub gate: ImageArchive,
+    pub agents: ImageArchive,
 }
 
 impl TestImages {
@@ -137,16 +159,26 @@ impl TestImages {
                 &dir.join(format!("{file}.tar")),
             )
         };
+        let agent_files: Vec<(&str, PathBuf)> =
+            STANDINS.iter().map(|s| (*s, binaries.standin(s))).collect();
+        let agent_files: Vec<(&str, &Path)> =
+            agent_files.iter().map(|(n, p)| (*n, p.as_path())).collect();
         Ok(Self {
             pause: image(PAUSE_IMAGE, "pause", binaries.pause())?,
             app: image(APP_IMAGE, "app", binaries.app())?,
             gate: image(GATE_IMAGE, "meshgate-wait", binaries.meshgate_wait())?,
+            agents: write_archive(
+                AGENTS_IMAGE,
+                &agent_files,
+                &["/mesh-node-proxy"],
+                &dir.join("mesh-agents.tar"),
+            )?,
             binaries,
         })
     }
 
-    pub fn all(&self) -> [&ImageArchive; 3] {
-        [&self.pause, &self.app, &self.gate]
+    pub fn all(&self) -> [&ImageArchive; 4] {
+        [&self.pause, &self.app, &self.gate, &self.agents]
     }
 }
 

@@ -10,6 +10,10 @@
 //!   the check.
 //! * The teardown leaves the host as it was: processes, mounts, network namespaces, links,
 //!   sysctls, iptables and nft state compared with the snapshot taken before the node started.
+//! * The kubelet's own Node is tainted at CREATE by meshgate's admission policy; the node-proxy
+//!   stand-in (`mesh-node-proxy`, a privileged DaemonSet from an image the test writes) becomes
+//!   Ready after its delay, the controller (as its installed ServiceAccount) lifts the taint, and
+//!   a gated ambient pod runs once the stand-in has opened its listener inside the pod.
 //!
 //! Needs root, the node binaries (`MESHGATE_NODE_BIN`, from tools/node/build.sh, which the test
 //! runs when the variable is unset) and the packages of tools/node/packages.sh. Without them
@@ -730,4 +734,305 @@ async fn crashing_child() {
     std::fs::write(&tmp, node.run_dir().as_os_str().as_encoded_bytes()).expect("marker");
     std::fs::rename(&tmp, &marker).expect("marker in place");
     std::future::pending::<()>().await;
+}
+
+/// The registration race, for real: the kubelet's own Node is tainted at CREATE by meshgate's
+/// admission policy (no webhook on nodes), the node-proxy stand-in (`mesh-node-proxy`, a
+/// DaemonSet from an image the test writes) starts on it and becomes Ready after a delay, the
+/// controller (as its installed ServiceAccount) lifts the taint, and a gated pod of an ambient
+/// namespace then runs once the stand-in has opened its listener inside the pod.
+#[tokio::test]
+async fn the_kubelets_node_is_tainted_at_create_and_released_by_its_real_agent() {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    use k8s_openapi::api::core::v1::Node;
+    use meshgate_api::NodeGate;
+    use meshgate_api::node_gate::NodeGateSpec;
+    use meshgate_testenv::image::AGENTS_IMAGE;
+
+    if !can_run() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cp = control_plane(true).await;
+    let client = cp.client().await.expect("client");
+    install_crds(&client).await;
+    install_identities(&client, "istio-ambient", "meshgate-system").await;
+    let node_name = NodeOptions::default().name;
+    let agents_ns = cp.namespace("mesh-agents", &[]).await.expect("namespace");
+    let spec: NodeGateSpec = serde_json::from_value(json!({
+        "agents": [{"name": "node-proxy", "namespace": agents_ns,
+                    "selector": {"matchLabels": {"app": "mesh-node-proxy"}}, "daemonSet": "mesh-node-proxy"}],
+        "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": node_name}},
+    }))
+    .expect("gate spec");
+    // The admission policy that taints the node at registration, and its effect checked with
+    // dry-run creates (policies take effect asynchronously).
+    for doc in meshgate_core::registration::node_taint_policy(
+        "real-agents",
+        &spec,
+        meshgate_core::registration::PolicyApi::V1,
+    ) {
+        meshgate::install::apply(&client, &[doc], false, |_| {})
+            .await
+            .expect("policy applied");
+    }
+    let nodes: Api<Node> = Api::all(client.clone());
+    let mut n = 0;
+    wait_for(
+        "the admission policy to be active",
+        Duration::from_secs(30),
+        || {
+            n += 1;
+            let nodes = nodes.clone();
+            let node_name = node_name.clone();
+            async move {
+                let probe: Node =
+                    serde_json::from_value(json!({"metadata": {"name": format!("probe-{n}"),
+                "labels": {"kubernetes.io/hostname": node_name}}}))
+                    .expect("node");
+                let dry = PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                nodes.create(&dry, &probe).await.ok().is_some_and(|n| {
+                    n.spec.and_then(|s| s.taints).is_some_and(|ts| {
+                        ts.iter()
+                            .any(|t| t.key == meshgate_api::names::DEFAULT_TAINT_KEY)
+                    })
+                })
+            }
+        },
+    )
+    .await;
+    Api::<NodeGate>::all(client.clone())
+        .create(&PostParams::default(), &NodeGate::new("real-agents", spec))
+        .await
+        .expect("gate");
+    let mut controller = Replica::start(
+        cp.kubeconfig_path.clone(),
+        meshgate_controller::leader::LeaseSettings {
+            namespace: "meshgate-system".into(),
+            name: "meshgate-real-node".into(),
+            identity: "real".into(),
+            duration: 3,
+            grace: 1,
+        },
+        Duration::from_millis(500),
+        Some("meshgate-system"),
+    )
+    .await;
+    // The node-proxy stand-in, as a mesh ships its node proxy: a privileged DaemonSet that
+    // tolerates every taint (the gate's included) and is Ready after its start-up delay.
+    let ds: DaemonSet = serde_json::from_value(json!({
+        "metadata": {"name": "mesh-node-proxy"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "mesh-node-proxy"}},
+            "template": {
+                "metadata": {"labels": {"app": "mesh-node-proxy"}},
+                "spec": {
+                    "hostPID": true,
+                    "automountServiceAccountToken": false,
+                    "enableServiceLinks": false,
+                    "terminationGracePeriodSeconds": 1,
+                    "tolerations": [{"operator": "Exists"}],
+                    "containers": [{
+                        "name": "node-proxy", "image": AGENTS_IMAGE, "imagePullPolicy": "Never",
+                        "command": ["/mesh-node-proxy", "--ready-delay", "3", "--ready-file", "/tmp/ready"],
+                        "securityContext": {"privileged": true},
+                        "readinessProbe": {"exec": {"command": ["/mesh-node-proxy", "--check-ready", "/tmp/ready"]},
+                                           "periodSeconds": 1},
+                    }],
+                },
+            },
+        },
+    }))
+    .expect("daemonset");
+    Api::<DaemonSet>::namespaced(client.clone(), &agents_ns)
+        .create(&PostParams::default(), &ds)
+        .await
+        .expect("daemonset created");
+
+    // Watch the Node from before it exists: its first version shows whether it was tainted at
+    // CREATE.
+    let first_taints = std::sync::Arc::new(std::sync::Mutex::new(None::<Vec<String>>));
+    let watch = {
+        use futures::StreamExt;
+        let (first, nodes, node_name) = (first_taints.clone(), nodes.clone(), node_name.clone());
+        tokio::spawn(async move {
+            let cfg = kube::runtime::watcher::Config::default()
+                .fields(&format!("metadata.name={node_name}"));
+            let mut stream = kube::runtime::watcher(nodes, cfg).boxed();
+            while let Some(Ok(ev)) = stream.next().await {
+                if let kube::runtime::watcher::Event::Apply(n)
+                | kube::runtime::watcher::Event::InitApply(n) = ev
+                {
+                    let keys: Vec<String> = n
+                        .spec
+                        .and_then(|s| s.taints)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|t| t.key)
+                        .collect();
+                    let mut f = first
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    if f.is_none() {
+                        *f = Some(keys);
+                    }
+                }
+            }
+        })
+    };
+    let node = RealNode::start(&cp, NodeOptions::default())
+        .await
+        .expect("the real node starts");
+    let ready_at = Instant::now();
+    let first = first_taints
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    watch.abort();
+    assert!(
+        first.as_ref().is_some_and(|k| k
+            .iter()
+            .any(|k| k == meshgate_api::names::DEFAULT_TAINT_KEY)),
+        "the kubelet's Node was tainted at CREATE: first seen taints {first:?}"
+    );
+    let lifted = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let n = nodes.get(&node_name).await.expect("node");
+            let tainted = n
+                .spec
+                .and_then(|s| s.taints)
+                .unwrap_or_default()
+                .iter()
+                .any(|t| t.key == meshgate_api::names::DEFAULT_TAINT_KEY);
+            if !tainted {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    if lifted.is_err() {
+        let agents = Api::<Pod>::namespaced(client.clone(), &agents_ns)
+            .list(&Default::default())
+            .await
+            .expect("pods");
+        let gate = Api::<NodeGate>::all(client.clone())
+            .get("real-agents")
+            .await
+            .expect("gate");
+        let n = nodes.get(&node_name).await.expect("node");
+        panic!(
+            "the taint was not lifted in 60 s\nagent pods: {}\ngate status: {}\nnode taints: {:?}\nnode conditions: {}\nkubelet:\n{}",
+            serde_json::to_string_pretty(
+                &agents
+                    .items
+                    .iter()
+                    .map(|p| (&p.metadata.name, &p.status))
+                    .collect::<Vec<_>>()
+            )
+            .unwrap_or_default(),
+            serde_json::to_string_pretty(&gate.status).unwrap_or_default(),
+            n.spec.as_ref().and_then(|s| s.taints.as_ref()),
+            serde_json::to_string(&n.status.as_ref().and_then(|s| s.conditions.as_ref()))
+                .unwrap_or_default(),
+            node.log_tail("kubelet", 20)
+        );
+    }
+    eprintln!(
+        "measured: node Ready -> startup taint lifted {:.2?} (agent ready delay 3 s)",
+        ready_at.elapsed()
+    );
+    assert!(
+        ready_at.elapsed() >= Duration::from_secs(2),
+        "not lifted before the agent was Ready"
+    );
+    let agent_pods = Api::<Pod>::namespaced(client.clone(), &agents_ns)
+        .list(&Default::default())
+        .await
+        .expect("agent pods");
+    assert!(
+        agent_pods.items.iter().any(|p| p
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))),
+        "the agent's pod is Ready"
+    );
+
+    // A gated ambient pod: its gate waits for the stand-in's in-pod listener (15008).
+    let ns = cp
+        .namespace("real-agents-app", &[AMBIENT])
+        .await
+        .expect("namespace");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let _webhook = use_webhook(&cp, &client, &pods, gate_config(15008, 60)).await;
+    let created = Instant::now();
+    let pod = pods
+        .create(
+            &PostParams::default(),
+            &app_pod("web", &node_name, "Always"),
+        )
+        .await
+        .expect("pod");
+    assert_eq!(gate(&pod).map(|g| g.name.as_str()), Some("meshgate-wait"));
+    let running = wait_pod(
+        &pods,
+        &node,
+        "web",
+        "Running",
+        Duration::from_secs(60),
+        |p| phase(p) == "Running",
+    )
+    .await;
+    eprintln!(
+        "measured: gated pod create -> Running {:.2?} (node proxy stand-in enrolled it)",
+        created.elapsed()
+    );
+    let line = gate_log_line(&node, &ns, &running);
+    eprintln!("measured: gate log: meshgate-wait: {line}");
+    assert!(
+        line.starts_with("ready after ") && line.contains("tcp-listening 15008"),
+        "{line}"
+    );
+
+    // Leave the control plane as found: the gate (finalized by the controller) and the policy.
+    Api::<NodeGate>::all(client.clone())
+        .delete("real-agents", &Default::default())
+        .await
+        .expect("gate deleted");
+    wait_for(
+        "the gate to be finalized",
+        Duration::from_secs(30),
+        || async {
+            Api::<NodeGate>::all(client.clone())
+                .get_opt("real-agents")
+                .await
+                .ok()
+                .flatten()
+                .is_none()
+        },
+    )
+    .await;
+    {
+        use k8s_openapi::api::admissionregistration::v1::{
+            MutatingAdmissionPolicy, MutatingAdmissionPolicyBinding,
+        };
+        let name = "meshgate-node-taint-real-agents";
+        Api::<MutatingAdmissionPolicyBinding>::all(client.clone())
+            .delete(name, &Default::default())
+            .await
+            .expect("binding deleted");
+        Api::<MutatingAdmissionPolicy>::all(client.clone())
+            .delete(name, &Default::default())
+            .await
+            .expect("policy deleted");
+    }
+    controller.stop();
+    let before = node.snapshot_before().clone();
+    let run_dir = node.run_dir().to_owned();
+    node.stop().await.expect("the teardown restores the host");
+    assert_host_restored(&before, &run_dir);
 }
