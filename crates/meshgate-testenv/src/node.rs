@@ -413,6 +413,7 @@ impl RealNode {
         for sub in [
             "containerd",
             "cni/net.d",
+            "cni/bin",
             "cni/ipam",
             "kubelet/root",
             "kubelet/pki",
@@ -467,10 +468,19 @@ impl RealNode {
             .await?;
         }
 
-        // containerd
+        // containerd. Its CNI plugins come from a directory of the node's own, holding links to
+        // the host's plugins, so that a mesh-like agent can install its plugin there (as mesh CNI
+        // agents do on a real node) without touching the host's directory.
+        let plugins = std::fs::read_dir(&self.tools.cni_bin)
+            .map_err(io(format!("reading {}", self.tools.cni_bin.display())))?;
+        for plugin in plugins.flatten() {
+            let link = d.join("cni/bin").join(plugin.file_name());
+            std::os::unix::fs::symlink(plugin.path(), &link)
+                .map_err(io(format!("linking {}", link.display())))?;
+        }
         let config = write(
             "containerd/config.toml",
-            &containerd_config(&d, &self.socket, &self.tools.cni_bin),
+            &containerd_config(&d, &self.socket, &d.join("cni/bin")),
         )?;
         write("cni/net.d/10-meshgate.conflist", &cni_conflist(&d))?;
         let path = host::child_path();
@@ -649,6 +659,17 @@ impl RealNode {
     /// The run directory (logs in `logs/`).
     pub fn run_dir(&self) -> &Path {
         &self.run_dir
+    }
+
+    /// The CNI configuration directory containerd reads (one conflist: the bridge).
+    pub fn cni_conf_dir(&self) -> PathBuf {
+        self.run_dir.join("cni/net.d")
+    }
+
+    /// The CNI plugin directory containerd runs plugins from (links to the host's, and what
+    /// agents install).
+    pub fn cni_bin_dir(&self) -> PathBuf {
+        self.run_dir.join("cni/bin")
     }
 
     /// containerd's socket.

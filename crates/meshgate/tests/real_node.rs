@@ -14,6 +14,9 @@
 //!   stand-in (`mesh-node-proxy`, a privileged DaemonSet from an image the test writes) becomes
 //!   Ready after its delay, the controller (as its installed ServiceAccount) lifts the taint, and
 //!   a gated ambient pod runs once the stand-in has opened its listener inside the pod.
+//! * Sidecar mode: a pod created before the CNI stand-in's agent has chained `mesh-cni` into the
+//!   node's CNI configuration gets no redirect, and its gate times out (exit 1); a pod created
+//!   after it is redirected, and its gate passes.
 //!
 //! Needs root, the node binaries (`MESHGATE_NODE_BIN`, from tools/node/build.sh, which the test
 //! runs when the variable is unset) and the packages of tools/node/packages.sh. Without them
@@ -1031,6 +1034,218 @@ async fn the_kubelets_node_is_tainted_at_create_and_released_by_its_real_agent()
             .expect("policy deleted");
     }
     controller.stop();
+    let before = node.snapshot_before().clone();
+    let run_dir = node.run_dir().to_owned();
+    node.stop().await.expect("the teardown restores the host");
+    assert_host_restored(&before, &run_dir);
+}
+
+/// Sidecar mode on a real node: the CNI stand-in's agent (`mesh-cni-agent`, a DaemonSet with
+/// the node's CNI directories mounted) chains `mesh-cni` into the node's CNI configuration only
+/// after its start-up delay, as a mesh's CNI agent does. A pod (shaped as Istio's injector
+/// leaves it in CNI mode) whose sandbox was created before that gets no redirect: its gate
+/// times out with exit code 1, naming the check. A pod created after it gets the redirect: its
+/// gate passes and the app runs. The redirect target is the pod network's gateway, taken from
+/// the pod's `includeOutboundIPRanges`: no probe ever leaves this machine.
+#[tokio::test]
+async fn sidecar_style_pods_are_gated_until_the_cni_agent_chains_its_plugin() {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    use meshgate_testenv::image::AGENTS_IMAGE;
+
+    if !can_run() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cp = control_plane(true).await;
+    let client = cp.client().await.expect("client");
+    let node = RealNode::start(&cp, NodeOptions::default())
+        .await
+        .expect("the real node starts");
+    let node_name = node.name().to_owned();
+    let agents_ns = cp.namespace("cni-agents", &[]).await.expect("namespace");
+    let ns = cp
+        .namespace("sidecar-app", &[("istio-injection", "enabled")])
+        .await
+        .expect("namespace");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let config = GateConfig {
+        profiles: vec![Profile::IstioSidecar],
+        init_gate: InitGate {
+            image: GATE_IMAGE.into(),
+            image_pull_policy: "Never".into(),
+            command: "/meshgate-wait".into(),
+            timeout_seconds: 3,
+            ..InitGate::default()
+        },
+        ..GateConfig::default()
+    };
+    let webhook = start_webhook(&cp, config.clone()).await;
+    register(
+        &client,
+        &webhook.registration("meshgate", &config, false, false),
+    )
+    .await;
+    // A pod as Istio's injector leaves it in CNI mode: the proxy a container, the injection
+    // status, and (the project's choice here) outbound capture of the pod network only.
+    let injected = |name: &str| -> Pod {
+        serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "annotations": {
+                "sidecar.istio.io/status": "{\"initContainers\":[],\"containers\":[\"istio-proxy\"]}",
+                "traffic.sidecar.istio.io/includeOutboundIPRanges": meshgate_testenv::node::POD_CIDR,
+            }},
+            "spec": {
+                "nodeName": node_name,
+                "restartPolicy": "Never",
+                "automountServiceAccountToken": false,
+                "enableServiceLinks": false,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [
+                    {"name": "app", "image": APP_IMAGE, "imagePullPolicy": "Never"},
+                    {"name": "istio-proxy", "image": APP_IMAGE, "imagePullPolicy": "Never", "args": ["proxy", "sidecar"]},
+                ],
+            },
+        }))
+        .expect("pod")
+    };
+    let want = "gated: --redirect-check 15001 --redirect-target 10.244.0.1:80";
+    let mut n = 0;
+    wait_for(
+        "the webhook to gate injected pods",
+        Duration::from_secs(30),
+        || {
+            n += 1;
+            let (pods, probe) = (pods.clone(), injected(&format!("probe-{n}")));
+            async move {
+                let dry = PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                pods.create(&dry, &probe).await.ok().is_some_and(|p| {
+                    p.metadata
+                        .annotations
+                        .unwrap_or_default()
+                        .get("meshgate.dev/gate")
+                        .map(String::as_str)
+                        == Some(want)
+                })
+            }
+        },
+    )
+    .await;
+
+    // Before the CNI agent: no redirect, the gate times out (exit 1), the pod fails.
+    pods.create(&PostParams::default(), &injected("early"))
+        .await
+        .expect("pod");
+    let failed = wait_pod(
+        &pods,
+        &node,
+        "early",
+        "the gate to time out",
+        Duration::from_secs(60),
+        |p| phase(p) == "Failed",
+    )
+    .await;
+    let terminated = init_status(&failed, "meshgate-wait")
+        .and_then(|s| s.state.as_ref()?.terminated.clone())
+        .expect("the gate terminated");
+    assert_eq!(terminated.exit_code, 1, "{terminated:?}");
+    let line = gate_log_line(&node, &ns, &failed);
+    eprintln!("measured: early pod's gate: meshgate-wait: {line}");
+    assert!(
+        line.contains("timed out") && line.contains("redirect-check 15001"),
+        "{line}"
+    );
+
+    // The CNI agent: ready after its delay, with the plugin chained in.
+    let entry = json!({"excludeNamespaces": ["kube-system", agents_ns]}).to_string();
+    let ds: DaemonSet = serde_json::from_value(json!({
+        "metadata": {"name": "mesh-cni-agent"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "mesh-cni-agent"}},
+            "template": {
+                "metadata": {"labels": {"app": "mesh-cni-agent"}},
+                "spec": {
+                    "automountServiceAccountToken": false,
+                    "enableServiceLinks": false,
+                    "terminationGracePeriodSeconds": 1,
+                    "tolerations": [{"operator": "Exists"}],
+                    "containers": [{
+                        "name": "cni-agent", "image": AGENTS_IMAGE, "imagePullPolicy": "Never",
+                        "command": ["/mesh-cni-agent", "--cni-conf-dir", "/host/net.d", "--cni-bin-dir", "/host/bin",
+                                    "--plugin", "/mesh-cni", "--ready-delay", "1", "--ready-file", "/tmp/ready",
+                                    "--entry", entry],
+                        "readinessProbe": {"exec": {"command": ["/mesh-cni-agent", "--check-ready", "/tmp/ready"]},
+                                           "periodSeconds": 1},
+                        "volumeMounts": [{"name": "net-d", "mountPath": "/host/net.d"}, {"name": "bin", "mountPath": "/host/bin"}],
+                    }],
+                    "volumes": [
+                        {"name": "net-d", "hostPath": {"path": node.cni_conf_dir(), "type": "Directory"}},
+                        {"name": "bin", "hostPath": {"path": node.cni_bin_dir(), "type": "Directory"}},
+                    ],
+                },
+            },
+        },
+    }))
+    .expect("daemonset");
+    Api::<DaemonSet>::namespaced(client.clone(), &agents_ns)
+        .create(&PostParams::default(), &ds)
+        .await
+        .expect("daemonset created");
+    let agents: Api<Pod> = Api::namespaced(client.clone(), &agents_ns);
+    wait_for(
+        "the CNI agent to be Ready",
+        Duration::from_secs(60),
+        || async {
+            agents
+                .list(&Default::default())
+                .await
+                .ok()
+                .is_some_and(|l| {
+                    l.items.iter().any(|p| {
+                        p.status
+                            .as_ref()
+                            .and_then(|s| s.conditions.as_ref())
+                            .is_some_and(|cs| {
+                                cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                            })
+                    })
+                })
+        },
+    )
+    .await;
+
+    // After: the sandbox gets the redirect, the gate passes, the app runs.
+    let created = Instant::now();
+    pods.create(&PostParams::default(), &injected("late"))
+        .await
+        .expect("pod");
+    let running = wait_pod(
+        &pods,
+        &node,
+        "late",
+        "Running",
+        Duration::from_secs(60),
+        |p| phase(p) == "Running",
+    )
+    .await;
+    eprintln!(
+        "measured: pod created after the CNI agent -> Running {:.2?}",
+        created.elapsed()
+    );
+    let gate_done = init_status(&running, "meshgate-wait")
+        .and_then(|s| s.state.as_ref()?.terminated.clone())
+        .expect("the gate terminated");
+    assert_eq!(gate_done.exit_code, 0);
+    let line = gate_log_line(&node, &ns, &running);
+    eprintln!("measured: late pod's gate: meshgate-wait: {line}");
+    assert!(
+        line.starts_with("ready after ") && line.contains("redirect-check 15001 via 10.244.0.1:80"),
+        "{line}"
+    );
+
+    drop(webhook);
     let before = node.snapshot_before().clone();
     let run_dir = node.run_dir().to_owned();
     node.stop().await.expect("the teardown restores the host");
