@@ -16,7 +16,9 @@
 //!   a gated ambient pod runs once the stand-in has opened its listener inside the pod.
 //! * Sidecar mode: a pod created before the CNI stand-in's agent has chained `mesh-cni` into the
 //!   node's CNI configuration gets no redirect, and its gate times out (exit 1); a pod created
-//!   after it is redirected, and its gate passes.
+//!   after it is redirected, and its gate passes. A Deployment's pod whose gate timed out is
+//!   deleted by the repair loop (running as the controller's ServiceAccount with the RBAC of
+//!   `install --repair delete`) and replaced by a pod that runs.
 //!
 //! Needs root, the node binaries (`MESHGATE_NODE_BIN`, from tools/node/build.sh, which the test
 //! runs when the variable is unset) and the packages of tools/node/packages.sh. Without them
@@ -1158,6 +1160,60 @@ async fn sidecar_style_pods_are_gated_until_the_cni_agent_chains_its_plugin() {
         "{line}"
     );
 
+    // A Deployment's pod, created before the agent too: its gate keeps timing out (the kubelet
+    // restarts it in the same sandbox, which never gets the redirect).
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(client.clone(), &ns);
+    let mut template = serde_json::to_value(injected("template")).expect("template");
+    template["metadata"]["labels"] = json!({"app": "web"});
+    template["metadata"]
+        .as_object_mut()
+        .expect("metadata")
+        .remove("name");
+    template["spec"]["restartPolicy"] = json!("Always");
+    template["spec"]
+        .as_object_mut()
+        .expect("spec")
+        .remove("nodeName");
+    let deployment: k8s_openapi::api::apps::v1::Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "web"}}, "template": template},
+    }))
+    .expect("deployment");
+    deployments
+        .create(&PostParams::default(), &deployment)
+        .await
+        .expect("deployment created");
+    let gate_failed = |p: &Pod| {
+        init_status(p, "meshgate-wait").is_some_and(|s| {
+            let exit = |t: Option<&k8s_openapi::api::core::v1::ContainerStateTerminated>| {
+                t.is_some_and(|t| t.exit_code == 1)
+            };
+            exit(s.state.as_ref().and_then(|st| st.terminated.as_ref()))
+                || exit(s.last_state.as_ref().and_then(|st| st.terminated.as_ref()))
+        })
+    };
+    let web_pods = |pods: Api<Pod>| async move {
+        pods.list(&kube::api::ListParams::default().labels("app=web"))
+            .await
+            .map(|l| l.items)
+            .unwrap_or_default()
+    };
+    wait_for(
+        "the Deployment's gate to time out",
+        Duration::from_secs(60),
+        || {
+            let pods = pods.clone();
+            async move { web_pods(pods).await.iter().any(gate_failed) }
+        },
+    )
+    .await;
+    let early_uid = web_pods(pods.clone()).await[0]
+        .metadata
+        .uid
+        .clone()
+        .expect("uid");
+
     // The CNI agent: ready after its delay, with the plugin chained in.
     let entry = json!({"excludeNamespaces": ["kube-system", agents_ns]}).to_string();
     let ds: DaemonSet = serde_json::from_value(json!({
@@ -1242,6 +1298,87 @@ async fn sidecar_style_pods_are_gated_until_the_cni_agent_chains_its_plugin() {
     eprintln!("measured: late pod's gate: meshgate-wait: {line}");
     assert!(
         line.starts_with("ready after ") && line.contains("redirect-check 15001 via 10.244.0.1:80"),
+        "{line}"
+    );
+
+    // The repair loop (as the controller's ServiceAccount with `install --repair delete`'s RBAC)
+    // deletes the Deployment's timed-out pod; its ReplicaSet recreates it in a new sandbox, which
+    // now gets the redirect: the gate passes and the pod runs.
+    let docs = meshgate::install::render(&meshgate::install::InstallOptions {
+        profile: "istio-sidecar".into(),
+        namespace: "meshgate-system".into(),
+        image: "meshgate/meshgate:test".into(),
+        node_taint: meshgate::install::NodeTaint::Webhook,
+        repair: Some(meshgate::install::RepairAction::Delete),
+    })
+    .expect("install renders");
+    let identities: Vec<serde_json::Value> = docs
+        .into_iter()
+        .filter(|d| {
+            [
+                "Namespace",
+                "ServiceAccount",
+                "ClusterRole",
+                "ClusterRoleBinding",
+            ]
+            .contains(&d["kind"].as_str().unwrap_or_default())
+        })
+        .collect();
+    meshgate::install::apply(&client, &identities, false, |_| {})
+        .await
+        .expect("identities");
+    let (stop_repair, stopped) = tokio::sync::oneshot::channel::<()>();
+    let kubeconfig = cp.kubeconfig_path.clone();
+    let repair_metrics = meshgate_controller::repair::RepairMetrics::new();
+    let metrics = repair_metrics.clone();
+    background().spawn(async move {
+        let client =
+            client_as_service_account(&kubeconfig, "meshgate-system", "meshgate-controller").await;
+        let settings = meshgate_core::repair::RepairSettings {
+            enabled: true,
+            action: meshgate_core::repair::RepairAction::Delete,
+            rate_per_second: 10.0,
+            ..Default::default()
+        };
+        meshgate_controller::repair::run(
+            client,
+            meshgate_controller::leader::always(),
+            settings,
+            metrics,
+            async move {
+                let _ = stopped.await;
+            },
+        )
+        .await;
+    });
+    let repaired = Instant::now();
+    wait_for(
+        "the repair loop to replace the timed-out pod with a running one",
+        Duration::from_secs(90),
+        || {
+            let (pods, early_uid) = (pods.clone(), early_uid.clone());
+            async move {
+                let all = web_pods(pods).await;
+                !all.iter()
+                    .any(|p| p.metadata.uid.as_deref() == Some(early_uid.as_str()))
+                    && all.iter().any(|p| phase(p) == "Running")
+            }
+        },
+    )
+    .await;
+    let _ = stop_repair.send(());
+    eprintln!(
+        "measured: repair -> replacement pod Running {:.2?}",
+        repaired.elapsed()
+    );
+    let replacement = web_pods(pods.clone())
+        .await
+        .into_iter()
+        .find(|p| phase(p) == "Running")
+        .expect("running replacement");
+    let line = gate_log_line(&node, &ns, &replacement);
+    assert!(
+        line.starts_with("ready after ") && line.contains("redirect-check 15001"),
         "{line}"
     );
 
