@@ -13,7 +13,9 @@
 //! * The kubelet's own Node is tainted at CREATE by meshgate's admission policy; the node-proxy
 //!   stand-in (`mesh-node-proxy`, a privileged DaemonSet from an image the test writes) becomes
 //!   Ready after its delay, the controller (as its installed ServiceAccount) lifts the taint, and
-//!   a gated ambient pod runs once the stand-in has opened its listener inside the pod.
+//!   a gated ambient pod runs once the stand-in has opened its listener inside the pod; when the
+//!   pod's sandbox dies (pause killed), the gate runs again in the new sandbox and holds until
+//!   the stand-in has set that one up.
 //! * Sidecar mode: a pod created before the CNI stand-in's agent has chained `mesh-cni` into the
 //!   node's CNI configuration gets no redirect, and its gate times out (exit 1); a pod created
 //!   after it is redirected, and its gate passes. A Deployment's pod whose gate timed out is
@@ -842,7 +844,7 @@ async fn the_kubelets_node_is_tainted_at_create_and_released_by_its_real_agent()
                     "tolerations": [{"operator": "Exists"}],
                     "containers": [{
                         "name": "node-proxy", "image": AGENTS_IMAGE, "imagePullPolicy": "Never",
-                        "command": ["/mesh-node-proxy", "--ready-delay", "3", "--ready-file", "/tmp/ready"],
+                        "command": ["/mesh-node-proxy", "--ready-delay", "3", "--enrol-delay", "2", "--ready-file", "/tmp/ready"],
                         "securityContext": {"privileged": true},
                         "readinessProbe": {"exec": {"command": ["/mesh-node-proxy", "--check-ready", "/tmp/ready"]},
                                            "periodSeconds": 1},
@@ -1001,6 +1003,65 @@ async fn the_kubelets_node_is_tainted_at_create_and_released_by_its_real_agent()
     assert!(
         line.starts_with("ready after ") && line.contains("tcp-listening 15008"),
         "{line}"
+    );
+    let waited = parse_wait_duration(
+        line.trim_start_matches("ready after ")
+            .split(':')
+            .next()
+            .unwrap_or_default(),
+    );
+    assert!(
+        waited >= Duration::from_secs(1),
+        "held until the stand-in enrolled the pod (2 s after its sandbox appeared): {line}"
+    );
+
+    // The pod's sandbox dies (its pause process killed): the kubelet makes a new one and runs
+    // the gate again, which holds until the stand-in has set the new sandbox up.
+    let uid = running.metadata.uid.clone().expect("uid");
+    let old_sandbox = node.sandbox_pid(&uid).expect("sandbox pid");
+    let status = std::process::Command::new("kill")
+        .args(["-KILL", &old_sandbox.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let killed = Instant::now();
+    let again = wait_pod(
+        &pods,
+        &node,
+        "web",
+        "a new sandbox, the gate run again, the app running",
+        Duration::from_secs(60),
+        |p| {
+            phase(p) == "Running"
+                && init_status(p, "meshgate-wait").is_some_and(|s| s.restart_count >= 1)
+                && app_status(p)
+                    .is_some_and(|s| s.state.as_ref().is_some_and(|st| st.running.is_some()))
+        },
+    )
+    .await;
+    let new_sandbox = node.sandbox_pid(&uid).expect("new sandbox pid");
+    assert_ne!(new_sandbox, old_sandbox, "a new sandbox");
+    let attempt = init_status(&again, "meshgate-wait")
+        .map_or(1, |s| u32::try_from(s.restart_count).unwrap_or(1));
+    let path = node.container_log(&ns, "web", &uid, "meshgate-wait", attempt);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let line = text
+        .lines()
+        .find_map(|l| l.split_once(" meshgate-wait: ").map(|(_, m)| m.to_owned()))
+        .unwrap_or_else(|| panic!("no meshgate-wait line in {}", path.display()));
+    eprintln!(
+        "measured: after the sandbox restart ({:.2?} to Running again), gate log: meshgate-wait: {line}",
+        killed.elapsed()
+    );
+    let waited = parse_wait_duration(
+        line.trim_start_matches("ready after ")
+            .split(':')
+            .next()
+            .unwrap_or_default(),
+    );
+    assert!(
+        line.starts_with("ready after ") && waited >= Duration::from_secs(1),
+        "the gate held the new sandbox until the stand-in enrolled it: {line}"
     );
 
     // Leave the control plane as found: the gate (finalized by the controller) and the policy.

@@ -3,8 +3,12 @@
 //! `--sandbox-comm`), as an ambient node proxy does for the pods it captures. Runs as root with
 //! the host's PID namespace. `--check-ready FILE` exits 0 when FILE exists (a readiness probe).
 //!
-//! Usage: mesh-node-proxy [--ready-delay SECONDS] [--ports 15008,15001,15006]
-//!        [--sandbox-comm pause] [--ready-file PATH] | --check-ready PATH
+//! `--enrol-delay SECONDS` waits that long after a sandbox first appears before enrolling it (a
+//! slow node proxy, for tests that show the gate holding).
+//!
+//! Usage: mesh-node-proxy [--ready-delay SECONDS] [--enrol-delay SECONDS]
+//!        [--ports 15008,15001,15006] [--sandbox-comm pause] [--ready-file PATH]
+//!        | --check-ready PATH
 
 use std::collections::BTreeSet;
 use std::net::TcpListener;
@@ -15,6 +19,7 @@ use meshgate_standins::nodeproxy::{Process, parse_ports, to_enrol};
 
 struct Args {
     delay: f64,
+    enrol_delay: f64,
     ports: Vec<u16>,
     sandbox_comm: String,
     ready_file: String,
@@ -23,6 +28,7 @@ struct Args {
 fn args() -> Result<Result<Args, bool>, String> {
     let mut a = Args {
         delay: 0.0,
+        enrol_delay: 0.0,
         ports: vec![15008, 15001, 15006],
         sandbox_comm: "pause".into(),
         ready_file: "/run/mesh-node-proxy/ready".into(),
@@ -36,6 +42,11 @@ fn args() -> Result<Result<Args, bool>, String> {
                 a.delay = value()?
                     .parse()
                     .map_err(|_| "--ready-delay takes seconds".to_owned())?
+            }
+            "--enrol-delay" => {
+                a.enrol_delay = value()?
+                    .parse()
+                    .map_err(|_| "--enrol-delay takes seconds".to_owned())?
             }
             "--ports" => a.ports = parse_ports(&value()?)?,
             "--sandbox-comm" => a.sandbox_comm = value()?,
@@ -74,9 +85,17 @@ fn main() -> ExitCode {
         .map(|p| p.display().to_string())
         .unwrap_or_default();
     let mut enrolled = BTreeSet::new();
+    let mut first_seen: std::collections::BTreeMap<String, std::time::Instant> =
+        std::collections::BTreeMap::new();
     loop {
         let processes = scan();
         for p in to_enrol(&processes, &a.sandbox_comm, &own, &enrolled) {
+            let seen = *first_seen
+                .entry(p.netns.clone())
+                .or_insert_with(std::time::Instant::now);
+            if seen.elapsed() < Duration::from_secs_f64(a.enrol_delay.max(0.0)) {
+                continue;
+            }
             match enrol(p, &a.ports) {
                 Ok(()) => eprintln!(
                     "mesh-node-proxy: enrolled {} (pid {}): listening on {:?}",
