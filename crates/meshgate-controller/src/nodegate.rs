@@ -123,11 +123,14 @@ impl Ctx {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(seen) = guard.as_mut() {
             seen.insert(node.to_owned());
-            let all = self
-                .nodes
-                .state()
-                .iter()
-                .all(|n| seen.contains(n.metadata.name.as_deref().unwrap_or_default()));
+            // Cheap count first (this runs on every reconcile of the first pass); the full
+            // check only once as many nodes were seen as are cached.
+            let all = seen.len() >= self.nodes.len()
+                && self
+                    .nodes
+                    .state()
+                    .iter()
+                    .all(|n| seen.contains(n.metadata.name.as_deref().unwrap_or_default()));
             if all {
                 *guard = None;
                 self.metrics.initial_reconcile_done.set(1);
