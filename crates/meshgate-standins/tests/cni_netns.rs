@@ -130,21 +130,7 @@ fn plugin(command: &str, netns: &str, namespace: &str, config: &str) -> (bool, s
 
 /// meshgate's gate, built for this workspace (target/<profile>/meshgate-wait).
 fn meshgate_wait() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target directory")
-        .to_owned();
-    let bin = dir.join("meshgate-wait");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "meshgate-wait"])
-            .status()
-            .expect("cargo runs");
-        assert!(status.success(), "building meshgate-wait");
-    }
+    let bin = meshgate_testenv::workspace_binary("meshgate-wait", "meshgate-wait");
     // Readable by the gate's non-root uid.
     let copy = std::env::temp_dir().join(format!("mesh-cni-test-gate-{}", std::process::id()));
     std::fs::copy(&bin, &copy).expect("copy meshgate-wait");

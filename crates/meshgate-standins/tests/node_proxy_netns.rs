@@ -41,22 +41,7 @@ fn skip() -> bool {
 }
 
 fn meshgate_wait() -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target directory")
-        .to_owned();
-    let bin = dir.join("meshgate-wait");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "meshgate-wait"])
-            .status()
-            .expect("cargo runs");
-        assert!(status.success(), "building meshgate-wait");
-    }
-    bin
+    meshgate_testenv::workspace_binary("meshgate-wait", "meshgate-wait")
 }
 
 #[test]

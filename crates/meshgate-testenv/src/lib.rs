@@ -103,6 +103,28 @@ pub fn binaries() -> Result<PathBuf, Error> {
     Ok(PathBuf::from(dir))
 }
 
+/// A binary of this workspace built for the running test (`target/<profile>/<bin>`, beside the
+/// test executable's `deps/`), built with `cargo build -p <package>` when missing (a test
+/// binary of another package does not get it otherwise).
+pub fn workspace_binary(package: &str, bin: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test executable");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("the target directory")
+        .to_owned();
+    let path = dir.join(bin);
+    if !path.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = std::process::Command::new(cargo)
+            .args(["build", "-p", package, "--bin", bin])
+            .status()
+            .expect("cargo runs");
+        assert!(status.success(), "building {bin}");
+    }
+    path
+}
+
 /// A free TCP port on 127.0.0.1 (bound and released; good enough on a test machine).
 pub fn free_port() -> Result<u16, Error> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(io("binding a free port"))?;

@@ -258,23 +258,7 @@ async fn reinvocation_leaves_exactly_one_gate_in_front() {
 }
 
 fn meshgate_wait() -> std::path::PathBuf {
-    // target/<profile>/deps/init_gate-… → target/<profile>/meshgate-wait
-    let exe = std::env::current_exe().expect("test executable");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target directory")
-        .to_owned();
-    let bin = dir.join("meshgate-wait");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = std::process::Command::new(cargo)
-            .args(["build", "-p", "meshgate-wait"])
-            .status()
-            .expect("cargo runs");
-        assert!(status.success(), "building meshgate-wait");
-    }
-    bin
+    meshgate_testenv::workspace_binary("meshgate-wait", "meshgate-wait")
 }
 
 /// The stored gate works: its command and arguments, run with the real `meshgate-wait`, pass

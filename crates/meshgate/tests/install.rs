@@ -182,27 +182,7 @@ async fn rbac_is_what_the_enabled_features_need() {
             }
         };
     for repair in [None, Some(RepairAction::Label), Some(RepairAction::Delete)] {
-        let docs = render(&InstallOptions {
-            namespace: ns.into(),
-            repair,
-            ..options("istio-ambient")
-        })
-        .unwrap();
-        let identities: Vec<_> = docs
-            .into_iter()
-            .filter(|d| {
-                [
-                    "Namespace",
-                    "ServiceAccount",
-                    "ClusterRole",
-                    "ClusterRoleBinding",
-                    "Role",
-                    "RoleBinding",
-                ]
-                .contains(&d["kind"].as_str().unwrap_or_default())
-            })
-            .collect();
-        apply(&client, &identities, false, |_| {}).await.unwrap();
+        common::install_identities_with(&client, "istio-ambient", ns, repair).await;
         // RBAC changes reach the authorizer's cache asynchronously.
         let want_patch = repair.is_some();
         let want_delete = repair == Some(RepairAction::Delete);

@@ -1365,29 +1365,13 @@ async fn sidecar_style_pods_are_gated_until_the_cni_agent_chains_its_plugin() {
     // The repair loop (as the controller's ServiceAccount with `install --repair delete`'s RBAC)
     // deletes the Deployment's timed-out pod; its ReplicaSet recreates it in a new sandbox, which
     // now gets the redirect: the gate passes and the pod runs.
-    let docs = meshgate::install::render(&meshgate::install::InstallOptions {
-        profile: "istio-sidecar".into(),
-        namespace: "meshgate-system".into(),
-        image: "meshgate/meshgate:test".into(),
-        node_taint: meshgate::install::NodeTaint::Webhook,
-        repair: Some(meshgate::install::RepairAction::Delete),
-    })
-    .expect("install renders");
-    let identities: Vec<serde_json::Value> = docs
-        .into_iter()
-        .filter(|d| {
-            [
-                "Namespace",
-                "ServiceAccount",
-                "ClusterRole",
-                "ClusterRoleBinding",
-            ]
-            .contains(&d["kind"].as_str().unwrap_or_default())
-        })
-        .collect();
-    meshgate::install::apply(&client, &identities, false, |_| {})
-        .await
-        .expect("identities");
+    install_identities_with(
+        &client,
+        "istio-sidecar",
+        "meshgate-system",
+        Some(meshgate::install::RepairAction::Delete),
+    )
+    .await;
     let (stop_repair, stopped) = tokio::sync::oneshot::channel::<()>();
     let kubeconfig = cp.kubeconfig_path.clone();
     let repair_metrics = meshgate_controller::repair::RepairMetrics::new();

@@ -389,12 +389,22 @@ pub async fn client_as_service_account(
 /// Applies, for real, the namespace, ServiceAccounts and RBAC that `meshgate install` renders for
 /// `profile` in `namespace`: the identities the components run as.
 pub async fn install_identities(client: &Client, profile: &str, namespace: &str) {
+    install_identities_with(client, profile, namespace, None).await;
+}
+
+/// [`install_identities`] for an install with the repair loop (`--repair label|delete`).
+pub async fn install_identities_with(
+    client: &Client,
+    profile: &str,
+    namespace: &str,
+    repair: Option<meshgate::install::RepairAction>,
+) {
     let docs = meshgate::install::render(&meshgate::install::InstallOptions {
         profile: profile.into(),
         namespace: namespace.into(),
         image: "meshgate/meshgate:test".into(),
         node_taint: meshgate::install::NodeTaint::Webhook,
-        repair: None,
+        repair,
     })
     .expect("install renders");
     let identities: Vec<serde_json::Value> = docs
