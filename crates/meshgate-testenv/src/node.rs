@@ -853,8 +853,17 @@ impl RealNode {
                 .delete(&name, &DeleteParams::default())
                 .await;
         }
+        // DaemonSet pods come back as soon as they are deleted: they are not waited for (the
+        // teardown stops their containers with the rest).
+        let daemon = |p: &Pod| {
+            p.metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.kind == "DaemonSet")
+        };
         let deadline = Instant::now() + Duration::from_secs(60);
-        while !pods.list(&on_node).await?.items.is_empty() {
+        while pods.list(&on_node).await?.items.iter().any(|p| !daemon(p)) {
             if Instant::now() > deadline {
                 log.push("pods still on the node after 60 s".into());
                 return Ok(());
@@ -880,6 +889,10 @@ impl RealNode {
                 .unwrap_or(0);
             if tasks.trim().is_empty() && netns == 0 {
                 log.push("pod sandboxes stopped".into());
+                return Ok(());
+            }
+            if pods.list(&on_node).await?.items.iter().any(&daemon) {
+                log.push("DaemonSet pods left to the teardown".into());
                 return Ok(());
             }
             if Instant::now() > deadline {

@@ -2,8 +2,11 @@
 //!
 //! Starts etcd, kube-apiserver and kube-scheduler on loopback (built from source and cached by
 //! `tools/controlplane/build.sh`), runs meshgate's webhook (over TLS, called by the API server)
-//! and controller in-process, and plays a new node's arrival. No kubelet runs: the demo creates
-//! the Node and the agent pods and reports their readiness as a kubelet would.
+//! and controller in-process, and plays a new node's arrival: the demo creates the Node and the
+//! agent pods and reports their readiness as a kubelet would. Then, where this host can run one
+//! (`meshgate_testenv::node`), a real node joins: a kubelet with containerd and a CNI bridge, the
+//! mesh-like agents as DaemonSets, and a gated pod that really runs; the host is compared with
+//! its state before afterwards.
 
 use std::time::{Duration, Instant};
 
@@ -96,10 +99,18 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     let (cert, key) = (cp.dir().join("webhook.crt"), cp.dir().join("webhook.key"));
     std::fs::write(&cert, &serving.cert_pem)?;
     std::fs::write(&key, &serving.key_pem)?;
-    let config = GateConfig {
+    // A real node (kubelet, containerd, CNI) joins later where this host can run one; its gate
+    // image is written and imported by the test environment, never pulled.
+    let real_node = meshgate_testenv::node::prerequisites();
+    let mut config = GateConfig {
         profiles: vec![Profile::IstioAmbient, Profile::IstioSidecar],
         ..GateConfig::default()
     };
+    if real_node.is_ok() {
+        config.init_gate.image = meshgate_testenv::image::GATE_IMAGE.into();
+        config.init_gate.image_pull_policy = "Never".into();
+        config.init_gate.command = "/meshgate-wait".into();
+    }
     let webhook = crate::run::start_webhook(
         client.clone(),
         WebhookSettings {
@@ -359,6 +370,26 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         "kubeflow-user/notebook: init container fetch-model runs as uid {user} (the proxy's, whose traffic is not redirected); excludeOutboundIPRanges {excluded}; gate verdict {verdict:?}"
     ));
 
+    let real = match &real_node {
+        Ok(_) => {
+            story.say(
+                "A real node joins: containerd, runc, a CNI bridge and a kubelet on this machine",
+            );
+            match real_node_story(&story, &cp, &client).await {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    story.detail(&format!("the real node did not complete: {e:#}"));
+                    None
+                }
+            }
+        }
+        Err(e) => {
+            story.say("A real node: not on this host");
+            story.detail(&format!("{e}"));
+            None
+        }
+    };
+
     story.say("Summary");
     let status = crate::status::collect(&client).await?;
     print!("{}", crate::status::table(&status));
@@ -367,12 +398,27 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         "  node-1 was held by its startup taint until both agents were Ready; the taint lifted after {untaint_ms} ms;"
     );
     println!(
-        "  shop/web waited Pending, then was bound to node-1 with meshgate-wait as its first init container"
+        "  shop/web waited Pending, then was bound to the simulated node-1 with meshgate-wait as its first init container;"
     );
-    println!("    (no kubelet runs in this demo: the gate's binary does not execute here);");
     println!(
         "  kubeflow-user/notebook: its init container fetch-model runs as uid {user}, nothing else of the pod left the mesh (excludeOutboundIPRanges {excluded})."
     );
+
+    match &real {
+        Some(r) => {
+            println!(
+                "  real node {}: tainted at registration {:?}; the taint lifted {} ms after it was Ready, once its CNI agent and node proxy were Ready;",
+                r.node, r.taints_at_registration, r.lifted_ms
+            );
+            println!(
+                "    shop/web-real really ran there: meshgate-wait logged \"{}\" before the app started.",
+                r.gate_line
+            );
+        }
+        None => {
+            println!("  (no real node ran: the nodes above are simulated; no gate binary executed)")
+        }
+    }
 
     if options.keep {
         println!();
@@ -394,4 +440,177 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     drop(cp);
     println!("Done: the control plane and meshgate are stopped; nothing is left running.");
     Ok(())
+}
+
+/// What the real node part observed.
+struct RealNodeReport {
+    node: String,
+    taints_at_registration: Vec<String>,
+    lifted_ms: u128,
+    gate_line: String,
+}
+
+/// The real node: the mesh-like node proxy (`mesh-node-proxy`) as a DaemonSet, a kubelet
+/// registering a Node that the webhook taints at CREATE, the controller lifting the taint once
+/// the agent is Ready, and a gated pod that really runs. The node is torn down before returning
+/// (the host as it was).
+async fn real_node_story(
+    story: &Story,
+    cp: &meshgate_testenv::ControlPlane,
+    client: &kube::Client,
+) -> anyhow::Result<RealNodeReport> {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    // The demo's gate waits for a CNI agent and a node proxy on every node. On the real node they
+    // are the mesh-like stand-ins, as DaemonSets from images the test environment writes: the
+    // node proxy (Ready after 2 s; it then listens inside each pod, as an ambient node proxy
+    // does) and the CNI agent (Ready after 1 s, once it has chained its plugin, which redirects
+    // each new pod's outbound TCP to the node proxy's in-pod port 15001).
+    let daemonset = |app: &str,
+                     command: Vec<String>,
+                     privileged: bool,
+                     volumes: serde_json::Value,
+                     mounts: serde_json::Value|
+     -> anyhow::Result<DaemonSet> {
+        Ok(serde_json::from_value(json!({
+            "metadata": {"name": app},
+            "spec": {
+                // Its own label too: a DaemonSet adopts every pod its selector matches, and the
+                // simulated agents above carry `app` alone.
+                "selector": {"matchLabels": {"app": app, "meshgate.dev/stand-in": "real-node"}},
+                "template": {
+                    "metadata": {"labels": {"app": app, "meshgate.dev/stand-in": "real-node"}},
+                    "spec": {
+                        "hostPID": privileged,
+                        "automountServiceAccountToken": false,
+                        "enableServiceLinks": false,
+                        "terminationGracePeriodSeconds": 1,
+                        "nodeSelector": {"kubernetes.io/hostname": meshgate_testenv::node::NodeOptions::default().name},
+                        "tolerations": [{"operator": "Exists"}],
+                        "containers": [{
+                            "name": "agent", "image": meshgate_testenv::image::AGENTS_IMAGE, "imagePullPolicy": "Never",
+                            "command": command,
+                            "securityContext": {"privileged": privileged},
+                            "readinessProbe": {"exec": {"command": [command[0].clone(), "--check-ready", "/tmp/ready"]}, "periodSeconds": 1},
+                            "volumeMounts": mounts,
+                        }],
+                        "volumes": volumes,
+                    },
+                },
+            },
+        }))?)
+    };
+    let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), "mesh-system");
+    daemonsets
+        .create(
+            &PostParams::default(),
+            &daemonset(
+                "mesh-node-proxy",
+                args(&[
+                    "/mesh-node-proxy",
+                    "--ready-delay",
+                    "2",
+                    "--ready-file",
+                    "/tmp/ready",
+                ]),
+                true,
+                json!([]),
+                json!([]),
+            )?,
+        )
+        .await?;
+    let node = meshgate_testenv::node::RealNode::start(cp, Default::default()).await?;
+    let name = node.name().to_owned();
+    let nodes: Api<Node> = Api::all(client.clone());
+    let entry = json!({"excludeNamespaces": ["kube-system", "mesh-system"]}).to_string();
+    daemonsets
+        .create(
+            &PostParams::default(),
+            &daemonset(
+                "mesh-cni",
+                vec![
+                    "/mesh-cni-agent".into(), "--cni-conf-dir".into(), "/host/net.d".into(),
+                    "--cni-bin-dir".into(), "/host/bin".into(), "--plugin".into(), "/mesh-cni".into(),
+                    "--ready-delay".into(), "1".into(), "--ready-file".into(), "/tmp/ready".into(),
+                    "--entry".into(), entry,
+                ],
+                false,
+                json!([{"name": "net-d", "hostPath": {"path": node.cni_conf_dir(), "type": "Directory"}},
+                       {"name": "bin", "hostPath": {"path": node.cni_bin_dir(), "type": "Directory"}}]),
+                json!([{"name": "net-d", "mountPath": "/host/net.d"}, {"name": "bin", "mountPath": "/host/bin"}]),
+            )?,
+        )
+        .await?;
+    let registered = nodes.get(&name).await?;
+    let taints = taint_keys(&registered);
+    story.detail(&format!(
+        "{name} registered (kubelet Ready {:.2?} after its start) with taints {taints:?}",
+        node.timings.ready_after_kubelet_start
+    ));
+    let ready_at = Instant::now();
+    poll(
+        "the real node's taint to be lifted",
+        Duration::from_secs(60),
+        || {
+            let (nodes, name) = (nodes.clone(), name.clone());
+            async move {
+                let n = nodes.get(&name).await.ok()?;
+                (!taint_keys(&n)
+                    .iter()
+                    .any(|t| t.starts_with("node.meshgate.dev/")))
+                .then_some(())
+            }
+        },
+    )
+    .await?;
+    let lifted_ms = ready_at.elapsed().as_millis();
+    story.detail(&format!(
+        "the CNI agent and the node proxy on {name} are Ready; meshgate lifted the startup taint after {lifted_ms} ms"
+    ));
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "web-real"},
+        "spec": {"nodeName": name, "automountServiceAccountToken": false, "enableServiceLinks": false,
+                 "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "web", "image": meshgate_testenv::image::APP_IMAGE, "imagePullPolicy": "Never"}]},
+    }))?;
+    let created = pods.create(&PostParams::default(), &pod).await?;
+    let uid = created.metadata.uid.clone().unwrap_or_default();
+    let running = poll("shop/web-real to run", Duration::from_secs(60), || {
+        let pods = pods.clone();
+        async move {
+            let p = pods.get("web-real").await.ok()?;
+            (p.status.as_ref()?.phase.as_deref() == Some("Running")).then_some(p)
+        }
+    })
+    .await?;
+    let _ = running;
+    let log = node.container_log("shop", "web-real", &uid, "meshgate-wait", 0);
+    let text = std::fs::read_to_string(&log)?;
+    let gate_line = text
+        .lines()
+        .find_map(|l| {
+            l.split_once(" meshgate-wait: ")
+                .map(|(_, m)| format!("meshgate-wait: {m}"))
+        })
+        .unwrap_or_else(|| "<no line>".into());
+    story.detail(&format!(
+        "shop/web-real ran on {name}; its gate logged: {gate_line}"
+    ));
+    let before = node.snapshot_before().clone();
+    node.stop().await?;
+    let changed = before.differences(&meshgate_testenv::host::HostSnapshot::take()?);
+    if changed.is_empty() {
+        story.detail("the real node stopped; the host is as it was (processes, mounts, links, netns, sysctls, iptables: compared)");
+    } else {
+        story.detail(&format!(
+            "the real node stopped; the host differs from before: {changed:?}"
+        ));
+    }
+    Ok(RealNodeReport {
+        node: name,
+        taints_at_registration: taints,
+        lifted_ms,
+        gate_line,
+    })
 }
