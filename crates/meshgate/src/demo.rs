@@ -130,7 +130,9 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         target: WebhookTarget::Url(format!("https://127.0.0.1:{}", webhook.addr.port())),
         ca_bundle_pem: &ca.certificate().cert_pem,
         policies: true,
-        node_taint: true,
+        // Nodes are tainted at registration by an admission policy the API server runs itself
+        // (what `meshgate install` picks where it is served), not by this webhook.
+        node_taint: false,
     });
     let mwc: k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration =
         serde_json::from_value(mwc)?;
@@ -165,7 +167,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         .await
     });
     story.detail(&format!(
-        "webhook https://127.0.0.1:{} (paths /mutate/pod-gate, /mutate/node-taint, /mutate/policies)",
+        "webhook https://127.0.0.1:{} (registered for pods: /mutate/pod-gate, /mutate/policies)",
         webhook.addr.port()
     ));
 
@@ -198,8 +200,44 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     Api::<NodeGate>::all(client.clone())
         .create(&PostParams::default(), &gate)
         .await?;
-    // The webhook learns the gate through its watch.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The admission policy that taints new nodes at registration (the API server evaluates it in
+    // process: no webhook call), as `meshgate install --node-taint auto` picks it here.
+    let api = crate::discovery::policy_api(&client)
+        .await
+        .ok_or_else(|| anyhow::anyhow!("the API server serves no MutatingAdmissionPolicy"))?;
+    for doc in meshgate_core::registration::node_taint_policy("mesh-agents", &gate.spec, api) {
+        crate::install::apply(&client, &[doc], false, |_| {}).await?;
+    }
+    // It takes effect asynchronously: dry-run a node until it comes back tainted.
+    let probe_nodes: Api<Node> = Api::all(client.clone());
+    let mut n = 0;
+    poll(
+        "the admission policy to be active",
+        Duration::from_secs(30),
+        || {
+            n += 1;
+            let nodes = probe_nodes.clone();
+            async move {
+                let probe: Node =
+                    serde_json::from_value(json!({"metadata": {"name": format!("probe-{n}")}}))
+                        .ok()?;
+                let dry = PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                let created = nodes.create(&dry, &probe).await.ok()?;
+                taint_keys(&created)
+                    .iter()
+                    .any(|t| t.starts_with("node.meshgate.dev/"))
+                    .then_some(())
+            }
+        },
+    )
+    .await?;
+    story.detail(&format!(
+        "new nodes get the startup taint at registration from a MutatingAdmissionPolicy ({})",
+        api.api_version()
+    ));
 
     story.say("A new node registers (think: the autoscaler added it)");
     let nodes: Api<Node> = Api::all(client.clone());
