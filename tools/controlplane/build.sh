@@ -12,8 +12,8 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache=${MESHGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
 
-# The version a module requires, in either go.mod form: `require M V` or a line `M V` in a block.
-pinned() { awk -v m="$1" '($1 == m && $2 ~ /^v/) {print $2} ($1 == "require" && $2 == m) {print $3}' "$2" | head -n1; }
+# shellcheck source=../lib/kube.sh
+source "$here/../lib/kube.sh"
 kube_version=$(pinned k8s.io/kubernetes "$here/kube/go.mod")
 etcd_version=$(pinned go.etcd.io/etcd/server/v3 "$here/etcd/go.mod")
 [ -n "$kube_version" ] && [ -n "$etcd_version" ] || {
@@ -39,15 +39,7 @@ if [ -x "$bin/kube-apiserver" ] && [ -x "$bin/kube-scheduler" ] && [ -x "$bin/et
   exit 0
 fi
 
-# k8s.io/component-base/version is stamped the way the Kubernetes release build does it.
-major=${kube_version#v}; major=${major%%.*}
-minor=${kube_version#v*.}; minor=${minor%%.*}
-kube_ldflags="-s -w \
- -X k8s.io/component-base/version.gitVersion=$kube_version \
- -X k8s.io/component-base/version.gitMajor=$major \
- -X k8s.io/component-base/version.gitMinor=$minor \
- -X k8s.io/component-base/version.gitTreeState=clean \
- -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
+kube_ldflags=$(kube_ldflags "$kube_version")
 
 tmp="$bin.tmp.$$"
 rm -rf "$tmp"; mkdir -p "$tmp"
