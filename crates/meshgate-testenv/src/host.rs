@@ -103,6 +103,75 @@ pub(crate) fn run(program: &str, args: &[&str]) -> Result<String, String> {
     }
 }
 
+/// Link names of [`ApiLink`]s: this prefix and the owning process id.
+const API_LINK_PREFIX: &str = "mgapi";
+
+/// A link holding the address a control plane serves pods on ([`crate::Options::serve_pods`]):
+/// the API server binds it, and pods reach it through their gateway as they reach any host
+/// address. A bridge without ports (the `dummy` link type needs a kernel module that hosts such
+/// as containers may lack; a bridge's local address is delivered all the same). Named after the owning process (`mgapi<pid>`);
+/// dropping it deletes the link and so the address, and the next [`ApiLink::create`] deletes
+/// those whose process is gone (a crashed run).
+#[derive(Debug)]
+pub struct ApiLink {
+    name: String,
+}
+
+impl ApiLink {
+    /// Creates `mgapi<pid>` with `address/32`, up. Needs root.
+    pub fn create(address: &str) -> Result<Self, Error> {
+        let mut log = Vec::new();
+        sweep_api_links(&mut log);
+        let name = format!("{API_LINK_PREFIX}{}", std::process::id());
+        let fail = |e: String| {
+            Error::NodeUnsupported(vec![format!(
+                "the API server's address for pods ({address} on a link {name}): {e}"
+            )])
+        };
+        if Path::new("/sys/class/net").join(&name).exists() {
+            run("ip", &["link", "delete", &name]).map_err(fail)?;
+        }
+        run("ip", &["link", "add", &name, "type", "bridge"]).map_err(fail)?;
+        let link = ApiLink { name: name.clone() };
+        run(
+            "ip",
+            &["addr", "add", &format!("{address}/32"), "dev", &name],
+        )
+        .map_err(fail)?;
+        run("ip", &["link", "set", &name, "up"]).map_err(fail)?;
+        Ok(link)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for ApiLink {
+    fn drop(&mut self) {
+        let _ = run("ip", &["link", "delete", &self.name]);
+    }
+}
+
+/// Deletes the [`ApiLink`]s whose owning process is gone.
+pub fn sweep_api_links(log: &mut Vec<String>) {
+    for link in dir_names(Path::new("/sys/class/net")) {
+        let Some(pid) = link
+            .strip_prefix(API_LINK_PREFIX)
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if alive(pid) {
+            continue;
+        }
+        match run("ip", &["link", "delete", &link]) {
+            Ok(_) => log.push(format!("deleted link {link} (its process {pid} is gone)")),
+            Err(e) => log.push(format!("link {link} left: {e}")),
+        }
+    }
+}
+
 fn read_trimmed(path: &Path) -> Option<String> {
     std::fs::read_to_string(path)
         .ok()
@@ -260,7 +329,12 @@ impl HostSnapshot {
                 &run("nft", &["list", "ruleset"]).map_err(Error::Node)?,
             ));
         }
-        s.links = dir_names(Path::new("/sys/class/net"));
+        // A control plane's own link (`ApiLink`) is not the node's: it lives as long as the
+        // control plane, and the control planes sweep them.
+        s.links = dir_names(Path::new("/sys/class/net"))
+            .into_iter()
+            .filter(|l| !l.starts_with(API_LINK_PREFIX))
+            .collect();
         s.netns = dir_names(Path::new("/run/netns"));
         s.mounts = mount_points()
             .into_iter()

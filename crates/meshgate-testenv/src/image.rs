@@ -2,8 +2,9 @@
 //! (an `oci-layout`, an `index.json`, one uncompressed layer, a config and a manifest, all in
 //! one tar) holding static binaries, for `ctr images import`.
 //!
-//! [`static_binaries`] builds `meshgate-wait` and the test programs of `meshgate-testbins`
-//! (`pause`, `app`) as static executables once (Cargo caches them in a target directory of their
+//! [`static_binaries`] builds meshgate's two binaries (`meshgate`, `meshgate-wait`), the test
+//! programs of `meshgate-testbins` (`pause`, `app`) and the mesh-like stand-ins as static
+//! executables once (Cargo caches them in a target directory of their
 //! own under the cache); [`TestImages::write`] puts each into an image.
 
 use std::path::{Path, PathBuf};
@@ -16,6 +17,9 @@ pub const PAUSE_IMAGE: &str = "meshgate.local/pause:1";
 pub const APP_IMAGE: &str = "meshgate.local/app:1";
 /// `meshgate-wait` at `/meshgate-wait`.
 pub const GATE_IMAGE: &str = "meshgate.local/meshgate-wait:1";
+/// meshgate's own image, as released: `/meshgate` (entrypoint: the webhook, the controller and
+/// the CLI) and `/meshgate-wait` (the init gate), what `meshgate install --image` runs.
+pub const MESHGATE_IMAGE: &str = "meshgate.local/meshgate:1";
 /// The mesh-like agents (`meshgate-standins`): `/mesh-node-proxy`, `/mesh-cni`,
 /// `/mesh-cni-agent`.
 pub const AGENTS_IMAGE: &str = "meshgate.local/mesh-agents:1";
@@ -29,13 +33,17 @@ pub struct ImageArchive {
     pub manifest_digest: String,
 }
 
-/// The directory of the static builds: `meshgate-wait`, `pause`, `app`.
+/// The directory of the static builds: `meshgate`, `meshgate-wait`, `pause`, `app`, the
+/// stand-ins.
 #[derive(Clone, Debug)]
 pub struct StaticBinaries {
     pub dir: PathBuf,
 }
 
 impl StaticBinaries {
+    pub fn meshgate(&self) -> PathBuf {
+        self.dir.join("meshgate")
+    }
     pub fn meshgate_wait(&self) -> PathBuf {
         self.dir.join("meshgate-wait")
     }
@@ -67,9 +75,9 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache/meshgate")
 }
 
-/// Builds `meshgate-wait`, `pause` and `app` as static executables (glibc, static PIE, as
+/// Builds `meshgate`, `meshgate-wait`, `pause`, `app` and the stand-ins as static executables (glibc, static PIE, as
 /// crates/meshgate-wait/README.md describes) into `<cache>/static-target`, or returns
-/// `MESHGATE_STATIC_BIN` when that names a directory holding all three. Cargo makes the second
+/// `MESHGATE_STATIC_BIN` when that names a directory holding all of them. Cargo makes the second
 /// call a no-op.
 pub fn static_binaries() -> Result<StaticBinaries, Error> {
     const TARGET: &str = "x86_64-unknown-linux-gnu";
@@ -78,9 +86,14 @@ pub fn static_binaries() -> Result<StaticBinaries, Error> {
             dir: PathBuf::from(dir),
         };
         let standins = STANDINS.map(|s| bins.standin(s));
-        for p in [bins.meshgate_wait(), bins.pause(), bins.app()]
-            .iter()
-            .chain(&standins)
+        for p in [
+            bins.meshgate(),
+            bins.meshgate_wait(),
+            bins.pause(),
+            bins.app(),
+        ]
+        .iter()
+        .chain(&standins)
         {
             if !p.is_file() {
                 return Err(Error::Build {
@@ -98,6 +111,8 @@ pub fn static_binaries() -> Result<StaticBinaries, Error> {
         .current_dir(&workspace)
         .args(["build", "--release", "--locked", "--target", TARGET])
         .args([
+            "-p",
+            "meshgate",
             "-p",
             "meshgate-wait",
             "-p",
@@ -119,7 +134,7 @@ pub fn static_binaries() -> Result<StaticBinaries, Error> {
     if !status.success() {
         return Err(Error::Build {
             script: format!(
-                "cargo build --release --target {TARGET} -p meshgate-wait -p meshgate-testbins -p meshgate-standins \
+                "cargo build --release --target {TARGET} -p meshgate -p meshgate-wait -p meshgate-testbins -p meshgate-standins \
                  (RUSTFLAGS=\"-C target-feature=+crt-static\", CARGO_TARGET_DIR={})",
                 target_dir.display()
             ),
@@ -131,7 +146,7 @@ pub fn static_binaries() -> Result<StaticBinaries, Error> {
     })
 }
 
-/// The three images the node tests use, written into one directory.
+/// The images a real node imports, written into one directory.
 #[derive(Clone, Debug)]
 pub struct TestImages {
     pub binaries: StaticBinaries,
@@ -139,11 +154,12 @@ pub struct TestImages {
     pub app: ImageArchive,
     pub gate: ImageArchive,
     pub agents: ImageArchive,
+    pub meshgate: ImageArchive,
 }
 
 impl TestImages {
-    /// Builds the static binaries (cached) and writes `pause.tar`, `app.tar` and
-    /// `meshgate-wait.tar` into `dir`.
+    /// Builds the static binaries (cached) and writes `pause.tar`, `app.tar`,
+    /// `meshgate-wait.tar`, `mesh-agents.tar` and `meshgate.tar` into `dir`.
     pub fn write(dir: &Path) -> Result<Self, Error> {
         Self::write_with(dir, static_binaries()?)
     }
@@ -173,12 +189,27 @@ impl TestImages {
                 &["/mesh-node-proxy"],
                 &dir.join("mesh-agents.tar"),
             )?,
+            meshgate: write_archive(
+                MESHGATE_IMAGE,
+                &[
+                    ("meshgate", binaries.meshgate().as_path()),
+                    ("meshgate-wait", binaries.meshgate_wait().as_path()),
+                ],
+                &["/meshgate"],
+                &dir.join("meshgate.tar"),
+            )?,
             binaries,
         })
     }
 
-    pub fn all(&self) -> [&ImageArchive; 4] {
-        [&self.pause, &self.app, &self.gate, &self.agents]
+    pub fn all(&self) -> [&ImageArchive; 5] {
+        [
+            &self.pause,
+            &self.app,
+            &self.gate,
+            &self.agents,
+            &self.meshgate,
+        ]
     }
 }
 

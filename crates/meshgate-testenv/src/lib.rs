@@ -7,7 +7,9 @@
 //!
 //! The API server authenticates an admin by a client certificate in `system:masters`, authorizes
 //! with RBAC, signs service-account tokens with a generated key, and runs without the
-//! `ServiceAccount` admission plugin (there is no controller manager to create tokens).
+//! `ServiceAccount` admission plugin (there is no controller manager to create accounts) unless
+//! [`Options::serve_pods`] asks for a control plane that pods of a real node use as their
+//! cluster's API server.
 //!
 //! [`node::RealNode`] adds one real node to a control plane: containerd, kubelet,
 //! kube-controller-manager (and kube-proxy on request), with images written by [`image`] and the
@@ -138,7 +140,22 @@ pub struct Options {
     pub scheduler: bool,
     /// Extra kube-apiserver flags (`--name=value`).
     pub apiserver_flags: Vec<String>,
+    /// Serve the pods of a real node ([`node::RealNode`]) as a cluster's API server does, for
+    /// components installed in the cluster: the API server listens on [`POD_API_ADDRESS`] (on a
+    /// link of its own, see [`host::ApiLink`]; needs root) instead of loopback, publishes it as
+    /// the `kubernetes` Service's endpoint (lease reconciler), and runs the `ServiceAccount`
+    /// admission plugin (the node's kube-controller-manager creates the accounts and publishes
+    /// the root CA; [`ControlPlane::namespace`] waits for the `default` account).
+    pub serve_pods: bool,
 }
+
+/// The host address the API server listens on with [`Options::serve_pods`]: a private address
+/// outside the pods' and Services' ranges, routed to the host from every pod (through the pod
+/// network's gateway); nothing leaves the machine.
+pub const POD_API_ADDRESS: &str = "10.245.0.1";
+/// The `kubernetes` Service's ClusterIP (the first address of `--service-cluster-ip-range`),
+/// which in-cluster clients connect to.
+pub const KUBERNETES_SERVICE_IP: &str = "10.96.0.1";
 
 /// A running control plane. Dropping it stops its processes and removes its directory.
 pub struct ControlPlane {
@@ -148,7 +165,10 @@ pub struct ControlPlane {
     etcd: Process,
     apiserver: Process,
     scheduler: tokio::sync::Mutex<Option<Process>>,
-    /// `https://127.0.0.1:PORT`.
+    /// Dropped after the processes (fields drop in order).
+    api_link: Option<host::ApiLink>,
+    serve_pods: bool,
+    /// `https://127.0.0.1:PORT` (or [`POD_API_ADDRESS`] with [`Options::serve_pods`]).
     pub server: String,
     /// The admin kubeconfig (client certificate in `system:masters`).
     pub kubeconfig_path: PathBuf,
@@ -200,13 +220,26 @@ impl ControlPlane {
             Ok(p)
         };
 
+        let api_link = if options.serve_pods {
+            Some(host::ApiLink::create(POD_API_ADDRESS)?)
+        } else {
+            None
+        };
+        let address = if options.serve_pods {
+            POD_API_ADDRESS
+        } else {
+            "127.0.0.1"
+        };
         let ca = meshgate_pki::Ca::new("meshgate-test-ca", CERT_LIFETIME)?;
         let serving = ca.issue_server(
             &[
                 "127.0.0.1",
                 "localhost",
                 "kubernetes",
+                "kubernetes.default",
                 "kubernetes.default.svc",
+                KUBERNETES_SERVICE_IP,
+                POD_API_ADDRESS,
             ],
             CERT_LIFETIME,
         )?;
@@ -244,11 +277,11 @@ impl ControlPlane {
 
         // kube-apiserver
         let port = free_port()?;
-        let server = format!("https://127.0.0.1:{port}");
+        let server = format!("https://{address}:{port}");
         let mut apiserver_args = vec![
             format!("--etcd-servers={etcd_url}"),
-            "--bind-address=127.0.0.1".into(),
-            "--advertise-address=127.0.0.1".into(),
+            format!("--bind-address={address}"),
+            format!("--advertise-address={address}"),
             format!("--secure-port={port}"),
             format!("--cert-dir={}", d.join("certs").display()),
             format!("--tls-cert-file={}", tls_cert.display()),
@@ -261,13 +294,17 @@ impl ControlPlane {
                 sa_key_file.display()
             ),
             "--service-account-issuer=https://kubernetes.default.svc".into(),
-            "--disable-admission-plugins=ServiceAccount".into(),
             "--service-cluster-ip-range=10.96.0.0/16".into(),
             "--allow-privileged=true".into(),
-            "--endpoint-reconciler-type=none".into(),
             "--profiling=false".into(),
             "--v=1".into(),
         ];
+        if options.serve_pods {
+            apiserver_args.push("--endpoint-reconciler-type=lease".into());
+        } else {
+            apiserver_args.push("--disable-admission-plugins=ServiceAccount".into());
+            apiserver_args.push("--endpoint-reconciler-type=none".into());
+        }
         apiserver_args.extend(options.apiserver_flags.iter().cloned());
         let apiserver = Process::spawn(
             "kube-apiserver",
@@ -291,6 +328,8 @@ impl ControlPlane {
             etcd,
             apiserver,
             scheduler: tokio::sync::Mutex::new(None),
+            api_link,
+            serve_pods: options.serve_pods,
             server,
             kubeconfig_path,
             ca_pem,
@@ -339,6 +378,11 @@ impl ControlPlane {
         groups: &[&str],
     ) -> Result<meshgate_pki::CertifiedKey, Error> {
         Ok(self.ca.issue_client(user, groups, CERT_LIFETIME)?)
+    }
+
+    /// The link holding the API server's address for pods ([`Options::serve_pods`]).
+    pub fn api_link(&self) -> Option<&str> {
+        self.api_link.as_ref().map(host::ApiLink::name)
     }
 
     /// The etcd client URL.
@@ -470,9 +514,25 @@ impl ControlPlane {
             },
             ..Namespace::default()
         };
-        Api::<Namespace>::all(self.client().await?)
+        let client = self.client().await?;
+        Api::<Namespace>::all(client.clone())
             .create(&PostParams::default(), &ns)
             .await?;
+        if self.serve_pods {
+            // The ServiceAccount admission plugin refuses pods until kube-controller-manager
+            // has created the namespace's `default` account.
+            let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+                Api::namespaced(client, &name);
+            let start = Instant::now();
+            while accounts.get_opt("default").await?.is_none() {
+                if start.elapsed() > Duration::from_secs(60) {
+                    return Err(Error::Node(format!(
+                        "namespace {name}: no `default` ServiceAccount after 60 s (is kube-controller-manager running?)"
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
         Ok(name)
     }
 }

@@ -844,6 +844,7 @@ impl RealNode {
         let client = self.client().await?;
         let pods: Api<Pod> = Api::all(client.clone());
         let on_node = ListParams::default().fields(&format!("spec.nodeName={}", self.name));
+        let mut deleted = std::collections::BTreeSet::new();
         for p in pods.list(&on_node).await?.items {
             let (Some(ns), Some(name)) = (p.metadata.namespace, p.metadata.name) else {
                 continue;
@@ -852,18 +853,19 @@ impl RealNode {
             let _ = Api::<Pod>::namespaced(client.clone(), &ns)
                 .delete(&name, &DeleteParams::default())
                 .await;
+            deleted.extend(p.metadata.uid);
         }
-        // DaemonSet pods come back as soon as they are deleted: they are not waited for (the
-        // teardown stops their containers with the rest).
-        let daemon = |p: &Pod| {
-            p.metadata
-                .owner_references
-                .iter()
-                .flatten()
-                .any(|o| o.kind == "DaemonSet")
-        };
+        // The deleted pods are waited for; pods their controllers create in their place
+        // (DaemonSets, ReplicaSets, StatefulSets: the controller manager runs) are not: the
+        // teardown stops their containers with the rest.
         let deadline = Instant::now() + Duration::from_secs(60);
-        while pods.list(&on_node).await?.items.iter().any(|p| !daemon(p)) {
+        while pods
+            .list(&on_node)
+            .await?
+            .items
+            .iter()
+            .any(|p| p.metadata.uid.as_ref().is_some_and(|u| deleted.contains(u)))
+        {
             if Instant::now() > deadline {
                 log.push("pods still on the node after 60 s".into());
                 return Ok(());
@@ -891,8 +893,8 @@ impl RealNode {
                 log.push("pod sandboxes stopped".into());
                 return Ok(());
             }
-            if pods.list(&on_node).await?.items.iter().any(&daemon) {
-                log.push("DaemonSet pods left to the teardown".into());
+            if !pods.list(&on_node).await?.items.is_empty() {
+                log.push("pods that replaced the deleted ones left to the teardown".into());
                 return Ok(());
             }
             if Instant::now() > deadline {
