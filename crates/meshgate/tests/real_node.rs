@@ -10,17 +10,22 @@
 //!   the check.
 //! * The teardown leaves the host as it was: processes, mounts, network namespaces, links,
 //!   sysctls, iptables and nft state compared with the snapshot taken before the node started.
-//! * The kubelet's own Node is tainted at CREATE by meshgate's admission policy; the node-proxy
-//!   stand-in (`mesh-node-proxy`, a privileged DaemonSet from an image the test writes) becomes
-//!   Ready after its delay, the controller (as its installed ServiceAccount) lifts the taint, and
-//!   a gated ambient pod runs once the stand-in has opened its listener inside the pod; when the
-//!   pod's sandbox dies (pause killed), the gate runs again in the new sandbox and holds until
-//!   the stand-in has set that one up.
-//! * Sidecar mode: a pod created before the CNI stand-in's agent has chained `mesh-cni` into the
-//!   node's CNI configuration gets no redirect, and its gate times out (exit 1); a pod created
-//!   after it is redirected, and its gate passes. A Deployment's pod whose gate timed out is
-//!   deleted by the repair loop (running as the controller's ServiceAccount with the RBAC of
-//!   `install --repair delete`) and replaced by a pod that runs.
+//! * meshgate installed in the cluster as users install it (`meshgate install --profile P
+//!   --image <meshgate's image>`): the webhook and the controller run as Deployments from the
+//!   image, under the ServiceAccounts and RBAC `install` renders, against a control plane that
+//!   serves pods (`Options::serve_pods`), with kube-controller-manager and kube-proxy.
+//!   - Ambient: the kubelet's own Node is tainted at CREATE by the installed admission policy;
+//!     the mesh-like CNI agent and node proxy (DaemonSets named as the profile's agents) become
+//!     Ready and the in-cluster controller lifts the taint; a gated ambient pod runs once the
+//!     node proxy has opened its listener inside the pod, and again after its sandbox died;
+//!     policy backfill of a Deployment, a StatefulSet and a DaemonSet succeeds under the
+//!     controller's RBAC, which has no pod writes without repair.
+//!   - Sidecar, with `--repair delete`: pods created before the CNI agent has chained
+//!     `mesh-cni` into the node's CNI configuration get no redirect and their gates time out
+//!     (exit 1); the in-cluster controller deletes the Deployment's; once the agent is Ready
+//!     the taint lifts, new pods are redirected and their gates pass, and the Deployment's
+//!     replacement runs.
+//!   - No component's log shows a refused request.
 //!
 //! Needs root, the node binaries (`MESHGATE_NODE_BIN`, from tools/node/build.sh, which the test
 //! runs when the variable is unset) and the packages of tools/node/packages.sh. Without them
@@ -748,55 +753,62 @@ async fn crashing_child() {
 /// DaemonSet from an image the test writes) starts on it and becomes Ready after a delay, the
 /// controller (as its installed ServiceAccount) lifts the taint, and a gated pod of an ambient
 /// namespace then runs once the stand-in has opened its listener inside the pod.
-#[tokio::test]
-async fn the_kubelets_node_is_tainted_at_create_and_released_by_its_real_agent() {
-    use k8s_openapi::api::apps::v1::DaemonSet;
-    use k8s_openapi::api::core::v1::Node;
-    use meshgate_api::NodeGate;
-    use meshgate_api::node_gate::NodeGateSpec;
-    use meshgate_testenv::image::AGENTS_IMAGE;
+/// The taint keys of a Node's first version seen, once seen.
+type FirstTaints = std::sync::Arc<std::sync::Mutex<Option<Vec<String>>>>;
 
-    if !can_run() {
-        return;
-    }
-    let _serial = SERIAL.lock().await;
-    let cp = control_plane(true).await;
-    let client = cp.client().await.expect("client");
-    install_crds(&client).await;
-    install_identities(&client, "istio-ambient", "meshgate-system").await;
-    let node_name = NodeOptions::default().name;
-    let agents_ns = cp.namespace("mesh-agents", &[]).await.expect("namespace");
-    let spec: NodeGateSpec = serde_json::from_value(json!({
-        "agents": [{"name": "node-proxy", "namespace": agents_ns,
-                    "selector": {"matchLabels": {"app": "mesh-node-proxy"}}, "daemonSet": "mesh-node-proxy"}],
-        "nodeSelector": {"matchLabels": {"kubernetes.io/hostname": node_name}},
-    }))
-    .expect("gate spec");
-    // The admission policy that taints the node at registration, and its effect checked with
-    // dry-run creates (policies take effect asynchronously).
-    for doc in meshgate_core::registration::node_taint_policy(
-        "real-agents",
-        &spec,
-        meshgate_core::registration::PolicyApi::V1,
-    ) {
-        meshgate::install::apply(&client, &[doc], false, |_| {})
-            .await
-            .expect("policy applied");
-    }
-    let nodes: Api<Node> = Api::all(client.clone());
+/// Records the taint keys of the first version of Node `name` seen by a watch started now,
+/// before the Node exists: whether it was tainted at CREATE. The client must not time out
+/// while the node starts (build the images first: `meshgate_testenv::image::static_binaries`).
+fn watch_first_taints(
+    nodes: &Api<k8s_openapi::api::core::v1::Node>,
+    name: &str,
+) -> (tokio::task::JoinHandle<()>, FirstTaints) {
+    use futures::StreamExt;
+    let first = std::sync::Arc::new(std::sync::Mutex::new(None::<Vec<String>>));
+    let (seen, nodes, name) = (first.clone(), nodes.clone(), name.to_owned());
+    let task = tokio::spawn(async move {
+        let cfg =
+            kube::runtime::watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let mut stream = kube::runtime::watcher(nodes, cfg).boxed();
+        while let Some(ev) = stream.next().await {
+            if let Ok(
+                kube::runtime::watcher::Event::Apply(n)
+                | kube::runtime::watcher::Event::InitApply(n),
+            ) = ev
+            {
+                let keys: Vec<String> = n
+                    .spec
+                    .and_then(|s| s.taints)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|t| t.key)
+                    .collect();
+                let mut f = seen
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if f.is_none() {
+                    *f = Some(keys);
+                }
+            }
+        }
+    });
+    (task, first)
+}
+
+/// Waits until a dry-run Node create comes back with the startup taint:
+/// admission policies take effect asynchronously.
+async fn wait_node_taint_policy(nodes: &Api<k8s_openapi::api::core::v1::Node>) {
     let mut n = 0;
     wait_for(
-        "the admission policy to be active",
+        "the node-taint admission policy to be active",
         Duration::from_secs(30),
         || {
             n += 1;
             let nodes = nodes.clone();
-            let node_name = node_name.clone();
             async move {
-                let probe: Node =
-                    serde_json::from_value(json!({"metadata": {"name": format!("probe-{n}"),
-                "labels": {"kubernetes.io/hostname": node_name}}}))
-                    .expect("node");
+                let probe: k8s_openapi::api::core::v1::Node =
+                    serde_json::from_value(json!({"metadata": {"name": format!("probe-{n}")}}))
+                        .expect("node");
                 let dry = PostParams {
                     dry_run: true,
                     ..Default::default()
@@ -811,110 +823,250 @@ async fn the_kubelets_node_is_tainted_at_create_and_released_by_its_real_agent()
         },
     )
     .await;
-    Api::<NodeGate>::all(client.clone())
-        .create(&PostParams::default(), &NodeGate::new("real-agents", spec))
-        .await
-        .expect("gate");
-    let mut controller = Replica::start(
-        cp.kubeconfig_path.clone(),
-        meshgate_controller::leader::LeaseSettings {
-            namespace: "meshgate-system".into(),
-            name: "meshgate-real-node".into(),
-            identity: "real".into(),
-            duration: 3,
-            grace: 1,
-        },
-        Duration::from_millis(500),
-        Some("meshgate-system"),
+}
+
+// meshgate in the cluster, as users install it: `meshgate install --profile P --image
+// <meshgate's image>` against a control plane that serves pods (`Options::serve_pods`:
+// ServiceAccount tokens, the `kubernetes` Service through kube-proxy). The webhook and the
+// controller run as Deployments from the image the test environment writes (both static
+// binaries), under the ServiceAccounts and RBAC `install` rendered; the API server calls the
+// webhook through its Service.
+
+/// Sum of `VmRSS` of these processes, in MiB (processes gone meanwhile count zero).
+fn rss_mib(pids: impl IntoIterator<Item = u32>) -> f64 {
+    let bytes: u64 = pids
+        .into_iter()
+        .filter_map(|p| meshgate_testenv::measure::memory(p).ok())
+        .map(|(_, rss)| rss)
+        .sum();
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// The memory of the whole local cluster: control plane, node, shims, pods.
+fn cluster_memory(cp: &meshgate_testenv::ControlPlane, node: &RealNode) -> String {
+    let mut pids: Vec<u32> = cp.pids();
+    pids.extend(node.pids().into_iter().map(|(_, p)| p));
+    pids.extend(host::pod_processes(node.snapshot_before()));
+    pids.extend(host::pids_named("containerd-shim"));
+    pids.sort_unstable();
+    pids.dedup();
+    let mut by_name = std::collections::BTreeMap::<String, Vec<u32>>::new();
+    for p in &pids {
+        let comm = std::fs::read_to_string(format!("/proc/{p}/comm")).unwrap_or_default();
+        by_name.entry(comm.trim().to_owned()).or_default().push(*p);
+    }
+    let parts: Vec<String> = by_name
+        .iter()
+        .map(|(name, ps)| format!("{name} {:.0}", rss_mib(ps.iter().copied())))
+        .collect();
+    format!(
+        "{:.0} MiB RSS in {} processes ({})",
+        rss_mib(pids.iter().copied()),
+        pids.len(),
+        parts.join(", ")
     )
-    .await;
-    // The node-proxy stand-in, as a mesh ships its node proxy: a privileged DaemonSet that
-    // tolerates every taint (the gate's included) and is Ready after its start-up delay.
-    let ds: DaemonSet = serde_json::from_value(json!({
-        "metadata": {"name": "mesh-node-proxy"},
-        "spec": {
-            "selector": {"matchLabels": {"app": "mesh-node-proxy"}},
-            "template": {
-                "metadata": {"labels": {"app": "mesh-node-proxy"}},
-                "spec": {
-                    "hostPID": true,
-                    "automountServiceAccountToken": false,
-                    "enableServiceLinks": false,
-                    "terminationGracePeriodSeconds": 1,
-                    "tolerations": [{"operator": "Exists"}],
-                    "containers": [{
-                        "name": "node-proxy", "image": AGENTS_IMAGE, "imagePullPolicy": "Never",
-                        "command": ["/mesh-node-proxy", "--ready-delay", "3", "--enrol-delay", "2", "--ready-file", "/tmp/ready"],
-                        "securityContext": {"privileged": true},
-                        "readinessProbe": {"exec": {"command": ["/mesh-node-proxy", "--check-ready", "/tmp/ready"]},
-                                           "periodSeconds": 1},
-                    }],
+}
+
+/// A control plane that serves the real node's pods, started after the images' static
+/// binaries are built (cached), so that no clock or watch of the test includes a build.
+async fn serving_control_plane() -> meshgate_testenv::ControlPlane {
+    tokio::task::spawn_blocking(meshgate_testenv::image::static_binaries)
+        .await
+        .expect("build task")
+        .expect("static binaries");
+    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
+        scheduler: true,
+        serve_pods: true,
+        ..Default::default()
+    })
+    .await
+    .expect("a control plane that serves pods");
+    let link = cp.api_link().expect("the API server's link");
+    assert!(
+        Path::new("/sys/class/net").join(link).exists(),
+        "the API server's link {link}"
+    );
+    cp
+}
+
+/// Runs the `meshgate` CLI with the admin's kubeconfig; panics with its output on failure.
+fn meshgate_cli(cp: &meshgate_testenv::ControlPlane, args: &[&str]) -> String {
+    let out = std::process::Command::new(meshgate_bin())
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(&cp.kubeconfig_path)
+        .output()
+        .expect("meshgate runs");
+    assert!(
+        out.status.success(),
+        "meshgate {}: {}\n{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Creates the profile's agents as the mesh-like stand-ins, under the names its NodeGate
+/// selects (namespace, DaemonSet, label): the CNI agent (Ready `cni_delay` s after its start,
+/// once it has chained its plugin into the node's CNI configuration; `meshgate-system` and the
+/// agents' namespace excluded from the redirect) and the node proxy (Ready after 3 s; it
+/// enrols each pod 2 s after its sandbox appears, opening the in-pod listener).
+async fn create_agents(client: &kube::Client, node: &RealNode, profile: Profile, cni_delay: u32) {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    use k8s_openapi::api::core::v1::Namespace;
+    use meshgate_testenv::image::AGENTS_IMAGE;
+    let record = profile.record();
+    let mut namespaces: Vec<&str> = record.agents.iter().map(|a| a.namespace).collect();
+    namespaces.dedup();
+    for ns in &namespaces {
+        Api::<Namespace>::all(client.clone())
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({"metadata": {"name": ns}})).expect("namespace"),
+            )
+            .await
+            .expect("agents' namespace");
+    }
+    let mut excluded = vec!["kube-system", "meshgate-system"];
+    excluded.extend(&namespaces);
+    let entry = json!({ "excludeNamespaces": excluded }).to_string();
+    for agent in record.agents {
+        let (command, privileged, volumes, mounts) = if agent.name == "cni" {
+            (
+                json!([
+                    "/mesh-cni-agent",
+                    "--cni-conf-dir",
+                    "/host/net.d",
+                    "--cni-bin-dir",
+                    "/host/bin",
+                    "--plugin",
+                    "/mesh-cni",
+                    "--ready-delay",
+                    cni_delay.to_string(),
+                    "--ready-file",
+                    "/tmp/ready",
+                    "--entry",
+                    entry
+                ]),
+                false,
+                json!([{"name": "net-d", "hostPath": {"path": node.cni_conf_dir(), "type": "Directory"}},
+                       {"name": "bin", "hostPath": {"path": node.cni_bin_dir(), "type": "Directory"}}]),
+                json!([{"name": "net-d", "mountPath": "/host/net.d"}, {"name": "bin", "mountPath": "/host/bin"}]),
+            )
+        } else {
+            (
+                json!([
+                    "/mesh-node-proxy",
+                    "--ready-delay",
+                    "3",
+                    "--enrol-delay",
+                    "2",
+                    "--ready-file",
+                    "/tmp/ready"
+                ]),
+                true,
+                json!([]),
+                json!([]),
+            )
+        };
+        let binary = command[0].as_str().unwrap_or_default().to_owned();
+        let (k, v) = agent.label;
+        let ds: DaemonSet = serde_json::from_value(json!({
+            "metadata": {"name": agent.daemon_set},
+            "spec": {
+                "selector": {"matchLabels": {k: v}},
+                "template": {
+                    "metadata": {"labels": {k: v}},
+                    "spec": {
+                        "hostPID": privileged,
+                        "automountServiceAccountToken": false,
+                        "enableServiceLinks": false,
+                        "terminationGracePeriodSeconds": 1,
+                        "tolerations": [{"operator": "Exists"}],
+                        "containers": [{
+                            "name": "agent", "image": AGENTS_IMAGE, "imagePullPolicy": "Never",
+                            "command": command,
+                            "securityContext": {"privileged": privileged},
+                            "readinessProbe": {"exec": {"command": [binary, "--check-ready", "/tmp/ready"]},
+                                               "periodSeconds": 1},
+                            "volumeMounts": mounts,
+                        }],
+                        "volumes": volumes,
+                    },
                 },
             },
-        },
-    }))
-    .expect("daemonset");
-    Api::<DaemonSet>::namespaced(client.clone(), &agents_ns)
-        .create(&PostParams::default(), &ds)
-        .await
-        .expect("daemonset created");
+        }))
+        .expect("daemonset");
+        Api::<DaemonSet>::namespaced(client.clone(), agent.namespace)
+            .create(&PostParams::default(), &ds)
+            .await
+            .expect("agent daemonset");
+    }
+}
 
-    // Watch the Node from before it exists: its first version shows whether it was tainted at
-    // CREATE.
-    let first_taints = std::sync::Arc::new(std::sync::Mutex::new(None::<Vec<String>>));
-    let watch = {
-        use futures::StreamExt;
-        let (first, nodes, node_name) = (first_taints.clone(), nodes.clone(), node_name.clone());
-        tokio::spawn(async move {
-            let cfg = kube::runtime::watcher::Config::default()
-                .fields(&format!("metadata.name={node_name}"));
-            let mut stream = kube::runtime::watcher(nodes, cfg).boxed();
-            while let Some(Ok(ev)) = stream.next().await {
-                if let kube::runtime::watcher::Event::Apply(n)
-                | kube::runtime::watcher::Event::InitApply(n) = ev
-                {
-                    let keys: Vec<String> = n
-                        .spec
-                        .and_then(|s| s.taints)
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|t| t.key)
-                        .collect();
-                    let mut f = first
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner);
-                    if f.is_none() {
-                        *f = Some(keys);
-                    }
-                }
-            }
-        })
-    };
-    let node = RealNode::start(&cp, NodeOptions::default())
-        .await
-        .expect("the real node starts");
-    let ready_at = Instant::now();
-    let first = first_taints
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone();
-    watch.abort();
-    assert!(
-        first.as_ref().is_some_and(|k| k
-            .iter()
-            .any(|k| k == meshgate_api::names::DEFAULT_TAINT_KEY)),
-        "the kubelet's Node was tainted at CREATE: first seen taints {first:?}"
-    );
-    let lifted = tokio::time::timeout(Duration::from_secs(60), async {
+/// Waits until meshgate's webhook and controller Deployments have a Ready replica; panics with
+/// their pods' status and the kubelet's log otherwise.
+async fn wait_meshgate_ready(client: &kube::Client, node: &RealNode) {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), "meshgate-system");
+    let mut last = String::new();
+    let ready = tokio::time::timeout(Duration::from_secs(120), async {
         loop {
-            let n = nodes.get(&node_name).await.expect("node");
-            let tainted = n
+            let mut all = true;
+            last.clear();
+            for d in ["meshgate-webhook", "meshgate-controller"] {
+                let dep = deployments.get(d).await.expect("deployment");
+                let ready = dep
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.ready_replicas)
+                    .unwrap_or(0);
+                last.push_str(&format!("{d}: {ready} ready; "));
+                all &= ready >= 1;
+            }
+            if all {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    if ready.is_err() {
+        let pods = Api::<Pod>::namespaced(client.clone(), "meshgate-system")
+            .list(&Default::default())
+            .await
+            .expect("pods");
+        panic!(
+            "meshgate's Deployments not Ready in 120 s ({last})\npods: {}\nkubelet:\n{}",
+            serde_json::to_string_pretty(
+                &pods
+                    .items
+                    .iter()
+                    .map(|p| (&p.metadata.name, &p.status))
+                    .collect::<Vec<_>>()
+            )
+            .unwrap_or_default(),
+            node.log_tail("kubelet", 30)
+        );
+    }
+}
+
+/// Waits until the node has lost meshgate's startup taint; panics with the NodeGate's status
+/// and the controller's last log lines after `limit`.
+async fn wait_taint_lifted(client: &kube::Client, node: &RealNode, limit: Duration) {
+    use k8s_openapi::api::core::v1::Node;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let lifted = tokio::time::timeout(limit, async {
+        loop {
+            let n = nodes.get(node.name()).await.expect("node");
+            if !n
                 .spec
                 .and_then(|s| s.taints)
                 .unwrap_or_default()
                 .iter()
-                .any(|t| t.key == meshgate_api::names::DEFAULT_TAINT_KEY);
-            if !tainted {
+                .any(|t| t.key == meshgate_api::names::DEFAULT_TAINT_KEY)
+            {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -922,69 +1074,269 @@ async fn the_kubelets_node_is_tainted_at_create_and_released_by_its_real_agent()
     })
     .await;
     if lifted.is_err() {
-        let agents = Api::<Pod>::namespaced(client.clone(), &agents_ns)
-            .list(&Default::default())
-            .await
-            .expect("pods");
-        let gate = Api::<NodeGate>::all(client.clone())
-            .get("real-agents")
+        let gate = Api::<meshgate_api::NodeGate>::all(client.clone())
+            .get("mesh-agents")
             .await
             .expect("gate");
-        let n = nodes.get(&node_name).await.expect("node");
+        let logs = component_logs(client, node, "app.kubernetes.io/component=controller").await;
         panic!(
-            "the taint was not lifted in 60 s\nagent pods: {}\ngate status: {}\nnode taints: {:?}\nnode conditions: {}\nkubelet:\n{}",
-            serde_json::to_string_pretty(
-                &agents
-                    .items
-                    .iter()
-                    .map(|p| (&p.metadata.name, &p.status))
-                    .collect::<Vec<_>>()
-            )
-            .unwrap_or_default(),
+            "the startup taint was not lifted in {limit:?}\ngate status: {}\ncontroller logs:\n{}",
             serde_json::to_string_pretty(&gate.status).unwrap_or_default(),
-            n.spec.as_ref().and_then(|s| s.taints.as_ref()),
-            serde_json::to_string(&n.status.as_ref().and_then(|s| s.conditions.as_ref()))
-                .unwrap_or_default(),
-            node.log_tail("kubelet", 20)
+            logs.iter()
+                .rev()
+                .take(30)
+                .map(|(c, l)| format!("{c}: {l}"))
+                .collect::<Vec<_>>()
+                .join("\n")
         );
     }
-    eprintln!(
-        "measured: node Ready -> startup taint lifted {:.2?} (agent ready delay 3 s)",
-        ready_at.elapsed()
-    );
-    assert!(
-        ready_at.elapsed() >= Duration::from_secs(2),
-        "not lifted before the agent was Ready"
-    );
-    let agent_pods = Api::<Pod>::namespaced(client.clone(), &agents_ns)
+}
+
+/// The lines of every container log of meshgate's pods with `selector` (all restarts).
+async fn component_logs(
+    client: &kube::Client,
+    node: &RealNode,
+    selector: &str,
+) -> Vec<(String, String)> {
+    let namespace = "meshgate-system";
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let list = pods
+        .list(&kube::api::ListParams::default().labels(selector))
+        .await
+        .expect("pods");
+    let mut out = Vec::new();
+    for p in list.items {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let uid = p.metadata.uid.clone().unwrap_or_default();
+        for c in p.spec.iter().flat_map(|s| s.containers.iter()) {
+            let dir = node
+                .container_log(namespace, &name, &uid, &c.name, 0)
+                .parent()
+                .map(Path::to_owned)
+                .expect("log dir");
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+                out.extend(
+                    text.lines()
+                        .map(|l| (format!("{name}/{}", c.name), l.to_owned())),
+                );
+            }
+        }
+    }
+    out
+}
+
+/// Every meshgate pod runs as its component's ServiceAccount, and no component's log shows a
+/// request the API server refused (403).
+async fn assert_no_refused_requests(client: &kube::Client, node: &RealNode) {
+    let pods = Api::<Pod>::namespaced(client.clone(), "meshgate-system")
         .list(&Default::default())
         .await
-        .expect("agent pods");
-    assert!(
-        agent_pods.items.iter().any(|p| p
-            .status
+        .expect("pods");
+    for p in &pods.items {
+        let component = p
+            .metadata
+            .labels
             .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))),
-        "the agent's pod is Ready"
+            .and_then(|l| l.get("app.kubernetes.io/component"))
+            .map_or("", String::as_str);
+        assert_eq!(
+            p.spec
+                .as_ref()
+                .and_then(|s| s.service_account_name.as_deref()),
+            Some(format!("meshgate-{component}").as_str()),
+            "{:?} runs as its component's ServiceAccount",
+            p.metadata.name
+        );
+    }
+    let logs = component_logs(client, node, "app.kubernetes.io/name=meshgate").await;
+    assert!(!logs.is_empty(), "the components logged");
+    let refused: Vec<_> = logs
+        .iter()
+        .filter(|(_, l)| {
+            let l = l.to_ascii_lowercase();
+            l.contains("forbidden") || l.contains("\"code\":403") || l.contains(" 403 ")
+        })
+        .collect();
+    assert!(
+        refused.is_empty(),
+        "the components were refused requests under their installed RBAC:\n{refused:#?}"
     );
+}
 
-    // A gated ambient pod: its gate waits for the stand-in's in-pod listener (15008).
+/// Whether `system:serviceaccount:meshgate-system:<sa>` may `verb` core `resource`s (a
+/// SubjectAccessReview, what `kubectl auth can-i --as` asks).
+async fn service_account_may(client: &kube::Client, sa: &str, verb: &str, resource: &str) -> bool {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    };
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(format!("system:serviceaccount:meshgate-system:{sa}")),
+            groups: Some(vec![
+                "system:serviceaccounts".into(),
+                "system:serviceaccounts:meshgate-system".into(),
+            ]),
+            resource_attributes: Some(ResourceAttributes {
+                verb: Some(verb.into()),
+                resource: Some(resource.into()),
+                namespace: Some("any".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    Api::<SubjectAccessReview>::all(client.clone())
+        .create(&Default::default(), &review)
+        .await
+        .expect("review")
+        .status
+        .is_some_and(|s| s.allowed)
+}
+
+/// Stops the node, checks the host is as before, stops the control plane and checks its link
+/// is gone.
+async fn tear_down(cp: meshgate_testenv::ControlPlane, node: RealNode) {
+    let before = node.snapshot_before().clone();
+    let run_dir = node.run_dir().to_owned();
+    let teardown = node.stop().await.expect("the teardown restores the host");
+    eprintln!("measured: node teardown {:.2?}", teardown.took);
+    assert_host_restored(&before, &run_dir);
+    let link = cp.api_link().map(str::to_owned).expect("link");
+    drop(cp);
+    assert!(
+        !Path::new("/sys/class/net").join(&link).exists(),
+        "the API server's link {link} is gone with the control plane"
+    );
+}
+
+/// The ambient profile in the cluster:
+/// * the kubelet's Node is tainted at CREATE by the installed admission policy; the mesh-like
+///   CNI agent and node proxy (DaemonSets named as the profile's agents) become Ready, and the
+///   in-cluster controller lifts the taint;
+/// * a pod of an ambient namespace, gated by the in-cluster webhook and placed by the
+///   scheduler, stays in Init until the node-proxy stand-in opens its in-pod listener, then
+///   runs; its gate's log names what it waited for and how long; when its sandbox dies (pause
+///   killed), the gate runs again in the new sandbox and holds until the stand-in has set that
+///   one up;
+/// * policy backfill by the in-cluster controller patches a Deployment's, a StatefulSet's and a
+///   DaemonSet's pod templates under its installed RBAC; without repair neither component may
+///   write pods (SubjectAccessReviews), and no component's log shows a refused request;
+/// * the teardown restores the host and removes the API server's link.
+#[tokio::test]
+async fn ambient_meshgate_installed_from_its_image_gates_the_real_node() {
+    use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, StatefulSet};
+    use k8s_openapi::api::core::v1::Node;
+    use meshgate_api::MutationPolicy;
+    use meshgate_testenv::image::MESHGATE_IMAGE;
+
+    if !can_run() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cp = serving_control_plane().await;
+    let setup = Instant::now();
+    let client = cp.client().await.expect("client");
+    meshgate_cli(
+        &cp,
+        &[
+            "install",
+            "--profile",
+            "istio-ambient",
+            "--image",
+            MESHGATE_IMAGE,
+            "--apply",
+        ],
+    );
+    let nodes: Api<Node> = Api::all(client.clone());
+    wait_node_taint_policy(&nodes).await;
+    let node_name = NodeOptions::default().name;
+    // The Node's first version, watched from before it exists: tainted at CREATE?
+    let (watch, first_taints) = watch_first_taints(&nodes, &node_name);
+    let node = RealNode::start(
+        &cp,
+        NodeOptions {
+            proxy: true,
+            ..NodeOptions::default()
+        },
+    )
+    .await
+    .expect("the real node starts");
+    let node_ready = Instant::now();
+    watch.abort();
+    let first = first_taints
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    assert!(
+        first.as_ref().is_some_and(|k| k
+            .iter()
+            .any(|k| k == meshgate_api::names::DEFAULT_TAINT_KEY)),
+        "the kubelet's Node was tainted at CREATE by the installed policy: first seen taints {first:?}"
+    );
+    create_agents(&client, &node, Profile::IstioAmbient, 1).await;
+    wait_meshgate_ready(&client, &node).await;
+    eprintln!(
+        "measured: node Ready -> meshgate's webhook and controller Ready in the cluster {:.2?}",
+        node_ready.elapsed()
+    );
+    wait_taint_lifted(&client, &node, Duration::from_secs(90)).await;
+    eprintln!(
+        "measured: node Ready -> startup taint lifted by the in-cluster controller {:.2?} (agents Ready after 1 s and 3 s)",
+        node_ready.elapsed()
+    );
+    assert!(
+        node_ready.elapsed() >= Duration::from_secs(3),
+        "not lifted before the node proxy was Ready"
+    );
+    let setup_took = setup.elapsed();
+
+    // A pod of an ambient namespace: the in-cluster webhook gates it; the scheduler places it;
+    // the gate holds it until the node-proxy stand-in opens the in-pod listener.
     let ns = cp
-        .namespace("real-agents-app", &[AMBIENT])
+        .namespace("in-cluster-app", &[AMBIENT])
         .await
         .expect("namespace");
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let _webhook = use_webhook(&cp, &client, &pods, gate_config(15008, 60)).await;
+    let scheduled_pod = |name: &str| {
+        let mut p = app_pod(name, "", "Always");
+        if let Some(spec) = p.spec.as_mut() {
+            spec.node_name = None;
+        }
+        p
+    };
+    let mut n = 0;
+    wait_for(
+        "the in-cluster webhook to gate pods",
+        Duration::from_secs(60),
+        || {
+            n += 1;
+            let (pods, probe) = (pods.clone(), scheduled_pod(&format!("probe-{n}")));
+            async move {
+                let dry = PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                pods.create(&dry, &probe)
+                    .await
+                    .ok()
+                    .is_some_and(|p| gate(&p).is_some())
+            }
+        },
+    )
+    .await;
     let created = Instant::now();
     let pod = pods
-        .create(
-            &PostParams::default(),
-            &app_pod("web", &node_name, "Always"),
-        )
+        .create(&PostParams::default(), &scheduled_pod("web"))
         .await
         .expect("pod");
-    assert_eq!(gate(&pod).map(|g| g.name.as_str()), Some("meshgate-wait"));
+    let g = gate(&pod).expect("the in-cluster webhook injected meshgate-wait");
+    assert_eq!(
+        g.image.as_deref(),
+        Some(MESHGATE_IMAGE),
+        "the gate runs from meshgate's image"
+    );
     let running = wait_pod(
         &pods,
         &node,
@@ -995,7 +1347,7 @@ async fn the_kubelets_node_is_tainted_at_create_and_released_by_its_real_agent()
     )
     .await;
     eprintln!(
-        "measured: gated pod create -> Running {:.2?} (node proxy stand-in enrolled it)",
+        "measured: in-cluster gated pod create -> Running {:.2?}",
         created.elapsed()
     );
     let line = gate_log_line(&node, &ns, &running);
@@ -1064,94 +1416,209 @@ async fn the_kubelets_node_is_tainted_at_create_and_released_by_its_real_agent()
         "the gate held the new sandbox until the stand-in enrolled it: {line}"
     );
 
-    // Leave the control plane as found: the gate (finalized by the controller) and the policy.
-    Api::<NodeGate>::all(client.clone())
-        .delete("real-agents", &Default::default())
+    // Policy backfill by the in-cluster controller, under its installed RBAC: the pod templates
+    // of a Deployment, a StatefulSet and a DaemonSet that exist before the policy.
+    let apps = cp.namespace("backfill", &[]).await.expect("namespace");
+    let template = json!({
+        "metadata": {"labels": {"app": "w"}},
+        "spec": {"containers": [{"name": "app", "image": APP_IMAGE, "imagePullPolicy": "Never"}],
+                 "nodeSelector": {"meshgate.dev/no-such-node": "true"}},
+    });
+    let spec = json!({"selector": {"matchLabels": {"app": "w"}}, "template": template});
+    let mut dspec = spec.clone();
+    dspec["replicas"] = json!(0);
+    Api::<Deployment>::namespaced(client.clone(), &apps)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "w"}, "spec": dspec}))
+                .expect("deployment"),
+        )
         .await
-        .expect("gate deleted");
-    wait_for(
-        "the gate to be finalized",
-        Duration::from_secs(30),
-        || async {
-            Api::<NodeGate>::all(client.clone())
-                .get_opt("real-agents")
-                .await
-                .ok()
-                .flatten()
-                .is_none()
+        .expect("deployment");
+    let mut sspec = dspec.clone();
+    sspec["serviceName"] = json!("w");
+    Api::<StatefulSet>::namespaced(client.clone(), &apps)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "w"}, "spec": sspec}))
+                .expect("statefulset"),
+        )
+        .await
+        .expect("statefulset");
+    Api::<DaemonSet>::namespaced(client.clone(), &apps)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "w"}, "spec": spec}))
+                .expect("daemonset"),
+        )
+        .await
+        .expect("daemonset");
+    let policy: MutationPolicy = serde_json::from_value(json!({
+        "apiVersion": "meshgate.dev/v1alpha1", "kind": "MutationPolicy",
+        "metadata": {"name": "in-cluster-backfill"},
+        "spec": {
+            "match": {"kinds": ["Pod"], "namespaces": [apps]},
+            "podTemplates": true,
+            "existing": {"enabled": true, "ratePerSecond": 100},
+            "mutations": [{"annotations": {"values": {"meshgate.test/backfilled": "yes"}}}],
         },
-    )
+    }))
+    .expect("policy");
+    Api::<MutationPolicy>::all(client.clone())
+        .create(&PostParams::default(), &policy)
+        .await
+        .expect("policy");
+    let annotated = |meta: Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>| {
+        meta.and_then(|m| m.annotations.as_ref())
+            .and_then(|a| a.get("meshgate.test/backfilled"))
+            .is_some_and(|v| v == "yes")
+    };
+    let policy_created = Instant::now();
+    let backfilled = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let d = Api::<Deployment>::namespaced(client.clone(), &apps)
+                .get("w")
+                .await;
+            let s = Api::<StatefulSet>::namespaced(client.clone(), &apps)
+                .get("w")
+                .await;
+            let ds = Api::<DaemonSet>::namespaced(client.clone(), &apps)
+                .get("w")
+                .await;
+            let done = [
+                d.ok()
+                    .and_then(|d| d.spec)
+                    .map(|s| annotated(s.template.metadata.as_ref())),
+                s.ok()
+                    .and_then(|s| s.spec)
+                    .map(|s| annotated(s.template.metadata.as_ref())),
+                ds.ok()
+                    .and_then(|d| d.spec)
+                    .map(|s| annotated(s.template.metadata.as_ref())),
+            ];
+            if done.iter().all(|d| *d == Some(true)) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
     .await;
-    {
-        use k8s_openapi::api::admissionregistration::v1::{
-            MutatingAdmissionPolicy, MutatingAdmissionPolicyBinding,
-        };
-        let name = "meshgate-node-taint-real-agents";
-        Api::<MutatingAdmissionPolicyBinding>::all(client.clone())
-            .delete(name, &Default::default())
-            .await
-            .expect("binding deleted");
-        Api::<MutatingAdmissionPolicy>::all(client.clone())
-            .delete(name, &Default::default())
-            .await
-            .expect("policy deleted");
+    let status = Api::<MutationPolicy>::all(client.clone())
+        .get("in-cluster-backfill")
+        .await
+        .expect("policy")
+        .status;
+    eprintln!(
+        "measured: policy created -> three workloads backfilled by the in-cluster controller {:.2?}",
+        policy_created.elapsed()
+    );
+    assert!(
+        backfilled.is_ok(),
+        "the in-cluster controller backfilled the Deployment, StatefulSet and DaemonSet: policy status {}",
+        serde_json::to_string_pretty(&status).unwrap_or_default()
+    );
+
+    // What the installed identities hold without repair: no pod writes (the matrix per feature
+    // is tests/install.rs).
+    for (sa, verb, resource) in [
+        ("meshgate-controller", "patch", "pods"),
+        ("meshgate-controller", "delete", "pods"),
+        ("meshgate-controller", "list", "secrets"),
+        ("meshgate-webhook", "patch", "pods"),
+        ("meshgate-webhook", "get", "secrets"),
+    ] {
+        assert!(
+            !service_account_may(&client, sa, verb, resource).await,
+            "{sa} may {verb} {resource}"
+        );
     }
-    controller.stop();
-    let before = node.snapshot_before().clone();
-    let run_dir = node.run_dir().to_owned();
-    node.stop().await.expect("the teardown restores the host");
-    assert_host_restored(&before, &run_dir);
+    assert!(
+        service_account_may(&client, "meshgate-controller", "patch", "nodes").await,
+        "the controller may patch nodes"
+    );
+    assert_no_refused_requests(&client, &node).await;
+    eprintln!(
+        "measured: in-cluster set-up {setup_took:.2?} (install, node, meshgate Ready, taint lifted); whole local cluster: {}",
+        cluster_memory(&cp, &node)
+    );
+    drop(client);
+    tear_down(cp, node).await;
 }
 
-/// Sidecar mode on a real node: the CNI stand-in's agent (`mesh-cni-agent`, a DaemonSet with
-/// the node's CNI directories mounted) chains `mesh-cni` into the node's CNI configuration only
-/// after its start-up delay, as a mesh's CNI agent does. A pod (shaped as Istio's injector
-/// leaves it in CNI mode) whose sandbox was created before that gets no redirect: its gate
-/// times out with exit code 1, naming the check. A pod created after it gets the redirect: its
-/// gate passes and the app runs. The redirect target is the pod network's gateway, taken from
-/// the pod's `includeOutboundIPRanges`: no probe ever leaves this machine.
+/// The sidecar profile in the cluster, with the repair loop (`install --repair delete`) and a
+/// 3 s gate timeout (the rendered ConfigMap edited before applying, as users edit manifests):
+/// * pods whose sandboxes are created before the CNI stand-in's agent has chained `mesh-cni`
+///   into the node's CNI configuration get no redirect: a bare pod's gate times out with exit
+///   code 1, naming its check; a Deployment's pods time out too, and the in-cluster controller
+///   deletes them (Events `MeshRepairDeleted`) under its installed RBAC;
+/// * once the agent is Ready, the in-cluster controller lifts the startup taint, a pod created
+///   then is redirected and its gate passes, and the Deployment's replacement pod runs;
+/// * the controller may patch and delete pods (repair), and no component's log shows a
+///   refused request; the teardown restores the host.
 #[tokio::test]
-async fn sidecar_style_pods_are_gated_until_the_cni_agent_chains_its_plugin() {
-    use k8s_openapi::api::apps::v1::DaemonSet;
-    use meshgate_testenv::image::AGENTS_IMAGE;
+async fn sidecar_meshgate_installed_from_its_image_repairs_pods_that_started_before_the_cni_agent()
+{
+    use k8s_openapi::api::apps::v1::Deployment;
+    use meshgate_testenv::image::MESHGATE_IMAGE;
 
     if !can_run() {
         return;
     }
     let _serial = SERIAL.lock().await;
-    let cp = control_plane(true).await;
+    let cp = serving_control_plane().await;
     let client = cp.client().await.expect("client");
-    let node = RealNode::start(&cp, NodeOptions::default())
+    let rendered = meshgate_cli(
+        &cp,
+        &[
+            "install",
+            "--profile",
+            "istio-sidecar",
+            "--image",
+            MESHGATE_IMAGE,
+            "--repair",
+            "delete",
+        ],
+    );
+    let mut docs =
+        meshgate::render::parse_documents("install output", &rendered).expect("manifests");
+    let config = docs
+        .iter_mut()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "meshgate-config")
+        .expect("the gate ConfigMap");
+    let mut gate_config: GateConfig =
+        serde_yaml::from_str(config["data"]["config.yaml"].as_str().expect("config.yaml"))
+            .expect("gate config");
+    gate_config.init_gate.timeout_seconds = 3;
+    config["data"]["config.yaml"] =
+        json!(serde_yaml::to_string(&gate_config).expect("config yaml"));
+    meshgate::install::apply(&client, &docs, false, |_| {})
         .await
-        .expect("the real node starts");
+        .expect("manifests applied");
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    wait_node_taint_policy(&nodes).await;
+    let node = RealNode::start(
+        &cp,
+        NodeOptions {
+            proxy: true,
+            ..NodeOptions::default()
+        },
+    )
+    .await
+    .expect("the real node starts");
     let node_name = node.name().to_owned();
-    let agents_ns = cp.namespace("cni-agents", &[]).await.expect("namespace");
+    wait_meshgate_ready(&client, &node).await;
+
     let ns = cp
         .namespace("sidecar-app", &[("istio-injection", "enabled")])
         .await
         .expect("namespace");
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let config = GateConfig {
-        profiles: vec![Profile::IstioSidecar],
-        init_gate: InitGate {
-            image: GATE_IMAGE.into(),
-            image_pull_policy: "Never".into(),
-            command: "/meshgate-wait".into(),
-            timeout_seconds: 3,
-            ..InitGate::default()
-        },
-        ..GateConfig::default()
-    };
-    let webhook = start_webhook(&cp, config.clone()).await;
-    register(
-        &client,
-        &webhook.registration("meshgate", &config, false, false),
-    )
-    .await;
     // A pod as Istio's injector leaves it in CNI mode: the proxy a container, the injection
-    // status, and (the project's choice here) outbound capture of the pod network only.
-    let injected = |name: &str| -> Pod {
-        serde_json::from_value(json!({
+    // status, and (the project's choice here) outbound capture of the pod network only, so no
+    // probe ever leaves this machine. Bound to the node (`nodeName`): the node is still
+    // tainted, as after an agent's restart on a running node.
+    let injected = |name: &str, bound: bool| -> Pod {
+        let mut p: Pod = serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "annotations": {
                 "sidecar.istio.io/status": "{\"initContainers\":[],\"containers\":[\"istio-proxy\"]}",
@@ -1169,16 +1636,20 @@ async fn sidecar_style_pods_are_gated_until_the_cni_agent_chains_its_plugin() {
                 ],
             },
         }))
-        .expect("pod")
+        .expect("pod");
+        if !bound && let Some(spec) = p.spec.as_mut() {
+            spec.node_name = None;
+        }
+        p
     };
     let want = "gated: --redirect-check 15001 --redirect-target 10.244.0.1:80";
     let mut n = 0;
     wait_for(
-        "the webhook to gate injected pods",
-        Duration::from_secs(30),
+        "the in-cluster webhook to gate injected pods",
+        Duration::from_secs(60),
         || {
             n += 1;
-            let (pods, probe) = (pods.clone(), injected(&format!("probe-{n}")));
+            let (pods, probe) = (pods.clone(), injected(&format!("probe-{n}"), true));
             async move {
                 let dry = PostParams {
                     dry_run: true,
@@ -1198,7 +1669,7 @@ async fn sidecar_style_pods_are_gated_until_the_cni_agent_chains_its_plugin() {
     .await;
 
     // Before the CNI agent: no redirect, the gate times out (exit 1), the pod fails.
-    pods.create(&PostParams::default(), &injected("early"))
+    pods.create(&PostParams::default(), &injected("early", true))
         .await
         .expect("pod");
     let failed = wait_pod(
@@ -1221,121 +1692,66 @@ async fn sidecar_style_pods_are_gated_until_the_cni_agent_chains_its_plugin() {
         "{line}"
     );
 
-    // A Deployment's pod, created before the agent too: its gate keeps timing out (the kubelet
-    // restarts it in the same sandbox, which never gets the redirect).
-    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
-        Api::namespaced(client.clone(), &ns);
-    let mut template = serde_json::to_value(injected("template")).expect("template");
-    template["metadata"]["labels"] = json!({"app": "web"});
-    template["metadata"]
-        .as_object_mut()
-        .expect("metadata")
-        .remove("name");
+    // A Deployment's pods, created before the agent too: their gates time out, and the
+    // in-cluster controller deletes them; each replacement is early as well, until the agent
+    // has chained its plugin.
+    let mut template = serde_json::to_value(injected("template", true)).expect("template");
+    template["metadata"] =
+        json!({"labels": {"app": "web"}, "annotations": template["metadata"]["annotations"]});
     template["spec"]["restartPolicy"] = json!("Always");
-    template["spec"]
-        .as_object_mut()
-        .expect("spec")
-        .remove("nodeName");
-    let deployment: k8s_openapi::api::apps::v1::Deployment = serde_json::from_value(json!({
+    let deployment: Deployment = serde_json::from_value(json!({
         "metadata": {"name": "web"},
         "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "web"}}, "template": template},
     }))
     .expect("deployment");
-    deployments
+    Api::<Deployment>::namespaced(client.clone(), &ns)
         .create(&PostParams::default(), &deployment)
         .await
         .expect("deployment created");
-    let gate_failed = |p: &Pod| {
-        init_status(p, "meshgate-wait").is_some_and(|s| {
-            let exit = |t: Option<&k8s_openapi::api::core::v1::ContainerStateTerminated>| {
-                t.is_some_and(|t| t.exit_code == 1)
-            };
-            exit(s.state.as_ref().and_then(|st| st.terminated.as_ref()))
-                || exit(s.last_state.as_ref().and_then(|st| st.terminated.as_ref()))
-        })
-    };
-    let web_pods = |pods: Api<Pod>| async move {
-        pods.list(&kube::api::ListParams::default().labels("app=web"))
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), &ns);
+    let repaired = |events: Api<k8s_openapi::api::events::v1::Event>| async move {
+        events
+            .list(&Default::default())
             .await
             .map(|l| l.items)
             .unwrap_or_default()
+            .into_iter()
+            .filter(|e| {
+                e.reason.as_deref() == Some(meshgate_controller::repair::EVENT_DELETED)
+                    && e.regarding
+                        .as_ref()
+                        .and_then(|r| r.name.as_deref())
+                        .is_some_and(|n| n.starts_with("web-"))
+            })
+            .collect::<Vec<_>>()
     };
     wait_for(
-        "the Deployment's gate to time out",
+        "the in-cluster controller to delete a Deployment pod whose gate timed out",
         Duration::from_secs(60),
         || {
-            let pods = pods.clone();
-            async move { web_pods(pods).await.iter().any(gate_failed) }
+            let events = events.clone();
+            async move { !repaired(events).await.is_empty() }
         },
     )
     .await;
-    let early_uid = web_pods(pods.clone()).await[0]
-        .metadata
-        .uid
-        .clone()
-        .expect("uid");
+    let deleted = repaired(events.clone()).await;
+    eprintln!(
+        "measured: repair Event: {:?} by {:?}",
+        deleted[0].note, deleted[0].reporting_controller
+    );
 
-    // The CNI agent: ready after its delay, with the plugin chained in.
-    let entry = json!({"excludeNamespaces": ["kube-system", agents_ns]}).to_string();
-    let ds: DaemonSet = serde_json::from_value(json!({
-        "metadata": {"name": "mesh-cni-agent"},
-        "spec": {
-            "selector": {"matchLabels": {"app": "mesh-cni-agent"}},
-            "template": {
-                "metadata": {"labels": {"app": "mesh-cni-agent"}},
-                "spec": {
-                    "automountServiceAccountToken": false,
-                    "enableServiceLinks": false,
-                    "terminationGracePeriodSeconds": 1,
-                    "tolerations": [{"operator": "Exists"}],
-                    "containers": [{
-                        "name": "cni-agent", "image": AGENTS_IMAGE, "imagePullPolicy": "Never",
-                        "command": ["/mesh-cni-agent", "--cni-conf-dir", "/host/net.d", "--cni-bin-dir", "/host/bin",
-                                    "--plugin", "/mesh-cni", "--ready-delay", "1", "--ready-file", "/tmp/ready",
-                                    "--entry", entry],
-                        "readinessProbe": {"exec": {"command": ["/mesh-cni-agent", "--check-ready", "/tmp/ready"]},
-                                           "periodSeconds": 1},
-                        "volumeMounts": [{"name": "net-d", "mountPath": "/host/net.d"}, {"name": "bin", "mountPath": "/host/bin"}],
-                    }],
-                    "volumes": [
-                        {"name": "net-d", "hostPath": {"path": node.cni_conf_dir(), "type": "Directory"}},
-                        {"name": "bin", "hostPath": {"path": node.cni_bin_dir(), "type": "Directory"}},
-                    ],
-                },
-            },
-        },
-    }))
-    .expect("daemonset");
-    Api::<DaemonSet>::namespaced(client.clone(), &agents_ns)
-        .create(&PostParams::default(), &ds)
-        .await
-        .expect("daemonset created");
-    let agents: Api<Pod> = Api::namespaced(client.clone(), &agents_ns);
-    wait_for(
-        "the CNI agent to be Ready",
-        Duration::from_secs(60),
-        || async {
-            agents
-                .list(&Default::default())
-                .await
-                .ok()
-                .is_some_and(|l| {
-                    l.items.iter().any(|p| {
-                        p.status
-                            .as_ref()
-                            .and_then(|s| s.conditions.as_ref())
-                            .is_some_and(|cs| {
-                                cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
-                            })
-                    })
-                })
-        },
-    )
-    .await;
+    // The CNI agent: Ready after 1 s, with the plugin chained in; the controller lifts the taint.
+    let agent_started = Instant::now();
+    create_agents(&client, &node, Profile::IstioSidecar, 1).await;
+    wait_taint_lifted(&client, &node, Duration::from_secs(60)).await;
+    eprintln!(
+        "measured: CNI agent created -> startup taint lifted by the in-cluster controller {:.2?}",
+        agent_started.elapsed()
+    );
 
-    // After: the sandbox gets the redirect, the gate passes, the app runs.
+    // After: a pod placed by the scheduler is redirected, its gate passes, the app runs.
     let created = Instant::now();
-    pods.create(&PostParams::default(), &injected("late"))
+    pods.create(&PostParams::default(), &injected("late", false))
         .await
         .expect("pod");
     let running = wait_pod(
@@ -1362,74 +1778,47 @@ async fn sidecar_style_pods_are_gated_until_the_cni_agent_chains_its_plugin() {
         "{line}"
     );
 
-    // The repair loop (as the controller's ServiceAccount with `install --repair delete`'s RBAC)
-    // deletes the Deployment's timed-out pod; its ReplicaSet recreates it in a new sandbox, which
-    // now gets the redirect: the gate passes and the pod runs.
-    install_identities_with(
-        &client,
-        "istio-sidecar",
-        "meshgate-system",
-        Some(meshgate::install::RepairAction::Delete),
-    )
+    // The Deployment's pod runs in the end: a replacement whose sandbox got the redirect.
+    wait_for("a Deployment pod to run", Duration::from_secs(90), || {
+        let pods = pods.clone();
+        async move {
+            pods.list(&kube::api::ListParams::default().labels("app=web"))
+                .await
+                .is_ok_and(|l| l.items.iter().any(|p| phase(p) == "Running"))
+        }
+    })
     .await;
-    let (stop_repair, stopped) = tokio::sync::oneshot::channel::<()>();
-    let kubeconfig = cp.kubeconfig_path.clone();
-    let repair_metrics = meshgate_controller::repair::RepairMetrics::new();
-    let metrics = repair_metrics.clone();
-    background().spawn(async move {
-        let client =
-            client_as_service_account(&kubeconfig, "meshgate-system", "meshgate-controller").await;
-        let settings = meshgate_core::repair::RepairSettings {
-            enabled: true,
-            action: meshgate_core::repair::RepairAction::Delete,
-            rate_per_second: 10.0,
-            ..Default::default()
-        };
-        meshgate_controller::repair::run(
-            client,
-            meshgate_controller::leader::always(),
-            settings,
-            metrics,
-            async move {
-                let _ = stopped.await;
-            },
-        )
-        .await;
-    });
-    let repaired = Instant::now();
-    wait_for(
-        "the repair loop to replace the timed-out pod with a running one",
-        Duration::from_secs(90),
-        || {
-            let (pods, early_uid) = (pods.clone(), early_uid.clone());
-            async move {
-                let all = web_pods(pods).await;
-                !all.iter()
-                    .any(|p| p.metadata.uid.as_deref() == Some(early_uid.as_str()))
-                    && all.iter().any(|p| phase(p) == "Running")
-            }
-        },
-    )
-    .await;
-    let _ = stop_repair.send(());
-    eprintln!(
-        "measured: repair -> replacement pod Running {:.2?}",
-        repaired.elapsed()
-    );
-    let replacement = web_pods(pods.clone())
+    let replacement = pods
+        .list(&kube::api::ListParams::default().labels("app=web"))
         .await
+        .expect("pods")
+        .items
         .into_iter()
         .find(|p| phase(p) == "Running")
         .expect("running replacement");
+    let deleted_uids: Vec<_> = deleted
+        .iter()
+        .filter_map(|e| e.regarding.as_ref()?.uid.clone())
+        .collect();
+    assert!(
+        !deleted_uids.contains(replacement.metadata.uid.as_ref().expect("uid")),
+        "the running pod is a replacement"
+    );
     let line = gate_log_line(&node, &ns, &replacement);
     assert!(
         line.starts_with("ready after ") && line.contains("redirect-check 15001"),
         "{line}"
     );
 
-    drop(webhook);
-    let before = node.snapshot_before().clone();
-    let run_dir = node.run_dir().to_owned();
-    node.stop().await.expect("the teardown restores the host");
-    assert_host_restored(&before, &run_dir);
+    assert!(
+        service_account_may(&client, "meshgate-controller", "delete", "pods").await,
+        "with --repair delete the controller may delete pods"
+    );
+    assert!(
+        !service_account_may(&client, "meshgate-webhook", "delete", "pods").await,
+        "the webhook may not delete pods"
+    );
+    assert_no_refused_requests(&client, &node).await;
+    drop(client);
+    tear_down(cp, node).await;
 }
