@@ -9,12 +9,14 @@
 # 1b. for the real node of the real_node test: installs containerd, runc, the CNI plugins and
 #    iptables when missing (tools/node/packages.sh; root) and builds, once, kubelet,
 #    kube-controller-manager and kube-proxy (tools/node/build.sh);
+# 1c. builds yamlcheck (kubectl's YAML reader, sigs.k8s.io/yaml) for the yaml_readback test
+#    (tools/yamlcheck/build.sh);
 # 2. cargo fmt --check, cargo clippy --all-targets -D warnings, the CRD manifests are current;
 # 3. cargo test --workspace: unit tests, the end-to-end tests against the real control plane, and
 #    real_node on a real node (it builds meshgate-wait, pause and app static, once).
 #
 # Env: MESHGATE_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate) holds the control plane,
-# the node binaries, the static test binaries (static-target) and, unless CARGO_TARGET_DIR is set,
+# the node binaries, yamlcheck, the static test binaries (static-target) and, unless CARGO_TARGET_DIR is set,
 # the Cargo build directory, so that a new clone reuses them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -36,6 +38,10 @@ tools/node/packages.sh
 MESHGATE_NODE_BIN=$(tools/node/build.sh)
 export MESHGATE_NODE_BIN
 ls -l "$MESHGATE_NODE_BIN"
+
+step "yamlcheck (kubectl's YAML reader, for the yaml_readback test)"
+MESHGATE_YAMLCHECK=$(tools/yamlcheck/build.sh)
+export MESHGATE_YAMLCHECK
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

@@ -46,7 +46,7 @@ static NAMESPACE: LazyLock<Meta> = LazyLock::new(|| Meta {
 });
 
 static POLICY: LazyLock<MutationPolicySpec> = LazyLock::new(|| {
-    let spec: MutationPolicySpec = serde_yaml::from_str(
+    let spec: MutationPolicySpec = serde_saphyr::from_str(
         r#"
 match:
   kinds: [Pod]

@@ -130,7 +130,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let Ok(doc) = serde_yaml::from_str::<Value>(text) else {
+    let Ok(doc) = serde_saphyr::from_str::<Value>(text) else {
         return;
     };
     policy_doc(&doc);

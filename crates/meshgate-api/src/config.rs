@@ -325,7 +325,7 @@ pub enum ConfigError {
     Parse {
         file: String,
         #[source]
-        source: serde_yaml::Error,
+        source: crate::yaml::YamlError,
     },
     #[error("{field}: {message}")]
     Invalid { field: String, message: String },
@@ -335,7 +335,7 @@ impl GateConfig {
     /// Parses YAML (or JSON) and validates; `file` names the source in errors.
     pub fn from_yaml(file: &str, text: &str) -> Result<Self, ConfigError> {
         let config: GateConfig =
-            serde_yaml::from_str(text).map_err(|source| ConfigError::Parse {
+            crate::yaml::from_str(text).map_err(|source| ConfigError::Parse {
                 file: file.into(),
                 source,
             })?;

@@ -14,6 +14,7 @@ pub mod mesh;
 pub mod mutation_policy;
 pub mod node_gate;
 pub mod selector;
+pub mod yaml;
 
 pub use config::{GateCheck, GateConfig, Profile};
 pub use mesh::{Capture, Mesh, MeshProfile};

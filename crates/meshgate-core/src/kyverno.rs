@@ -954,7 +954,7 @@ fn strip_ops(ops: &[JsonPatchOperation], prefix: &[&str]) -> Option<Vec<JsonPatc
 /// `patchesJson6902`: a YAML or JSON string of operations, or a list.
 fn parse_json6902(v: &Value, path: &str) -> Result<Vec<JsonPatchOperation>, String> {
     let list = match v {
-        Value::String(s) => serde_yaml::from_str::<Value>(s)
+        Value::String(s) => meshgate_api::yaml::from_str::<Value>(s)
             .map_err(|e| format!("{path}: not YAML or JSON: {e}"))?,
         other => other.clone(),
     };

@@ -13,11 +13,11 @@ fn fixture(name: &str) -> Value {
         env!("CARGO_MANIFEST_DIR")
     );
     let text = std::fs::read_to_string(&path).expect("fixture readable");
-    serde_yaml::from_str(&text).expect("fixture is YAML")
+    serde_saphyr::from_str(&text).expect("fixture is YAML")
 }
 
 fn doc(yaml: &str) -> Value {
-    serde_yaml::from_str(yaml).expect("test document is YAML")
+    serde_saphyr::from_str(yaml).expect("test document is YAML")
 }
 
 fn run(policies: &[(String, MutationPolicySpec)], object: &Value, op: Operation) -> Value {

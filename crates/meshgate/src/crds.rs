@@ -11,11 +11,11 @@ pub fn manifests() -> anyhow::Result<Vec<(&'static str, String)>> {
     Ok(vec![
         (
             "nodegates.meshgate.dev.yaml",
-            serde_yaml::to_string(&NodeGate::crd())?,
+            meshgate_api::yaml::to_string(&NodeGate::crd())?,
         ),
         (
             "mutationpolicies.meshgate.dev.yaml",
-            serde_yaml::to_string(&MutationPolicy::crd())?,
+            meshgate_api::yaml::to_string(&MutationPolicy::crd())?,
         ),
     ])
 }

@@ -192,7 +192,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
 
     // Configuration and certificates.
     out.push(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("meshgate-config", Some(ns), "webhook"),
-        "data": {"config.yaml": serde_yaml::to_string(&config)?}}));
+        "data": {"config.yaml": meshgate_api::yaml::to_string(&config)?}}));
     let service = format!("meshgate-webhook.{ns}.svc");
     let ca = meshgate_pki::Ca::new("meshgate-ca", Duration::from_secs(3 * 365 * 24 * 3600))?;
     let serving = ca.issue_server(
@@ -362,7 +362,7 @@ pub fn masked(docs: &[Value]) -> Vec<Value> {
 pub fn crd_documents() -> anyhow::Result<Vec<Value>> {
     crate::crds::manifests()?
         .into_iter()
-        .map(|(_, yaml)| Ok(serde_yaml::from_str(&yaml)?))
+        .map(|(_, yaml)| Ok(meshgate_api::yaml::from_str(&yaml)?))
         .collect()
 }
 

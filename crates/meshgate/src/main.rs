@@ -428,7 +428,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             let status = meshgate::status::collect(&client).await?;
             match output.as_str() {
                 "json" => emit(&(serde_json::to_string_pretty(&status)? + "\n")),
-                "yaml" => emit(&serde_yaml::to_string(&status)?),
+                "yaml" => emit(&meshgate_api::yaml::to_string(&status)?),
                 _ => emit(&meshgate::status::table(&status)),
             }
         }

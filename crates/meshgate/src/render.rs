@@ -6,7 +6,6 @@ use std::path::Path;
 use meshgate_api::{MutationPolicy, MutationPolicySpec};
 use meshgate_core::resources::ContainerLimits;
 use meshgate_core::select::Meta;
-use serde::Deserialize;
 use serde_json::Value;
 
 /// An input problem, naming the file, the document and the field.
@@ -43,18 +42,11 @@ pub fn read_documents(path: &Path) -> Result<Vec<Value>, InputError> {
 
 /// Parses a multi-document YAML string; `file` names it in errors.
 pub fn parse_documents(file: &str, text: &str) -> Result<Vec<Value>, InputError> {
-    let mut docs = Vec::new();
-    for (index, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let v = Value::deserialize(de).map_err(|e| InputError::Document {
-            file: file.to_owned(),
-            index,
-            message: e.to_string(),
-        })?;
-        if !v.is_null() {
-            docs.push(v);
-        }
-    }
-    Ok(docs)
+    meshgate_api::yaml::documents(text).map_err(|(index, e)| InputError::Document {
+        file: file.to_owned(),
+        index,
+        message: e.to_string(),
+    })
 }
 
 /// Named policy specs and the notes of their conversion.
@@ -100,19 +92,17 @@ pub fn policies_of(file: &str, docs: Vec<Value>) -> Result<Policies, InputError>
     Ok((policies, notes))
 }
 
-/// Deserializes with the path of the failing field in the message (`spec.mutations[0]...`):
-/// serde_yaml tracks the path, serde_json does not.
+/// Deserializes with the path of the failing field in the message (`spec.mutations[0]...`).
 fn serde_path<T: serde::de::DeserializeOwned>(v: &Value) -> Result<T, String> {
-    let yaml = serde_yaml::to_string(v).map_err(|e| e.to_string())?;
-    serde_yaml::from_str::<T>(&yaml).map_err(|e| e.to_string())
+    meshgate_api::yaml::from_value(v.clone()).map_err(|e| e.to_string())
 }
 
 /// Writes documents as a multi-document YAML stream.
-pub fn to_yaml_stream(docs: &[Value]) -> Result<String, serde_yaml::Error> {
+pub fn to_yaml_stream(docs: &[Value]) -> Result<String, meshgate_api::yaml::YamlError> {
     let mut out = String::new();
     for d in docs {
         out.push_str("---\n");
-        out.push_str(&serde_yaml::to_string(d)?);
+        out.push_str(&meshgate_api::yaml::to_string(d)?);
     }
     Ok(out)
 }

@@ -462,7 +462,7 @@ impl WebhookProcess {
         let config_path = cp.dir().join("webhook-config.yaml");
         std::fs::write(
             &config_path,
-            serde_yaml::to_string(&config).expect("config YAML"),
+            serde_saphyr::to_string(&config).expect("config YAML"),
         )
         .expect("config file");
         let port = |what: &str| {

@@ -53,9 +53,7 @@ struct NamespaceSpec {
 }
 
 fn cases() -> Vec<Case> {
-    let cases: Vec<Case> = serde_yaml::Deserializer::from_str(FIXTURES)
-        .map(|d| Case::deserialize(d).expect("a case"))
-        .collect();
+    let cases: Vec<Case> = serde_saphyr::from_multiple(FIXTURES).expect("the cases");
     let mut names: Vec<&str> = cases.iter().map(|c| c.name.as_str()).collect();
     names.sort_unstable();
     names.dedup();
@@ -300,7 +298,7 @@ async fn setup() -> &'static Env {
         std::mem::forget(webhook);
         let policies: Api<MutationPolicy> = Api::all(client.clone());
         for text in POLICIES {
-            let p: MutationPolicy = serde_yaml::from_str(text).expect("policy");
+            let p: MutationPolicy = serde_saphyr::from_str(text).expect("policy");
             policies
                 .create(&PostParams::default(), &p)
                 .await

@@ -118,7 +118,7 @@ fn only_test_namespaces(value: &str) -> LabelSelector {
 /// change made to the imported spec is `match.namespaceSelector` on the test's label, which
 /// keeps the tests apart; the caller may enable `existing`.
 fn imported_policy(name: &str, label: &str) -> MutationPolicy {
-    let doc: Value = serde_yaml::from_str(KYVERNO_POLICY).expect("yaml");
+    let doc: Value = serde_saphyr::from_str(KYVERNO_POLICY).expect("yaml");
     let imported = meshgate_core::kyverno::import(&doc).expect("the policy imports");
     assert!(imported.notes.is_empty(), "{:?}", imported.notes);
     let [(imported_name, mut spec)]: [(String, MutationPolicySpec); 1] =

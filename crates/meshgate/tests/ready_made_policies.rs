@@ -299,7 +299,7 @@ fn exclude_ranges_sets_narrow_exclusions_in_opted_in_namespaces() {
 fn every_ready_made_policy_renders_through_the_cli_path() {
     let dir = tempfile::tempdir().unwrap();
     let manifest = dir.path().join("pod.yaml");
-    std::fs::write(&manifest, serde_yaml::to_string(&pod("opted")).unwrap()).unwrap();
+    std::fs::write(&manifest, serde_saphyr::to_string(&pod("opted")).unwrap()).unwrap();
     let mut files: Vec<PathBuf> = std::fs::read_dir(policy_file(""))
         .unwrap()
         .map(|e| e.unwrap().path())

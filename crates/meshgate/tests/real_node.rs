@@ -1586,11 +1586,11 @@ async fn sidecar_meshgate_installed_from_its_image_repairs_pods_that_started_bef
         .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "meshgate-config")
         .expect("the gate ConfigMap");
     let mut gate_config: GateConfig =
-        serde_yaml::from_str(config["data"]["config.yaml"].as_str().expect("config.yaml"))
+        serde_saphyr::from_str(config["data"]["config.yaml"].as_str().expect("config.yaml"))
             .expect("gate config");
     gate_config.init_gate.timeout_seconds = 3;
     config["data"]["config.yaml"] =
-        json!(serde_yaml::to_string(&gate_config).expect("config yaml"));
+        json!(serde_saphyr::to_string(&gate_config).expect("config yaml"));
     meshgate::install::apply(&client, &docs, false, |_| {})
         .await
         .expect("manifests applied");

@@ -14,11 +14,11 @@ const CRONJOB: &str = include_str!("../../tests/fixtures/policy/cronjob.yaml");
 const SERVICE: &str = include_str!("../../tests/fixtures/policy/service.yaml");
 
 fn yaml(s: &str) -> Value {
-    serde_yaml::from_str(s).unwrap()
+    serde_saphyr::from_str(s).unwrap()
 }
 
 fn spec(s: &str) -> MutationPolicySpec {
-    let spec: MutationPolicySpec = serde_yaml::from_str(s).unwrap();
+    let spec: MutationPolicySpec = serde_saphyr::from_str(s).unwrap();
     if let Err(e) = validate(&spec) {
         panic!("fixture policy invalid: {e:?}");
     }
@@ -680,7 +680,7 @@ fn opted_out_objects_are_never_mutated() {
 
 #[test]
 fn validation_names_the_field() {
-    let s: MutationPolicySpec = serde_yaml::from_str(
+    let s: MutationPolicySpec = serde_saphyr::from_str(
         r#"
 match:
   kinds: [Pod, Service]
@@ -783,7 +783,7 @@ mutations:
 
 #[test]
 fn anchors_inside_conditions_and_duplicates_are_rejected() {
-    let s: MutationPolicySpec = serde_yaml::from_str(
+    let s: MutationPolicySpec = serde_saphyr::from_str(
         "match: {}\nmutations:\n- strategicMerge:\n    spec:\n      (securityContext): {(runAsUser): 0}\n      x: 1\n      +(x): 2\n",
     )
     .unwrap();
@@ -865,7 +865,7 @@ fn render_errors_carry_the_document_index() {
     );
 
     let invalid: MutationPolicySpec =
-        serde_yaml::from_str("match: {kinds: [Node]}\nmutations: [{labels: {values: {x: y}}}]\n")
+        serde_saphyr::from_str("match: {kinds: [Node]}\nmutations: [{labels: {values: {x: y}}}]\n")
             .unwrap();
     let err = render(vec![], &[("n".to_owned(), invalid)], &labels).unwrap_err();
     assert!(
