@@ -771,7 +771,10 @@ pub fn plan(input: &PlanInput<'_>, object: &Value) -> Result<Plan, PolicyError> 
         namespace,
         namespace_labels: input.namespaces.get(namespace).unwrap_or(&empty),
     };
-    let applied = policy::apply([(input.policy, input.spec)], object, &ctx)?;
+    let applied = policy::apply([(input.policy, input.spec)], object, &ctx);
+    if let Some(e) = applied.failed.first() {
+        return Err(e.clone());
+    }
     let template_at = |v: &'_ Value| path.iter().try_fold(v, |v, s| v.get(*s)).cloned();
     let (Some(before), Some(after)) = (template_at(object), template_at(&applied.object)) else {
         return Ok(Plan::Skip);

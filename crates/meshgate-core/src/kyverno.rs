@@ -4,9 +4,12 @@
 //! `kyverno.io/v1` or `kyverno.io/v2beta1`, and turns **each mutate rule** into one
 //! `MutationPolicySpec` named `<policy>-<rule>`, made a DNS-1123 label (lowercase alphanumerics
 //! and `-`, at most 63 characters; longer names are cut and suffixed with a hash, duplicates get
-//! `-2`, `-3`, ...). Everything that cannot be converted faithfully is reported in
-//! [`KyvernoImport::notes`] and the rule is skipped; when no rule is left the import fails with
-//! [`KyvernoError::NothingConvertible`]. Notes and errors name the field (`spec.rules[0].mutate...`).
+//! `-2`, `-3`, ...). Everything of the mutate rules that cannot be converted faithfully (a rule
+//! skipped, or a part of one dropped) is reported in [`KyvernoImport::notes`]: the policy would
+//! be half-applied, and `meshgate render` and `import` refuse it unless `--allow-partial`.
+//! Rules that are not mutate rules are listed in [`KyvernoImport::ignored`]. When no rule is
+//! left the import fails with [`KyvernoError::NothingConvertible`]. Notes and errors name the
+//! field (`spec.rules[0].mutate...`).
 //!
 //! # What converts
 //! * `match` / `exclude` as `resources` (legacy), `any[].resources` or `all[].resources`, with
@@ -71,8 +74,11 @@ pub const AUTOGEN_ANNOTATION: &str = "pod-policies.kyverno.io/autogen-controller
 pub struct KyvernoImport {
     /// One `(name, spec)` per converted mutate rule, in rule order.
     pub policies: Vec<(String, MutationPolicySpec)>,
-    /// What was not converted, or converted with a difference, and why.
+    /// What of the mutate rules was not converted, or converted with a difference, and why:
+    /// with any, the imported policies do less than, or other than, the Kyverno policy.
     pub notes: Vec<String>,
+    /// Validate, generate and verifyImages rules, which are not mutations: not imported.
+    pub ignored: Vec<String>,
 }
 
 /// Why a Kyverno policy cannot be imported at all.
@@ -159,6 +165,7 @@ pub fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
         emit_warning: spec.get("emitWarning").and_then(Value::as_bool) == Some(true),
     };
     let mut policies: Vec<(String, MutationPolicySpec)> = Vec::new();
+    let mut ignored = Vec::new();
     let mut names = BTreeSet::new();
     for (i, rule) in rules.iter().enumerate() {
         let path = format!("spec.rules[{i}]");
@@ -168,6 +175,16 @@ pub fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
         } else {
             format!("{path} ({rule_name})")
         };
+        if rule.get("mutate").is_none_or(Value::is_null) {
+            let what = ["validate", "generate", "verifyImages"]
+                .into_iter()
+                .find(|k| rule.get(*k).is_some())
+                .unwrap_or("non-mutate");
+            ignored.push(format!(
+                "{label}: {what} rule ignored (only mutate rules are imported)"
+            ));
+            continue;
+        }
         if rule_name.is_empty() {
             notes.push(format!("{path}.name: required; rule not converted"));
             continue;
@@ -182,12 +199,17 @@ pub fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
         }
     }
     if policies.is_empty() {
+        notes.extend(ignored);
         return Err(nothing(notes));
     }
     if spec.get("applyRules").and_then(Value::as_str) == Some("One") && policies.len() > 1 {
         notes.push("spec.applyRules: One is not supported: every converted rule applies, not only the first that matches".to_owned());
     }
-    Ok(KyvernoImport { policies, notes })
+    Ok(KyvernoImport {
+        policies,
+        notes,
+        ignored,
+    })
 }
 
 fn malformed(path: &str, message: &str) -> KyvernoError {
@@ -314,7 +336,7 @@ fn autogen(doc: &Value, rules: &[Value]) -> Autogen {
     }
 }
 
-/// `None`: not a mutate rule (noted). `Err`: the reasons it cannot be converted.
+/// `None`: not a mutate rule. `Err`: the reasons it cannot be converted.
 fn convert_rule(
     ctx: &RuleContext<'_>,
     rule: &Value,
@@ -323,13 +345,6 @@ fn convert_rule(
 ) -> Result<Option<MutationPolicySpec>, String> {
     let rule_name = rule.get("name").and_then(Value::as_str).unwrap_or_default();
     let Some(mutate) = rule.get("mutate").filter(|m| !m.is_null()) else {
-        let what = ["validate", "generate", "verifyImages"]
-            .into_iter()
-            .find(|k| rule.get(*k).is_some())
-            .unwrap_or("non-mutate");
-        notes.push(format!(
-            "{path} ({rule_name}): {what} rule ignored (only mutate rules are imported)"
-        ));
         return Ok(None);
     };
 

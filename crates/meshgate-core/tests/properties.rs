@@ -725,8 +725,12 @@ proptest! {
             namespace_labels: &labels,
         };
         let run = |object: &Value| {
-            policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), object, &ctx)
-                .map_err(|e| TestCaseError::fail(e.to_string()))
+            let applied =
+                policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), object, &ctx);
+            match applied.failed.first() {
+                Some(e) => Err(TestCaseError::fail(e.to_string())),
+                None => Ok(applied),
+            }
         };
         let once = run(&object)?;
         let twice = run(&once.object)?;

@@ -27,12 +27,19 @@ pub struct MutationLabels {
     pub mutation: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabels {
+    /// The MutationPolicy's name (bounded by the number of policies in the cluster).
+    pub policy: String,
+}
+
 /// The webhook's metrics, registered under the `meshgate_webhook` prefix.
 #[derive(Clone)]
 pub struct Metrics {
     pub reviews: Family<ReviewLabels, Counter>,
     pub latency: Family<PathLabels, Histogram>,
     pub mutations: Family<MutationLabels, Counter>,
+    pub policy_failures: Family<PolicyLabels, Counter>,
     pub cert_reloads: Counter,
     pub cert_reload_errors: Counter,
     pub in_flight: Gauge,
@@ -61,6 +68,7 @@ impl Metrics {
             ))
         });
         let mutations = Family::<MutationLabels, Counter>::default();
+        let policy_failures = Family::<PolicyLabels, Counter>::default();
         let cert_reloads = Counter::default();
         let cert_reload_errors = Counter::default();
         let in_flight = Gauge::default();
@@ -81,6 +89,11 @@ impl Metrics {
             mutations.clone(),
         );
         registry.register(
+            "policy_failures",
+            "MutationPolicies that matched an object but could not be applied to it (the object was admitted without them; the other policies applied), by policy",
+            policy_failures.clone(),
+        );
+        registry.register(
             "cert_reloads",
             "Serving certificate reloads",
             cert_reloads.clone(),
@@ -99,6 +112,7 @@ impl Metrics {
             reviews,
             latency,
             mutations,
+            policy_failures,
             cert_reloads,
             cert_reload_errors,
             in_flight,

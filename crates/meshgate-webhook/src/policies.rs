@@ -1,9 +1,11 @@
 //! The `/mutate/policies` handler: MutationPolicies on pods and pod templates.
 //!
-//! A policy that fails on an object (a JSON patch path that does not exist, say) does not block
-//! the object: it is admitted unchanged by that request, with a warning naming the policy and the
-//! error, and the failure is logged and counted. Policies are conveniences; blocking workloads
-//! because of one would be worse than the missing mutation.
+//! Each policy applies or fails on its own (`meshgate_core::policy::apply`): a policy that fails
+//! on an object (a JSON patch path that does not exist, say) does not block the object or the
+//! other policies; the object is admitted with the others' mutations, a warning names the failed
+//! policy and the error, and the failure is logged and counted per policy
+//! (`meshgate_webhook_policy_failures_total{policy}`). Policies are conveniences; blocking
+//! workloads because of one would be worse than the missing mutation.
 
 use meshgate_api::mutation_policy::Operation;
 use meshgate_core::patch::JsonPatch;
@@ -53,8 +55,29 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
         namespace: &req.namespace,
         namespace_labels: &ns.labels,
     };
-    match policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &object, &ctx) {
-        Ok(applied) if applied.changed() => {
+    let applied = policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &object, &ctx);
+    let mut warnings = Vec::with_capacity(applied.failed.len());
+    for e in &applied.failed {
+        tracing::error!(
+            uid = %req.uid,
+            kind = %req.kind,
+            namespace = %req.namespace,
+            name = object_name(&object),
+            error = %e,
+            "policy failed; object admitted without it"
+        );
+        if !req.dry_run {
+            app.metrics
+                .policy_failures
+                .get_or_create(&crate::metrics::PolicyLabels {
+                    policy: e.policy().to_owned(),
+                })
+                .inc();
+        }
+        warnings.push(format!("meshgate: {e}; admitted without this policy"));
+    }
+    match applied {
+        applied if applied.changed() => {
             if !req.dry_run {
                 app.metrics
                     .mutations
@@ -70,27 +93,22 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
                 policies = ?applied.policies,
                 "policies applied"
             );
+            warnings.extend(applied.warnings);
             Ok(Handled {
                 patch: policy::admission_patch(&object, &applied.object),
-                warnings: applied.warnings,
-                outcome: "mutated",
+                warnings,
+                outcome: if applied.failed.is_empty() {
+                    "mutated"
+                } else {
+                    "mutated-policy-error"
+                },
             })
         }
-        Ok(_) => Ok(unchanged("unchanged")),
-        Err(e) => {
-            tracing::error!(
-                uid = %req.uid,
-                kind = %req.kind,
-                namespace = %req.namespace,
-                name = object_name(&object),
-                error = %e,
-                "policy failed; object admitted unchanged"
-            );
-            Ok(Handled {
-                patch: JsonPatch::default(),
-                warnings: vec![format!("meshgate: {e}; admitted without this policy")],
-                outcome: "policy-error",
-            })
-        }
+        applied if applied.failed.is_empty() => Ok(unchanged("unchanged")),
+        _ => Ok(Handled {
+            patch: JsonPatch::default(),
+            warnings,
+            outcome: "policy-error",
+        }),
     }
 }

@@ -110,6 +110,11 @@ enum Command {
         /// Print the JSON patches instead of the objects.
         #[arg(long)]
         patch: bool,
+        /// Print the result even when part of a policy cannot be applied (a Kyverno feature
+        /// not converted, a policy failing on a document); what was left out goes to stderr.
+        /// Without it, any such part is an error and nothing is printed.
+        #[arg(long)]
+        allow_partial: bool,
     },
     /// Render meshgate's manifests for a profile (YAML on stdout), or apply them.
     Install {
@@ -162,7 +167,13 @@ enum Command {
 #[derive(Subcommand, Debug)]
 enum ImportFrom {
     /// Kyverno ClusterPolicy mutate rules to MutationPolicy.
-    Kyverno { file: PathBuf },
+    Kyverno {
+        file: PathBuf,
+        /// Print the converted policies even when part of a rule cannot be converted (listed
+        /// on stderr). Without it, any such part is an error and nothing is printed.
+        #[arg(long)]
+        allow_partial: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -212,10 +223,27 @@ fn emit(text: &str) -> anyhow::Result<()> {
     }
 }
 
-fn print_notes(notes: &[String]) {
-    for n in notes {
+/// Prints the notes; refuses a half-applied result unless `allow_partial`, which prints what
+/// was left out as warnings.
+fn check_report(report: &render::Report, allow_partial: bool) -> anyhow::Result<()> {
+    for n in &report.notes {
         eprintln!("note: {n}");
     }
+    if report.partial.is_empty() {
+        return Ok(());
+    }
+    let label = if allow_partial { "warning" } else { "error" };
+    for p in &report.partial {
+        eprintln!("{label}: not applied: {p}");
+    }
+    if allow_partial {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "{} part(s) of the policies cannot be applied as written (listed above); nothing was printed. \
+         Rewrite them, or pass --allow-partial to print the result without them",
+        report.partial.len()
+    )
 }
 
 async fn run_command(command: Command) -> anyhow::Result<()> {
@@ -318,6 +346,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             profile,
             config,
             patch,
+            allow_partial,
         } => {
             let mut labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
             for item in &namespace_labels {
@@ -356,7 +385,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 )?,
                 None => Default::default(),
             };
-            let (out, notes) = render::render(
+            let (out, report) = render::render(
                 &manifests,
                 &policies,
                 &labels,
@@ -364,7 +393,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 builtin,
                 patch,
             )?;
-            print_notes(&notes);
+            check_report(&report, allow_partial)?;
             emit(&out)
         }
         Command::Install {
@@ -433,10 +462,14 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             }
         }
         Command::Import {
-            from: ImportFrom::Kyverno { file },
+            from:
+                ImportFrom::Kyverno {
+                    file,
+                    allow_partial,
+                },
         } => {
-            let (out, notes) = render::import_kyverno(&file)?;
-            print_notes(&notes);
+            let (out, report) = render::import_kyverno(&file)?;
+            check_report(&report, allow_partial)?;
             emit(&out)
         }
     }

@@ -49,8 +49,26 @@ pub fn parse_documents(file: &str, text: &str) -> Result<Vec<Value>, InputError>
     })
 }
 
-/// Named policy specs and the notes of their conversion.
-pub type Policies = (Vec<(String, MutationPolicySpec)>, Vec<String>);
+/// What `render` and `import` report beside their output.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// What of the input policies is not applied as written: Kyverno features not converted,
+    /// and policies that failed on a document. With any, the output is a half-applied result,
+    /// which the CLI refuses unless `--allow-partial`.
+    pub partial: Vec<String>,
+    /// Everything else worth knowing: ignored non-mutate rules, the policies' warnings.
+    pub notes: Vec<String>,
+}
+
+impl Report {
+    fn extend(&mut self, other: Report) {
+        self.partial.extend(other.partial);
+        self.notes.extend(other.notes);
+    }
+}
+
+/// Named policy specs and the report of their conversion.
+pub type Policies = (Vec<(String, MutationPolicySpec)>, Report);
 
 /// Reads policies: meshgate `MutationPolicy` documents and Kyverno `ClusterPolicy`/`Policy`
 /// documents (converted; what cannot be converted is returned as notes).
@@ -62,7 +80,7 @@ pub fn read_policies(path: &Path) -> Result<Policies, InputError> {
 pub fn policies_of(file: &str, docs: Vec<Value>) -> Result<Policies, InputError> {
     let file = file.to_owned();
     let mut policies = Vec::new();
-    let mut notes = Vec::new();
+    let mut report = Report::default();
     for (index, doc) in docs.into_iter().enumerate() {
         let err = |message: String| InputError::Document {
             file: file.clone(),
@@ -76,7 +94,9 @@ pub fn policies_of(file: &str, docs: Vec<Value>) -> Result<Policies, InputError>
         let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
         if api_version.starts_with("kyverno.io/") {
             let imported = meshgate_core::kyverno::import(&doc).map_err(|e| err(e.to_string()))?;
-            notes.extend(imported.notes);
+            let at = |n: String| format!("{file}: document {index}: {n}");
+            report.partial.extend(imported.notes.into_iter().map(at));
+            report.notes.extend(imported.ignored.into_iter().map(at));
             policies.extend(imported.policies);
         } else if api_version == "meshgate.dev/v1alpha1" && kind == "MutationPolicy" {
             let p: MutationPolicy = serde_path(&doc).map_err(err)?;
@@ -89,7 +109,7 @@ pub fn policies_of(file: &str, docs: Vec<Value>) -> Result<Policies, InputError>
             )));
         }
     }
-    Ok((policies, notes))
+    Ok((policies, report))
 }
 
 /// Deserializes with the path of the failing field in the message (`spec.mutations[0]...`).
@@ -120,12 +140,12 @@ pub fn render(
     gate: Option<&meshgate_api::GateConfig>,
     builtin: Policies,
     patches: bool,
-) -> anyhow::Result<(String, Vec<String>)> {
-    let (mut policies, mut notes) = builtin;
+) -> anyhow::Result<(String, Report)> {
+    let (mut policies, mut report) = builtin;
     for p in policy_files {
-        let (ps, ns) = read_policies(p)?;
+        let (ps, r) = read_policies(p)?;
         policies.extend(ps);
-        notes.extend(ns);
+        report.extend(r);
     }
     let mut inputs = Vec::new();
     for m in manifests {
@@ -178,8 +198,13 @@ pub fn render(
         })
         .map_err(|e| anyhow::anyhow!("{}: {e}", m.display()))?;
         for r in rendered {
+            for e in &r.failed {
+                report
+                    .partial
+                    .push(format!("{}: document {}: {e}", m.display(), r.index));
+            }
             for w in &r.warnings {
-                notes.push(format!(
+                report.notes.push(format!(
                     "{}: document {}: warning: {w}",
                     m.display(),
                     r.index
@@ -217,24 +242,26 @@ pub fn render(
             }
         }
     }
-    Ok((to_yaml_stream(&out)?, notes))
+    Ok((to_yaml_stream(&out)?, report))
 }
 
-/// The `import kyverno` command: MutationPolicy YAML and the notes.
-pub fn import_kyverno(path: &Path) -> anyhow::Result<(String, Vec<String>)> {
+/// The `import kyverno` command: MutationPolicy YAML and the report.
+pub fn import_kyverno(path: &Path) -> anyhow::Result<(String, Report)> {
     let file = path.display().to_string();
     let mut out = Vec::new();
-    let mut notes = Vec::new();
+    let mut report = Report::default();
     for (index, doc) in read_documents(path)?.into_iter().enumerate() {
         let imported = meshgate_core::kyverno::import(&doc)
             .map_err(|e| anyhow::anyhow!("{file}: document {index}: {e}"))?;
-        notes.extend(imported.notes);
+        let at = |n: String| format!("{file}: document {index}: {n}");
+        report.partial.extend(imported.notes.into_iter().map(at));
+        report.notes.extend(imported.ignored.into_iter().map(at));
         for (name, spec) in imported.policies {
             let p = MutationPolicy::new(&name, spec);
             out.push(serde_json::to_value(p)?);
         }
     }
-    Ok((to_yaml_stream(&out)?, notes))
+    Ok((to_yaml_stream(&out)?, report))
 }
 
 #[cfg(test)]

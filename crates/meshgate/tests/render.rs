@@ -63,7 +63,7 @@ fn multi_document_yaml_round_trips() {
         false,
     )
     .unwrap();
-    assert!(notes.is_empty(), "{notes:?}");
+    assert_eq!(notes, meshgate::render::Report::default());
     let input = meshgate::render::parse_documents("m.yaml", MANIFESTS).unwrap();
     let output = meshgate::render::parse_documents("out", &out).unwrap();
     assert_eq!(output.len(), 3, "one document out per document in");
@@ -115,5 +115,155 @@ fn bad_input_names_the_file_document_and_field() {
     assert!(
         err.contains("kind.yaml: document 0:") && err.contains("ConfigMap"),
         "{err}"
+    );
+}
+
+/// A Kyverno policy with one rule meshgate converts and one it cannot (a variable).
+const HALF_CONVERTIBLE: &str = "\
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata: {name: half}
+spec:
+  rules:
+  - name: label
+    match: {any: [{resources: {kinds: [Pod]}}]}
+    mutate:
+      patchStrategicMerge:
+        metadata: {labels: {team: mesh}}
+  - name: copy-name
+    match: {any: [{resources: {kinds: [Pod]}}]}
+    mutate:
+      patchStrategicMerge:
+        metadata: {labels: {copied: \"{{ request.object.metadata.name }}\"}}
+  - name: check
+    match: {any: [{resources: {kinds: [Pod]}}]}
+    validate: {message: x, pattern: {metadata: {name: \"?*\"}}}
+";
+
+fn meshgate(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_meshgate"))
+        .args(args)
+        .output()
+        .expect("meshgate runs")
+}
+
+/// A half-applied policy is an error: `render` and `import` exit non-zero, print nothing on
+/// stdout and name what cannot be applied; `--allow-partial` prints the rest, with what was left
+/// out as warnings. A non-mutate rule is a note, not a failure.
+#[test]
+fn half_applied_policies_are_errors_unless_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(&dir, "m.yaml", MANIFESTS);
+    let k = write(&dir, "half.yaml", HALF_CONVERTIBLE);
+    let render_args = |extra: &[&str]| {
+        let mut a: Vec<std::ffi::OsString> = vec![
+            "render".into(),
+            "-f".into(),
+            m.clone().into_os_string(),
+            "--policy".into(),
+            k.clone().into_os_string(),
+        ];
+        a.extend(extra.iter().map(|s| (*s).into()));
+        a
+    };
+    for (what, args) in [
+        ("render", render_args(&[])),
+        (
+            "import",
+            vec![
+                "import".into(),
+                "kyverno".into(),
+                k.clone().into_os_string(),
+            ],
+        ),
+    ] {
+        let refs: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+        let out = meshgate(&refs);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{what}: exit {}", out.status);
+        assert!(
+            out.stdout.is_empty(),
+            "{what}: printed {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(
+            stderr.contains("error: not applied: ")
+                && stderr.contains("half.yaml: document 0: spec.rules[1]")
+                && stderr.contains("--allow-partial"),
+            "{what}: {stderr}"
+        );
+        assert!(
+            stderr.contains("note: ") && stderr.contains("validate rule ignored"),
+            "{what}: {stderr}"
+        );
+
+        let mut allowed = refs.clone();
+        allowed.push(std::ffi::OsStr::new("--allow-partial"));
+        let out = meshgate(&allowed);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{what} --allow-partial: {stderr}");
+        assert!(
+            stderr.contains("warning: not applied: "),
+            "{what}: {stderr}"
+        );
+        let docs = meshgate::render::parse_documents("out", &String::from_utf8_lossy(&out.stdout))
+            .unwrap();
+        assert!(!docs.is_empty(), "{what}: printed the rest");
+    }
+    let out = meshgate(
+        &render_args(&["--allow-partial"])
+            .iter()
+            .map(|a| a.as_os_str())
+            .collect::<Vec<_>>(),
+    );
+    let docs =
+        meshgate::render::parse_documents("out", &String::from_utf8_lossy(&out.stdout)).unwrap();
+    assert_eq!(
+        docs[0]["metadata"]["labels"]["team"], "mesh",
+        "the convertible rule applied"
+    );
+    assert!(docs[0]["metadata"]["labels"].get("copied").is_none());
+}
+
+/// A policy that fails on a document (a JSON patch replacing a path the object lacks) is named
+/// with the document; the other policies' result is printed only with `--allow-partial`.
+#[test]
+fn a_policy_failing_on_a_document_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(&dir, "m.yaml", MANIFESTS);
+    let p = write(&dir, "p.yaml", POLICY);
+    let bad = write(
+        &dir,
+        "bad.yaml",
+        "apiVersion: meshgate.dev/v1alpha1\nkind: MutationPolicy\nmetadata: {name: bad}\nspec:\n  match: {kinds: [Pod]}\n  mutations:\n  - jsonPatch: [{op: replace, path: /spec/hostname, value: x}]\n",
+    );
+    let args = |extra: Option<&'static str>| {
+        let mut a: Vec<&std::ffi::OsStr> = vec![
+            "render".as_ref(),
+            "-f".as_ref(),
+            m.as_os_str(),
+            "--policy".as_ref(),
+            p.as_os_str(),
+            "--policy".as_ref(),
+            bad.as_os_str(),
+        ];
+        a.extend(extra.map(std::ffi::OsStr::new));
+        a
+    };
+    let out = meshgate(&args(None));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("m.yaml: document 0: policy bad: spec.mutations[0].jsonPatch[0]"),
+        "{stderr}"
+    );
+    let out = meshgate(&args(Some("--allow-partial")));
+    assert!(out.status.success());
+    let docs =
+        meshgate::render::parse_documents("out", &String::from_utf8_lossy(&out.stdout)).unwrap();
+    assert_eq!(
+        docs[0]["metadata"]["annotations"]["traffic.sidecar.istio.io/excludeOutboundIPRanges"],
+        "0.0.0.0/0",
+        "the other policy applied"
     );
 }

@@ -29,7 +29,9 @@
 //! order), each to the result of the previous ones, their mutations in order. A policy "changed"
 //! the object when the object differs after its mutations; its name is reported and its
 //! `warning` is returned as `"<name>: <warning>"`. Nothing applied: the object comes back
-//! unchanged with empty lists. A mutation that cannot be applied fails the whole call with a
+//! unchanged with empty lists. Each policy applies or fails on its own: a mutation that cannot
+//! be applied leaves the object as that policy found it (none of its mutations is kept), the
+//! other policies still apply, and the failure is returned in [`Applied::failed`] as a
 //! [`PolicyError`] naming the policy, the mutation index and, for JSON patches, the operation.
 //!
 //! Every mutation kind is idempotent — applying the same policies to the result changes
@@ -150,6 +152,17 @@ pub enum PolicyError {
     },
 }
 
+impl PolicyError {
+    /// The name of the policy that failed.
+    pub fn policy(&self) -> &str {
+        match self {
+            PolicyError::InvalidMutation { policy, .. }
+            | PolicyError::StrategicMerge { policy, .. }
+            | PolicyError::JsonPatch { policy, .. } => policy,
+        }
+    }
+}
+
 /// The outcome of [`apply`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Applied {
@@ -159,6 +172,9 @@ pub struct Applied {
     pub policies: Vec<String>,
     /// `"<policy>: <warning>"` for each policy that changed the object and has a warning.
     pub warnings: Vec<String>,
+    /// Policies that matched but could not be applied (the object is as if they had not
+    /// matched), in application order.
+    pub failed: Vec<PolicyError>,
 }
 
 impl Applied {
@@ -172,11 +188,7 @@ impl Applied {
 ///
 /// `policies` yields `(name, spec)` pairs, e.g.
 /// `list.iter().map(|(n, s)| (n.as_str(), s))` for a `&[(String, MutationPolicySpec)]`.
-pub fn apply<'a, I>(
-    policies: I,
-    object: &Value,
-    ctx: &MatchContext<'_>,
-) -> Result<Applied, PolicyError>
+pub fn apply<'a, I>(policies: I, object: &Value, ctx: &MatchContext<'_>) -> Applied
 where
     I: IntoIterator<Item = (&'a str, &'a MutationPolicySpec)>,
 {
@@ -186,9 +198,10 @@ where
         object: object.clone(),
         policies: Vec::new(),
         warnings: Vec::new(),
+        failed: Vec::new(),
     };
     if opted_out(object) {
-        return Ok(out);
+        return out;
     }
     for (name, spec) in ordered {
         // Matching sees the object as the previous policies left it.
@@ -209,14 +222,18 @@ where
         if !path.is_empty() && opted_out(target) {
             continue;
         }
-        if apply_mutations(name, spec, target)? {
-            out.policies.push(name.to_owned());
-            if let Some(w) = spec.warning.as_deref().filter(|w| !w.is_empty()) {
-                out.warnings.push(format!("{name}: {w}"));
+        match apply_mutations(name, spec, target) {
+            Ok(true) => {
+                out.policies.push(name.to_owned());
+                if let Some(w) = spec.warning.as_deref().filter(|w| !w.is_empty()) {
+                    out.warnings.push(format!("{name}: {w}"));
+                }
             }
+            Ok(false) => {}
+            Err(e) => out.failed.push(e),
         }
     }
-    Ok(out)
+    out
 }
 
 /// The patch the admission response carries: from `original` to `patched`

@@ -21,6 +21,8 @@ pub struct RenderedDoc {
     pub policies: Vec<String>,
     /// Their warnings, `"<policy>: <warning>"`.
     pub warnings: Vec<String>,
+    /// Policies that matched but could not be applied to it (the others still were).
+    pub failed: Vec<PolicyError>,
 }
 
 /// Why rendering failed.
@@ -32,13 +34,6 @@ pub enum RenderError {
     /// A document is not an object.
     #[error("document {index}: {message}")]
     Document { index: usize, message: String },
-    /// A policy failed on a document.
-    #[error("document {index}: {source}")]
-    Policy {
-        index: usize,
-        #[source]
-        source: PolicyError,
-    },
 }
 
 /// Applies `policies` to each document as the webhook would to a CREATE of it: the namespace is
@@ -65,6 +60,7 @@ pub fn render(
                 patch: JsonPatch::default(),
                 policies: Vec::new(),
                 warnings: Vec::new(),
+                failed: Vec::new(),
             });
             continue;
         }
@@ -86,14 +82,14 @@ pub fn render(
             namespace: &namespace,
             namespace_labels: &labels,
         };
-        let applied = apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &doc, &ctx)
-            .map_err(|source| RenderError::Policy { index, source })?;
+        let applied = apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &doc, &ctx);
         out.push(RenderedDoc {
             index,
             patch: admission_patch(&doc, &applied.object),
             object: applied.object,
             policies: applied.policies,
             warnings: applied.warnings,
+            failed: applied.failed,
         });
     }
     Ok(out)

@@ -40,7 +40,20 @@ fn create_in(ns: &str) -> MatchContext<'_> {
 
 /// Applies the named policies to `object` as a CREATE in `shop`.
 fn run(policies: &[(&str, &MutationPolicySpec)], object: &Value) -> Applied {
-    apply(policies.iter().copied(), object, &create_in("shop")).unwrap()
+    let applied = apply(policies.iter().copied(), object, &create_in("shop"));
+    assert!(applied.failed.is_empty(), "{:?}", applied.failed);
+    applied
+}
+
+/// The one failure of applying `policy` to `object` (as a CREATE in `shop`).
+fn failure(name: &str, policy: &MutationPolicySpec, object: &Value) -> PolicyError {
+    let applied = apply([(name, policy)], object, &create_in("shop"));
+    assert_eq!(&applied.object, object, "a failed policy leaves the object");
+    assert!(applied.policies.is_empty());
+    match <[PolicyError; 1]>::try_from(applied.failed) {
+        Ok([e]) => e,
+        Err(all) => panic!("expected one failure, got {all:?}"),
+    }
 }
 
 /// One policy, one strategic merge, on a Pod.
@@ -394,7 +407,7 @@ fn malformed_patch_is_a_typed_error() {
         ],
         ..spec("match: {}\nmutations: [{labels: {values: {x: y}}}]")
     };
-    let err = apply([("bad", &s)], &pod, &create_in("shop")).unwrap_err();
+    let err = failure("bad", &s, &pod);
     assert!(
         matches!(&err, PolicyError::StrategicMerge { policy, mutation: 1, path, .. } if policy == "bad" && path == ".spec.containers[0]")
     );
@@ -402,6 +415,33 @@ fn malformed_patch_is_a_typed_error() {
         err.to_string()
             .starts_with("policy bad: spec.mutations[1].strategicMerge.spec.containers[0]: ")
     );
+}
+
+#[test]
+fn a_failing_policy_takes_no_other_policy_down() {
+    let pod = yaml(POD);
+    // Sorted by name: `a` applies, `b` fails half-way (its first mutation is not kept), `c`
+    // applies to what `a` left.
+    let a = spec("match: {}\nmutations: [{labels: {values: {a: \"1\"}}}]\n");
+    let b = spec(
+        "match: {}\nmutations:\n- labels: {values: {b: \"1\"}}\n- jsonPatch: [{op: test, path: /metadata/labels/app, value: db}]\n",
+    );
+    let c = spec("match: {}\nmutations: [{annotations: {values: {c: \"1\"}}}]\n");
+    let applied = apply([("c", &c), ("b", &b), ("a", &a)], &pod, &create_in("shop"));
+    assert_eq!(applied.policies, ["a", "c"]);
+    assert_eq!(applied.failed.len(), 1);
+    assert!(
+        matches!(&applied.failed[0], PolicyError::JsonPatch { policy, mutation: 1, op: 0, .. } if policy == "b"),
+        "{:?}",
+        applied.failed
+    );
+    let labels = &applied.object["metadata"]["labels"];
+    assert_eq!(labels["a"], "1");
+    assert!(
+        labels.get("b").is_none(),
+        "none of the failed policy's mutations is kept"
+    );
+    assert_eq!(applied.object["metadata"]["annotations"]["c"], "1");
 }
 
 // ---------------------------------------------------------------- JSON patch
@@ -436,7 +476,7 @@ fn json_patch_errors_name_policy_mutation_and_operation() {
     let s = spec(
         "match: {}\nmutations:\n- labels: {values: {a: b}}\n- jsonPatch:\n  - {op: add, path: /metadata/labels/ok, value: x}\n  - {op: add, path: /spec/missing/deep, value: x}\n",
     );
-    let err = apply([("jp", &s)], &pod, &create_in("shop")).unwrap_err();
+    let err = failure("jp", &s, &pod);
     match &err {
         PolicyError::JsonPatch {
             policy,
@@ -458,7 +498,7 @@ fn json_patch_errors_name_policy_mutation_and_operation() {
         {"op": "test", "path": "/metadata/labels/app", "value": "db"},
         {"op": "add", "path": "/metadata/labels/x", "value": "1"}
     ]));
-    let err = apply([("t", &failed_test)], &pod, &create_in("shop")).unwrap_err();
+    let err = failure("t", &failed_test, &pod);
     assert!(matches!(err, PolicyError::JsonPatch { op: 0, .. }), "{err}");
     assert!(err.to_string().contains("value did not match"), "{err}");
 }
@@ -843,17 +883,25 @@ fn render_applies_as_create_and_reports_per_document() {
 }
 
 #[test]
-fn render_errors_carry_the_document_index() {
-    let bad = spec("match: {}\nmutations:\n- jsonPatch: [{op: remove, path: /spec/nothing}]\n");
-    let policies = vec![("bad".to_owned(), bad)];
-    let labels = |_: &str| BTreeMap::new();
-    let err = render(vec![yaml(SERVICE), yaml(POD)], &policies, &labels).unwrap_err();
-    assert!(matches!(err, RenderError::Policy { index: 1, .. }), "{err}");
-    assert!(
-        err.to_string()
-            .starts_with("document 1: policy bad: spec.mutations[0].jsonPatch[0]"),
-        "{err}"
+fn render_reports_failed_policies_per_document() {
+    let bad = spec(
+        "match: {}\nmutations:\n- jsonPatch: [{op: replace, path: /spec/nothing, value: 1}]\n",
     );
+    let good = spec("match: {}\nmutations: [{labels: {values: {ok: \"yes\"}}}]\n");
+    let policies = vec![("bad".to_owned(), bad), ("good".to_owned(), good)];
+    let labels = |_: &str| BTreeMap::new();
+    let out = render(vec![yaml(SERVICE), yaml(POD)], &policies, &labels).expect("rendered");
+    assert!(out[0].failed.is_empty(), "the Service is not matched");
+    assert_eq!(out[1].failed.len(), 1);
+    assert!(
+        out[1].failed[0]
+            .to_string()
+            .starts_with("policy bad: spec.mutations[0].jsonPatch[0]"),
+        "{}",
+        out[1].failed[0]
+    );
+    assert_eq!(out[1].policies, ["good"], "the other policy still applies");
+    assert_eq!(out[1].object["metadata"]["labels"]["ok"], "yes");
 
     let err = render(vec![json!("text")], &[], &labels).unwrap_err();
     assert_eq!(
@@ -998,8 +1046,8 @@ proptest! {
         object["metadata"]["labels"] = serde_json::to_value(&labels).unwrap();
         let ctx = create_in("shop");
         let refs = || specs.iter().map(|(n, s)| (n.as_str(), s));
-        let once = apply(refs(), &object, &ctx).unwrap();
-        let twice = apply(refs(), &once.object, &ctx).unwrap();
+        let once = apply(refs(), &object, &ctx);
+        let twice = apply(refs(), &once.object, &ctx);
         prop_assert_eq!(&twice.object, &once.object);
         // Policies that set the same field to different values converge, but each still
         // "changes" the other's result; a single policy reports no change the second time.
