@@ -54,8 +54,11 @@
 //!     ports; `mountPath` for volumeMounts; `devicePath` for volumeDevices; `ip` for
 //!     hostAliases; `conditionType` for readinessGates; `topologyKey` for
 //!     topologySpreadConstraints), for any other list `name`. An element with the key of an
-//!     existing element is merged into it, a new one is appended; two elements with the same
-//!     key in one patch are an error. An element of one of the Pod lists above without its
+//!     existing element is merged into it, a new one is added; two elements with the same
+//!     key in one patch are an error. Order, as Kyverno's strategic merge (kustomize's, with
+//!     list elements prepended): the elements the patch names by merge key come first, in
+//!     patch order, then the list's other elements in their order; a container added to
+//!     `containers` becomes the first, which kubectl takes as the pod's default container. An element of one of the Pod lists above without its
 //!     merge key (and without a conditional anchor) is an error; any other list whose elements
 //!     lack `name` is replaced, like a strategic merge of a list without merge key
 //!     (`tolerations`, for example);
@@ -85,7 +88,8 @@
 //!   `+(imagePullPolicy)` for the same container gives a different result on the second
 //!   application.
 //! * Template elements patch the selected resource elements in place, also elements without a
-//!   `name` (Kyverno can only patch named elements).
+//!   `name` (Kyverno can only patch named elements, and moves them to the front of the list:
+//!   a template over application init containers would put them before the mesh's own).
 //! * An add anchor inside a plain list element is evaluated against the element with the same
 //!   merge key (Kyverno evaluates it against the first element of the list and retargets the
 //!   element to every named element).

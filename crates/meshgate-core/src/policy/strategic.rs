@@ -309,6 +309,11 @@ fn resolve_list(
     // Elements apply in order: each one's anchors see the earlier ones applied.
     let existing = resource.and_then(Value::as_array);
     let mut work: Vec<Value> = existing.cloned().unwrap_or_default();
+    // Indices (in `work`) of the elements the patch names by merge key, in patch order: they
+    // come first in the result, the others after them in their order (Kyverno's strategic merge
+    // prepends, so a container added to `containers` becomes the first one). Elements a
+    // template selects stay where they are (see the module's deviations).
+    let mut touched: Vec<usize> = Vec::new();
     for (i, element) in pattern.iter().enumerate() {
         let len = path.len();
         path.push_str(&format!("[{i}]"));
@@ -324,11 +329,19 @@ fn resolve_list(
             }
             ElementPatch::Plain(key_value, patch) => {
                 match work
-                    .iter_mut()
-                    .find(|w| w.get(key_name) == Some(&key_value))
+                    .iter()
+                    .position(|w| w.get(key_name) == Some(&key_value))
                 {
-                    Some(item) => merge(item, &patch),
-                    None => work.extend(materialize(&patch)),
+                    Some(index) => {
+                        merge(&mut work[index], &patch);
+                        touched.push(index);
+                    }
+                    None => {
+                        if let Some(item) = materialize(&patch) {
+                            touched.push(work.len());
+                            work.push(item);
+                        }
+                    }
                 }
             }
             ElementPatch::Nothing => {}
@@ -337,7 +350,15 @@ fn resolve_list(
     if existing.is_none() && work.is_empty() {
         return Ok(Resolved::Keep);
     }
-    Ok(Resolved::Value(Value::Array(work)))
+    let mut order: Vec<usize> = Vec::with_capacity(work.len());
+    for i in touched.into_iter().chain(0..work.len()) {
+        if !order.contains(&i) {
+            order.push(i);
+        }
+    }
+    let mut slots: Vec<Option<Value>> = work.into_iter().map(Some).collect();
+    let ordered = order.into_iter().filter_map(|i| slots[i].take()).collect();
+    Ok(Resolved::Value(Value::Array(ordered)))
 }
 
 /// Two plain elements (no conditions) of a patch list with the same merge-key value: their
@@ -511,9 +532,10 @@ mod tests {
             t,
             json!({"spec": {"containers": [{"name": "b", "+(image)": "x"}]}}),
         );
+        // Added elements come first, as in Kyverno.
         assert_eq!(
             out,
-            json!({"spec": {"containers": [{"name": "a"}, {"name": "b", "image": "x"}]}})
+            json!({"spec": {"containers": [{"name": "b", "image": "x"}, {"name": "a"}]}})
         );
     }
 
@@ -530,10 +552,11 @@ mod tests {
         );
         // ...and merge by name when every element has one.
         let t = json!({"x": [{"name": "a", "v": 1}]});
+        let t = json!({"x": [{"name": "c"}, {"name": "a", "v": 1}]});
         let out = patched(t, json!({"x": [{"name": "a", "w": 2}, {"name": "b"}]}));
         assert_eq!(
             out,
-            json!({"x": [{"name": "a", "v": 1, "w": 2}, {"name": "b"}]})
+            json!({"x": [{"name": "a", "v": 1, "w": 2}, {"name": "b"}, {"name": "c"}]})
         );
     }
 
@@ -570,6 +593,7 @@ mod tests {
             t,
             json!({"containers": [{"name": "b", "(image)": "*:latest", "imagePullPolicy": "Always"}]}),
         );
+        // A template's selection stays in place.
         assert_eq!(
             out,
             json!({"containers": [{"name": "a", "image": "x:latest"}, {"name": "b", "image": "y:latest", "imagePullPolicy": "Always"}]})

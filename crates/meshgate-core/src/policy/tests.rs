@@ -169,6 +169,7 @@ fn conditional_anchor_with_object_value_and_nested_condition() {
         json!({"spec": {"containers": [{"(securityContext)": {"runAsUser": 1000}, "securityContext": {"runAsNonRoot": true}}]}}),
         &pod,
     );
+    // The selected container is patched in place; the other is untouched.
     assert!(
         out["spec"]["containers"][0]
             .get("securityContext")
@@ -229,6 +230,35 @@ fn global_anchor_in_a_list_is_a_condition_on_the_whole_mutation() {
 }
 
 #[test]
+fn global_anchor_nested_in_a_list_element_is_a_condition_too() {
+    let pod = yaml(POD);
+    // The element holds only anchors (the global one in a nested map): valid, and a pure
+    // condition on the whole mutation.
+    let patch = |user: i64| {
+        json!({"spec": {"containers": [{"securityContext": {"<(runAsUser)": user}}],
+                        "priorityClassName": "high"}})
+    };
+    let out = smp(patch(1000), &pod);
+    assert_eq!(out["spec"]["priorityClassName"], "high");
+    assert_eq!(out["spec"]["containers"], pod["spec"]["containers"]);
+    assert_eq!(smp(patch(0), &pod), pod);
+    // With a field that writes, the element is refused (Kyverno would drop the field).
+    let bad = spec("match: {}\nmutations: [{labels: {values: {x: y}}}]\n");
+    let mut bad = bad;
+    bad.mutations[0] = Mutation {
+        strategic_merge: Some(
+            json!({"spec": {"containers": [{"securityContext": {"<(runAsUser)": 1, "privileged": false}}]}}),
+        ),
+        ..Default::default()
+    };
+    let errors = validate(&bad).unwrap_err();
+    assert!(
+        errors.iter().any(|e| e.contains("a list element with a global anchor is only a condition; its other fields (securityContext)")),
+        "{errors:?}"
+    );
+}
+
+#[test]
 fn global_anchor_on_a_map_and_on_a_missing_list() {
     let pod = yaml(POD);
     let out = smp(
@@ -282,7 +312,8 @@ fn containers_merge_by_name() {
         .iter()
         .map(|c| c["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["web", "metrics", "proxy"]);
+    // As Kyverno orders them: the patch's elements first, in its order, then the others.
+    assert_eq!(names, ["web", "proxy", "metrics"]);
     assert_eq!(
         out["spec"]["containers"][0]["imagePullPolicy"],
         "IfNotPresent"
@@ -303,13 +334,13 @@ fn init_containers_and_env_merge_by_name() {
     assert_eq!(
         out["spec"]["initContainers"],
         json!([
-            {"name": "init-db", "image": "busybox:1.37", "args": ["wait", "db"]},
-            {"name": "gate", "image": "meshgate-wait"}
+            {"name": "gate", "image": "meshgate-wait"},
+            {"name": "init-db", "image": "busybox:1.37", "args": ["wait", "db"]}
         ])
     );
     assert_eq!(
         out["spec"]["containers"][0]["env"],
-        json!([{"name": "MODE", "value": "prod"}, {"name": "DEBUG", "value": "1"}, {"name": "MESH", "value": "on"}])
+        json!([{"name": "DEBUG", "value": "1"}, {"name": "MESH", "value": "on"}, {"name": "MODE", "value": "prod"}])
     );
 }
 

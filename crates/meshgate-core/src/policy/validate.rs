@@ -286,10 +286,14 @@ fn strategic(
                 let p = format!("{path}[{i}]");
                 if let Value::Object(map) = item {
                     if has_global(item) {
+                        // Keys that write something: not anchors, and not maps holding only
+                        // anchors (a global anchor may sit deeper in the element).
                         let writes: Vec<&str> = map
-                            .keys()
-                            .filter(|k| !parse_key(k).is_ok_and(|key| key.is_condition()))
-                            .map(String::as_str)
+                            .iter()
+                            .filter(|(k, v)| {
+                                !parse_key(k).is_ok_and(|key| key.is_condition()) && writes(v)
+                            })
+                            .map(|(k, _)| k.as_str())
                             .collect();
                         if !writes.is_empty() {
                             errors.push(format!(
@@ -311,6 +315,17 @@ fn strategic(
             }
         }
         _ => {}
+    }
+}
+
+/// Whether a patch value writes anything: a scalar or list does; a map does when some key is
+/// not a conditional or global anchor and its value writes.
+fn writes(value: &Value) -> bool {
+    match value {
+        Value::Object(map) => map
+            .iter()
+            .any(|(k, v)| !parse_key(k).is_ok_and(|key| key.is_condition()) && writes(v)),
+        _ => true,
     }
 }
 
