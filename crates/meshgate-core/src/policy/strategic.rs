@@ -551,7 +551,6 @@ mod tests {
             json!({"spec": {"tolerations": [{"key": "b", "operator": "Exists"}]}})
         );
         // ...and merge by name when every element has one.
-        let t = json!({"x": [{"name": "a", "v": 1}]});
         let t = json!({"x": [{"name": "c"}, {"name": "a", "v": 1}]});
         let out = patched(t, json!({"x": [{"name": "a", "w": 2}, {"name": "b"}]}));
         assert_eq!(
