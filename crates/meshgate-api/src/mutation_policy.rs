@@ -98,6 +98,27 @@ pub struct Mutation {
     /// RFC 6902 operations on the pod (paths relative to the Pod object).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub json_patch: Option<Vec<JsonPatchOperation>>,
+    /// With `jsonPatch`: the leniencies Kyverno applies to its JSON patches (set, all three, by
+    /// `meshgate import kyverno`). Unset: RFC 6902, strictly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub json_patch_options: Option<JsonPatchOptions>,
+}
+
+/// Leniencies of a JSON patch, each off by default (RFC 6902).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JsonPatchOptions {
+    /// A negative array index counts from the end: `-1` is the last element (for `add`, `-1`
+    /// appends).
+    #[serde(default)]
+    pub negative_indices: bool,
+    /// A `remove` of a path that does not exist does nothing.
+    #[serde(default)]
+    pub allow_missing_path_on_remove: bool,
+    /// An `add` creates missing parents: an array when the next path segment is a number or
+    /// `-`, otherwise an object.
+    #[serde(default)]
+    pub ensure_path_exists_on_add: bool,
 }
 
 /// Set metadata keys.

@@ -27,8 +27,9 @@
 //! * `mutate.patchesJson6902`, a YAML/JSON string of operations or a list. An `add` of a string
 //!   to `/metadata/annotations/<key>` or `/metadata/labels/<key>` becomes an `annotations` /
 //!   `labels` mutation, which, like Kyverno's JSON patch, creates the map when it is missing.
-//!   Other operations stay RFC 6902 operations; a note tells when Kyverno's leniency (creating
-//!   missing parents on `add`, ignoring a `remove` of a missing path, negative indices) is lost.
+//!   Other operations stay JSON patch operations with Kyverno's leniencies on
+//!   (`jsonPatchOptions`: negative indices, a `remove` of a missing path ignored, `add`
+//!   creating missing parents; see `policy::json6902`).
 //! * Pod controllers: Kyverno auto-generates rules for Deployment, StatefulSet, DaemonSet,
 //!   ReplicaSet, Job, CronJob (and ReplicationController) from a rule that matches Pod, unless
 //!   the policy annotation `pod-policies.kyverno.io/autogen-controllers` is `none`, or some rule
@@ -59,7 +60,7 @@ use std::collections::BTreeSet;
 
 use meshgate_api::LabelSelector;
 use meshgate_api::mutation_policy::{
-    JsonPatchOp, JsonPatchOperation, MatchResources, MetadataMutation, Mutation,
+    JsonPatchOp, JsonPatchOperation, JsonPatchOptions, MatchResources, MetadataMutation, Mutation,
     MutationPolicySpec, OnConflict, Operation,
 };
 use serde_json::Value;
@@ -490,7 +491,7 @@ fn convert_rule(
         (None, Some(ops)) => {
             let ops = strip_ops(&ops, prefix)
                 .ok_or_else(|| format!("{json_path}: an operation is outside the pod template"))?;
-            json_mutations(ops, &json_path, notes)
+            json_mutations(ops)
         }
         (None, None) => Vec::new(),
     };
@@ -993,13 +994,8 @@ fn unescape(segment: &str) -> String {
 
 /// JSON operations as mutations, in order: adds of one annotation or label become metadata
 /// mutations (which create the map like Kyverno's lenient `add`), the rest stay JSON patches.
-fn json_mutations(
-    ops: Vec<JsonPatchOperation>,
-    path: &str,
-    notes: &mut Vec<String>,
-) -> Vec<Mutation> {
+fn json_mutations(ops: Vec<JsonPatchOperation>) -> Vec<Mutation> {
     let mut out: Vec<Mutation> = Vec::new();
-    let mut lenient = BTreeSet::new();
     for op in ops {
         let metadata = match (&op.op, &op.value) {
             (JsonPatchOp::Add, Some(Value::String(v))) => {
@@ -1035,36 +1031,19 @@ fn json_mutations(
             }
             continue;
         }
-        match op.op {
-            JsonPatchOp::Add => {
-                lenient
-                    .insert("an `add` below a missing parent fails (Kyverno creates the parents)");
-            }
-            JsonPatchOp::Remove => {
-                lenient.insert("a `remove` of a missing path fails (Kyverno skips it)");
-            }
-            _ => {}
-        }
-        if op
-            .path
-            .split('/')
-            .any(|s| s.starts_with('-') && s.len() > 1)
-        {
-            lenient.insert("negative list indices are not supported");
-        }
         match out.last_mut().and_then(|m| m.json_patch.as_mut()) {
             Some(list) => list.push(op),
+            // Kyverno's leniencies (evanphx/json-patch ApplyOptions as Kyverno sets them).
             None => out.push(Mutation {
                 json_patch: Some(vec![op]),
+                json_patch_options: Some(JsonPatchOptions {
+                    negative_indices: true,
+                    allow_missing_path_on_remove: true,
+                    ensure_path_exists_on_add: true,
+                }),
                 ..Default::default()
             }),
         }
-    }
-    if !lenient.is_empty() {
-        notes.push(format!(
-            "{path}: meshgate applies JSON patches strictly (RFC 6902): {}",
-            lenient.into_iter().collect::<Vec<_>>().join("; ")
-        ));
     }
     out
 }

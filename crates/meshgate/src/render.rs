@@ -58,12 +58,15 @@ pub struct Report {
     pub partial: Vec<String>,
     /// Everything else worth knowing: ignored non-mutate rules, the policies' warnings.
     pub notes: Vec<String>,
+    /// Where each policy comes from (`file: document N`), by policy name.
+    pub origins: BTreeMap<String, String>,
 }
 
 impl Report {
     fn extend(&mut self, other: Report) {
         self.partial.extend(other.partial);
         self.notes.extend(other.notes);
+        self.origins.extend(other.origins);
     }
 }
 
@@ -97,11 +100,19 @@ pub fn policies_of(file: &str, docs: Vec<Value>) -> Result<Policies, InputError>
             let at = |n: String| format!("{file}: document {index}: {n}");
             report.partial.extend(imported.notes.into_iter().map(at));
             report.notes.extend(imported.ignored.into_iter().map(at));
+            for (name, _) in &imported.policies {
+                report
+                    .origins
+                    .insert(name.clone(), format!("{file}: document {index}"));
+            }
             policies.extend(imported.policies);
         } else if api_version == "meshgate.dev/v1alpha1" && kind == "MutationPolicy" {
             let p: MutationPolicy = serde_path(&doc).map_err(err)?;
             let name = p.metadata.name.clone().unwrap_or_default();
             meshgate_core::policy::validate(&p.spec).map_err(|e| err(e.join("; ")))?;
+            report
+                .origins
+                .insert(name.clone(), format!("{file}: document {index}"));
             policies.push((name, p.spec));
         } else {
             return Err(err(format!(
@@ -199,9 +210,16 @@ pub fn render(
         .map_err(|e| anyhow::anyhow!("{}: {e}", m.display()))?;
         for r in rendered {
             for e in &r.failed {
-                report
-                    .partial
-                    .push(format!("{}: document {}: {e}", m.display(), r.index));
+                let origin = report
+                    .origins
+                    .get(e.policy())
+                    .map(|o| format!(" (policy from {o})"))
+                    .unwrap_or_default();
+                report.partial.push(format!(
+                    "{}: document {}: {e}{origin}",
+                    m.display(),
+                    r.index
+                ));
             }
             for w in &r.warnings {
                 report.notes.push(format!(

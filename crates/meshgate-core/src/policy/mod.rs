@@ -43,7 +43,8 @@
 //! * `annotations` / `labels`: set each value; `onConflict: Keep` leaves a key that already has
 //!   a value, `Overwrite` (the default) replaces it.
 //! * `jsonPatch`: RFC 6902, strictly (an `add` under a missing parent, a `remove` of a missing
-//!   path and a failed `test` are errors; Kyverno is lenient about the first two).
+//!   path, a negative index and a failed `test` are errors), unless `jsonPatchOptions` turns on
+//!   Kyverno's leniencies (see [`json6902`]; `import kyverno` sets them).
 //! * `strategicMerge`: a strategic-merge patch with Kyverno's anchors:
 //!   - maps merge recursively; a `null` value deletes the key; a map patch creates no empty map
 //!     where there was none (a literal `{}` does);
@@ -108,6 +109,7 @@
 //! (`spec.mutations[2].jsonPatch[0].path: must start with '/'`). [`render`] applies policies to
 //! documents offline, each as a CREATE of that object, with the patch the webhook would return.
 
+pub mod json6902;
 mod matching;
 mod pattern;
 mod render;
@@ -278,22 +280,30 @@ fn apply_mutation(
     };
     match mutation {
         Mutation {
+            json_patch_options: Some(_),
+            json_patch: None,
+            ..
+        } => Err(invalid("jsonPatchOptions needs jsonPatch".to_owned())),
+        Mutation {
             annotations: Some(m),
             labels: None,
             strategic_merge: None,
             json_patch: None,
+            ..
         } => set_metadata(target, "annotations", m).map_err(invalid),
         Mutation {
             annotations: None,
             labels: Some(m),
             strategic_merge: None,
             json_patch: None,
+            ..
         } => set_metadata(target, "labels", m).map_err(invalid),
         Mutation {
             annotations: None,
             labels: None,
             strategic_merge: Some(patch),
             json_patch: None,
+            ..
         } => {
             if !patch.is_object() {
                 return Err(invalid("strategicMerge must be an object".to_owned()));
@@ -321,7 +331,14 @@ fn apply_mutation(
             labels: None,
             strategic_merge: None,
             json_patch: Some(ops),
-        } => apply_json_patch(policy, index, ops, target),
+            json_patch_options,
+        } => apply_json_patch(
+            policy,
+            index,
+            ops,
+            &json_patch_options.clone().unwrap_or_default(),
+            target,
+        ),
         _ => Err(invalid(
             "set exactly one of annotations, labels, strategicMerge, jsonPatch".to_owned(),
         )),
@@ -368,29 +385,15 @@ fn apply_json_patch(
     policy: &str,
     index: usize,
     ops: &[meshgate_api::mutation_policy::JsonPatchOperation],
+    options: &meshgate_api::mutation_policy::JsonPatchOptions,
     target: &mut Value,
 ) -> Result<(), PolicyError> {
-    let error = |op: usize, message: String| PolicyError::JsonPatch {
+    let mut work = target.clone();
+    json6902::apply(&mut work, ops, options).map_err(|(op, message)| PolicyError::JsonPatch {
         policy: policy.to_owned(),
         mutation: index,
         op,
         message,
-    };
-    let converted = ops
-        .iter()
-        .enumerate()
-        .map(|(i, op)| {
-            serde_json::to_value(op)
-                .and_then(serde_json::from_value::<json_patch::PatchOperation>)
-                .map_err(|e| error(i, format!("malformed operation: {e}")))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut work = target.clone();
-    json_patch::patch_unsafe(&mut work, &converted).map_err(|e| {
-        error(
-            e.operation,
-            format!("{} (path {:?})", e.kind, e.path.as_str()),
-        )
     })?;
     *target = work;
     Ok(())

@@ -110,6 +110,9 @@ fn mutation(m: &Mutation, path: &str, errors: &mut Vec<String>) {
     if let Some(ops) = &m.json_patch {
         json_patch(ops, &format!("{path}.jsonPatch"), errors);
     }
+    if m.json_patch_options.is_some() && m.json_patch.is_none() {
+        errors.push(format!("{path}.jsonPatchOptions: only used with jsonPatch"));
+    }
 }
 
 fn metadata(m: &MetadataMutation, path: &str, labels: bool, errors: &mut Vec<String>) {
