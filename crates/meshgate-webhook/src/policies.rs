@@ -9,7 +9,7 @@
 
 use meshgate_api::mutation_policy::Operation;
 use meshgate_core::patch::JsonPatch;
-use meshgate_core::policy::{self, MatchContext, SUPPORTED_KINDS};
+use meshgate_core::policy::{self, MatchContext};
 
 use crate::admission::{Request, object_name};
 use crate::metrics::MutationLabels;
@@ -29,9 +29,6 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
         "UPDATE" => Operation::Update,
         _ => return Ok(unchanged("operation")),
     };
-    if !SUPPORTED_KINDS.contains(&&*req.kind) {
-        return Ok(unchanged("unsupported-kind"));
-    }
     if app
         .config
         .excluded_namespaces
@@ -44,16 +41,25 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
     if policies.is_empty() {
         return Ok(unchanged("unchanged"));
     }
-    let ns = app
-        .sources
-        .namespace(&req.namespace)
-        .await
-        .map_err(|e| (500, e.to_string()))?;
     let object = crate::server::object_value(&req)?;
+    // A cluster-scoped object has no namespace; a Namespace is its own (the API server sets the
+    // request's namespace to its name), and may not exist yet.
+    let (namespace, labels) = if req.kind == "Namespace" {
+        (req.namespace.to_string(), policy::object_labels(&object))
+    } else if req.namespace.is_empty() {
+        (String::new(), Default::default())
+    } else {
+        let ns = app
+            .sources
+            .namespace(&req.namespace)
+            .await
+            .map_err(|e| (500, e.to_string()))?;
+        (req.namespace.to_string(), ns.labels)
+    };
     let ctx = MatchContext {
         operation,
-        namespace: &req.namespace,
-        namespace_labels: &ns.labels,
+        namespace: &namespace,
+        namespace_labels: &labels,
     };
     let applied = policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &object, &ctx);
     let mut warnings = Vec::with_capacity(applied.failed.len());

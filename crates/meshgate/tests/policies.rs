@@ -551,7 +551,7 @@ async fn invalid_policy_is_marked_invalid_and_applies_to_nothing() {
         OnConflict::Overwrite,
     );
     // Passes the CRD's schema, not meshgate's validation.
-    policy.spec.match_.kinds = vec!["Deployment".into(), "Service".into()];
+    policy.spec.match_.kinds = vec!["Deployment".into(), "a/b/c/Service".into()];
     policy.spec.existing.enabled = true;
     create_policy(&client, &policy).await;
 

@@ -23,7 +23,10 @@ fn policy_file(name: &str) -> PathBuf {
 fn read(name: &str) -> Vec<(String, MutationPolicySpec)> {
     let (policies, notes) =
         meshgate::render::read_policies(&policy_file(name)).expect("the policy file reads");
-    assert!(notes.partial.is_empty() && notes.notes.is_empty(), "{notes:?}");
+    assert!(
+        notes.partial.is_empty() && notes.notes.is_empty(),
+        "{notes:?}"
+    );
     policies
 }
 

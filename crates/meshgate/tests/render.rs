@@ -63,7 +63,10 @@ fn multi_document_yaml_round_trips() {
         false,
     )
     .unwrap();
-    assert!(notes.partial.is_empty() && notes.notes.is_empty(), "{notes:?}");
+    assert!(
+        notes.partial.is_empty() && notes.notes.is_empty(),
+        "{notes:?}"
+    );
     let input = meshgate::render::parse_documents("m.yaml", MANIFESTS).unwrap();
     let output = meshgate::render::parse_documents("out", &out).unwrap();
     assert_eq!(output.len(), 3, "one document out per document in");

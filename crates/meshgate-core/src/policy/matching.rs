@@ -18,7 +18,9 @@ pub const WORKLOAD_KINDS: [&str; 6] = [
     "CronJob",
 ];
 
-/// Every kind a policy may name in `kinds`.
+/// The kinds whose pod (template) a policy mutates when it names them: Pod and the workloads.
+/// Any other kind (`Service`, `v1/ConfigMap`, `example.com/v1/Widget`, `*`) is mutated as the
+/// object itself.
 pub const SUPPORTED_KINDS: [&str; 7] = [
     "Pod",
     "Deployment",
@@ -27,6 +29,27 @@ pub const SUPPORTED_KINDS: [&str; 7] = [
     "ReplicaSet",
     "Job",
     "CronJob",
+];
+
+/// Kinds of Kubernetes' own API that are cluster-scoped (for offline rendering, where no
+/// discovery tells the scope): their objects have no namespace.
+pub const CLUSTER_SCOPED_KINDS: [&str; 16] = [
+    "Namespace",
+    "Node",
+    "PersistentVolume",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "StorageClass",
+    "PriorityClass",
+    "RuntimeClass",
+    "IngressClass",
+    "CSIDriver",
+    "MutatingWebhookConfiguration",
+    "ValidatingWebhookConfiguration",
+    "MutatingAdmissionPolicy",
+    "ValidatingAdmissionPolicy",
+    "APIService",
 ];
 
 /// Where the Pod-shaped part of an object of `kind` lives: `[]` for a Pod (the object itself),
@@ -76,29 +99,115 @@ pub fn object_labels(object: &Value) -> BTreeMap<String, String> {
         .unwrap_or_default()
 }
 
-/// The object's kind, when it is one meshgate mutates (`kind` set, `apiVersion` of the right
-/// group when set).
-pub fn supported_kind(object: &Value) -> Option<&str> {
-    let kind = object.get("kind")?.as_str()?;
-    pod_template_path(kind)?;
-    if let Some(api_version) = object.get("apiVersion").and_then(Value::as_str) {
-        let group = api_version.rsplit_once('/').map_or("", |(g, _)| g);
-        if group != api_group(kind) {
-            return None;
-        }
-    }
-    Some(kind)
+/// An object's type: its `apiVersion` split into group and version, and its `kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ObjectType<'a> {
+    pub group: &'a str,
+    pub version: &'a str,
+    pub kind: &'a str,
 }
 
-fn kind_selected(kinds: &[String], kind: &str, pod_templates: bool, empty_means_pod: bool) -> bool {
-    let listed = |k: &str| {
-        if kinds.is_empty() {
-            empty_means_pod && k == "Pod"
-        } else {
-            kinds.iter().any(|x| x == k)
+impl<'a> ObjectType<'a> {
+    /// The type of `object` (`kind` required; a missing `apiVersion` leaves group and version
+    /// empty, and then only the kind is compared).
+    pub fn of(object: &'a Value) -> Option<Self> {
+        let kind = object.get("kind")?.as_str().filter(|k| !k.is_empty())?;
+        let api_version = object
+            .get("apiVersion")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+        Some(Self {
+            group,
+            version,
+            kind,
+        })
+    }
+
+    /// Whether this is one of the Pod-bearing kinds of [`SUPPORTED_KINDS`] in its own group.
+    fn well_known(&self) -> bool {
+        SUPPORTED_KINDS.contains(&self.kind)
+            && (self.version.is_empty() || self.group == api_group(self.kind))
+    }
+}
+
+/// A `kinds` entry: `Kind`, `version/Kind` (core group), `group/version/Kind`, each part a
+/// wildcard pattern (`*`, `?`); `*` alone is every kind. Errors name what is wrong.
+pub fn parse_kind(entry: &str) -> Result<(Option<&str>, Option<&str>, &str), String> {
+    let parts: Vec<&str> = entry.split('/').collect();
+    let (group, version, kind) = match parts.as_slice() {
+        [k] => (None, None, *k),
+        [v, k] => (Some(""), Some(*v), *k),
+        [g, v, k] => (Some(*g), Some(*v), *k),
+        _ => {
+            return Err(format!(
+                "{entry:?}: expected Kind, version/Kind or group/version/Kind"
+            ));
         }
     };
-    listed(kind) || (pod_templates && WORKLOAD_KINDS.contains(&kind) && listed("Pod"))
+    if kind.is_empty() || version == Some("") {
+        return Err(format!("{entry:?}: empty kind or version"));
+    }
+    Ok((group, version, kind))
+}
+
+/// How a `kinds` list selects an object: not at all, as a Pod-shaped object (its pod template
+/// for a workload), or as the object itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Selected {
+    No,
+    PodShaped,
+    Itself,
+}
+
+fn kind_selected(
+    kinds: &[String],
+    t: &ObjectType<'_>,
+    pod_templates: bool,
+    empty_means_pod: bool,
+) -> Selected {
+    if kinds.is_empty() {
+        let pod_shaped = t.kind == "Pod" || (pod_templates && WORKLOAD_KINDS.contains(&t.kind));
+        return if empty_means_pod && pod_shaped && t.well_known() {
+            Selected::PodShaped
+        } else {
+            Selected::No
+        };
+    }
+    let mut selected = Selected::No;
+    let mut names_pod = false;
+    for entry in kinds {
+        let Ok((group, version, kind)) = parse_kind(entry) else {
+            continue;
+        };
+        if kind == "Pod" && group.is_none_or(|g| g.is_empty()) {
+            names_pod = true;
+        }
+        let exact_name = !kind.contains(['*', '?']);
+        let fits = wildcard_match(kind, t.kind)
+            && group.is_none_or(|g| t.version.is_empty() || wildcard_match(g, t.group))
+            && version.is_none_or(|v| t.version.is_empty() || wildcard_match(v, t.version));
+        if !fits {
+            continue;
+        }
+        if exact_name && SUPPORTED_KINDS.contains(&t.kind) {
+            // A Pod or workload named as such: its group must be its own.
+            if t.well_known() {
+                return Selected::PodShaped;
+            }
+            continue;
+        }
+        selected = Selected::Itself;
+    }
+    if selected == Selected::No
+        && pod_templates
+        && names_pod
+        && WORKLOAD_KINDS.contains(&t.kind)
+        && t.well_known()
+    {
+        return Selected::PodShaped;
+    }
+    selected
 }
 
 /// One `match` or `exclude` block. In `match`, empty `kinds` means Pod and empty `operations`
@@ -106,48 +215,74 @@ fn kind_selected(kinds: &[String], kind: &str, pod_templates: bool, empty_means_
 fn block_matches(
     block: &MatchResources,
     exclude: bool,
-    kind: &str,
+    t: &ObjectType<'_>,
     labels: &BTreeMap<String, String>,
     pod_templates: bool,
     ctx: &MatchContext<'_>,
-) -> bool {
-    let kinds_ok = (exclude && block.kinds.is_empty())
-        || kind_selected(&block.kinds, kind, pod_templates, !exclude);
+) -> Option<Selected> {
+    let selected = if exclude && block.kinds.is_empty() {
+        Selected::Itself
+    } else {
+        kind_selected(&block.kinds, t, pod_templates, !exclude)
+    };
+    let kinds_ok = selected != Selected::No;
     let operations_ok = if block.operations.is_empty() {
         exclude || ctx.operation == Operation::Create
     } else {
         block.operations.contains(&ctx.operation)
     };
-    kinds_ok
+    // Namespace constraints hold only for namespaced objects (`ctx.namespace` set): a
+    // cluster-scoped object matches no `namespaces` or `namespaceSelector`.
+    let holds = kinds_ok
         && operations_ok
         && (block.namespaces.is_empty()
-            || block
-                .namespaces
-                .iter()
-                .any(|n| wildcard_match(n, ctx.namespace)))
+            || (!ctx.namespace.is_empty()
+                && block
+                    .namespaces
+                    .iter()
+                    .any(|n| wildcard_match(n, ctx.namespace))))
         && block
             .namespace_selector
             .as_ref()
-            .is_none_or(|s| s.matches(ctx.namespace_labels))
+            .is_none_or(|s| !ctx.namespace.is_empty() && s.matches(ctx.namespace_labels))
         && block
             .object_selector
             .as_ref()
-            .is_none_or(|s| s.matches(labels))
+            .is_none_or(|s| s.matches(labels));
+    holds.then_some(selected)
 }
 
-/// Whether `spec` applies to `object` in this request: the kind is supported, `match` holds and
-/// `exclude` (if set) does not. The object selector sees the object's own labels (a workload's,
-/// not its pod template's).
-pub fn policy_matches(spec: &MutationPolicySpec, object: &Value, ctx: &MatchContext<'_>) -> bool {
-    let Some(kind) = supported_kind(object) else {
-        return false;
-    };
+/// Where `spec`'s mutations land on `object` in this request, when it applies: `match` holds
+/// and `exclude` (if set) does not. `[]` is the object itself (a Pod, or any kind other than
+/// the workloads named as such); a workload selected as Pod-shaped is mutated in its pod
+/// template ([`pod_template_path`]). The object selector sees the object's own labels (a
+/// workload's, not its pod template's).
+pub fn policy_target(
+    spec: &MutationPolicySpec,
+    object: &Value,
+    ctx: &MatchContext<'_>,
+) -> Option<&'static [&'static str]> {
+    let t = ObjectType::of(object)?;
     let labels = object_labels(object);
-    block_matches(&spec.match_, false, kind, &labels, spec.pod_templates, ctx)
-        && !spec
-            .exclude
-            .as_ref()
-            .is_some_and(|e| block_matches(e, true, kind, &labels, spec.pod_templates, ctx))
+    let selected = block_matches(&spec.match_, false, &t, &labels, spec.pod_templates, ctx)?;
+    if spec
+        .exclude
+        .as_ref()
+        .and_then(|e| block_matches(e, true, &t, &labels, spec.pod_templates, ctx))
+        .is_some()
+    {
+        return None;
+    }
+    match selected {
+        Selected::No => None,
+        Selected::PodShaped => pod_template_path(t.kind),
+        Selected::Itself => Some(&[]),
+    }
+}
+
+/// Whether `spec` applies to `object` in this request (see [`policy_target`]).
+pub fn policy_matches(spec: &MutationPolicySpec, object: &Value, ctx: &MatchContext<'_>) -> bool {
+    policy_target(spec, object, ctx).is_some()
 }
 
 #[cfg(test)]

@@ -11,18 +11,24 @@
 //!   does the same).
 //! * `exclude` removes what its block matches; in `exclude`, an empty field does not constrain
 //!   (an empty `kinds` does not mean Pod, an empty `operations` does not mean CREATE).
-//! * Only Pods and the workloads Deployment, StatefulSet, DaemonSet, ReplicaSet, Job and CronJob
-//!   are ever matched (an `apiVersion`, when present, must be of the kind's group). A workload
-//!   matches when its kind is listed, or when `podTemplates` is set and the policy's kinds
+//! * `kinds` entries are `Kind`, `version/Kind` (core group) or `group/version/Kind`, each
+//!   part a wildcard pattern; `*` is every kind ([`parse_kind`]). Pods and the workloads
+//!   Deployment, StatefulSet, DaemonSet, ReplicaSet, Job and CronJob named as such are
+//!   *Pod-shaped* (their `apiVersion`, when present, must be of the kind's group): a workload
+//!   matches when its kind is named, or when `podTemplates` is set and the policy's kinds
 //!   include Pod (Kyverno's auto-generated pod-controller rules; an `exclude` naming Pod then
-//!   excludes those workloads too).
+//!   excludes those workloads too). Any other kind, and any kind matched by a wildcard, is
+//!   mutated as the object itself ([`policy_target`]).
+//! * A cluster-scoped object (no namespace in the request) matches no `namespaces` and no
+//!   `namespaceSelector`; a Namespace is its own namespace, with its own labels.
 //! * An object (or, for a workload, its pod template) labelled or annotated
 //!   `meshgate.dev/inject: "false"` is never mutated by a policy.
 //!
 //! # Where mutations apply
-//! Mutations are always written against a Pod (`metadata`, `spec`). For a Pod they apply to the
-//! object; for a workload to its pod template: `spec.template`, or `spec.jobTemplate.spec.template`
-//! for a CronJob (see [`pod_template_path`]). A workload without that template is left alone.
+//! For Pod-shaped matches, mutations are written against a Pod (`metadata`, `spec`): for a Pod
+//! they apply to the object; for a workload to its pod template: `spec.template`, or
+//! `spec.jobTemplate.spec.template` for a CronJob (see [`pod_template_path`]). A workload
+//! without that template is left alone. For every other match they apply to the object itself.
 //!
 //! # Applying ([`apply`])
 //! Policies apply in the order of their names (a stable sort: equal names keep the caller's
@@ -99,6 +105,9 @@
 //! * A conditional anchor's value is only ever a condition: it is never written, and anchors
 //!   inside it are rejected by [`validate`] (Kyverno: "nested conditional anchor tags are not
 //!   supported").
+//! * Merge keys are the Pod schema's, by field name, in every kind (a Service's `ports` would
+//!   need `containerPort`: Kubernetes merges them by `port`); lists of fields outside the Pod
+//!   schema merge by `name` or are replaced.
 //! * Kyverno's numeric operators (`>`, `<`, `>=`, `<=`) and ranges in anchor values are not
 //!   supported ([`validate`] rejects the operators; ranges compare as text), nor the strategic
 //!   merge directives (`$patch`, `$retainKeys`, ...; rejected by [`validate`]). Scalar lists are
@@ -123,7 +132,8 @@ use serde_json::{Map, Value};
 use crate::patch::JsonPatch;
 
 pub use matching::{
-    MatchContext, SUPPORTED_KINDS, WORKLOAD_KINDS, object_labels, pod_template_path, policy_matches,
+    MatchContext, ObjectType, SUPPORTED_KINDS, WORKLOAD_KINDS, object_labels, parse_kind,
+    pod_template_path, policy_matches, policy_target,
 };
 pub use pattern::wildcard_match;
 pub use render::{RenderError, RenderedDoc, render};
@@ -211,15 +221,7 @@ where
     }
     for (name, spec) in ordered {
         // Matching sees the object as the previous policies left it.
-        if !policy_matches(spec, &out.object, ctx) {
-            continue;
-        }
-        let Some(path) = out
-            .object
-            .get("kind")
-            .and_then(Value::as_str)
-            .and_then(pod_template_path)
-        else {
+        let Some(path) = policy_target(spec, &out.object, ctx) else {
             continue;
         };
         let Some(target) = value_at_mut(&mut out.object, path) else {

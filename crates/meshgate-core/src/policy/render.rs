@@ -37,7 +37,9 @@ pub enum RenderError {
 }
 
 /// Applies `policies` to each document as the webhook would to a CREATE of it: the namespace is
-/// `metadata.namespace` (`"default"` when unset), its labels come from `namespace_labels`.
+/// `metadata.namespace` (`"default"` when unset; none for the cluster-scoped kinds of
+/// [`super::matching::CLUSTER_SCOPED_KINDS`], a Namespace being its own), its labels come from
+/// `namespace_labels` (a Namespace's from its own labels).
 /// Every policy is validated first. `null` documents (empty YAML documents) pass through
 /// unchanged; any other non-object is an error naming the document's index.
 pub fn render(
@@ -70,13 +72,26 @@ pub fn render(
                 message: "not a Kubernetes object (expected a mapping)".to_owned(),
             });
         }
-        let namespace = doc
-            .pointer("/metadata/namespace")
-            .and_then(Value::as_str)
-            .filter(|n| !n.is_empty())
-            .unwrap_or("default")
-            .to_owned();
-        let labels = namespace_labels(&namespace);
+        let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
+        let (namespace, labels) = if kind == "Namespace" {
+            let name = doc
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned();
+            (name, super::object_labels(&doc))
+        } else if super::matching::CLUSTER_SCOPED_KINDS.contains(&kind) {
+            (String::new(), BTreeMap::new())
+        } else {
+            let namespace = doc
+                .pointer("/metadata/namespace")
+                .and_then(Value::as_str)
+                .filter(|n| !n.is_empty())
+                .unwrap_or("default")
+                .to_owned();
+            let labels = namespace_labels(&namespace);
+            (namespace, labels)
+        };
         let ctx = MatchContext {
             operation: Operation::Create,
             namespace: &namespace,

@@ -747,6 +747,81 @@ fn opted_out_objects_are_never_mutated() {
     assert!(!run(&[("p", &s)], &deployment).changed());
 }
 
+// ---------------------------------------------------------------- any kind
+
+#[test]
+fn any_kind_is_mutated_as_the_object_itself() {
+    let service = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "shop"},
+                         "spec": {"ports": [{"port": 80}]}});
+    let widget = json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w", "namespace": "shop"}});
+    let label = |kinds: &str| {
+        spec(&format!(
+            "match: {{kinds: {kinds}}}\nmutations: [{{labels: {{values: {{m: \"1\"}}}}}}]\n"
+        ))
+    };
+    let labelled = |s: &MutationPolicySpec, o: &Value| {
+        run(&[("p", s)], o).object["metadata"]["labels"]["m"] == "1"
+    };
+    assert!(labelled(&label("[Service]"), &service));
+    assert!(labelled(&label("[v1/Service]"), &service));
+    assert!(!labelled(&label("[v2/Service]"), &service));
+    assert!(labelled(&label("[example.com/v1/Widget]"), &widget));
+    assert!(labelled(&label("[\"*.com/*/Wid*\"]"), &widget));
+    assert!(!labelled(&label("[Service]"), &widget));
+    assert!(labelled(&label("[\"*\"]"), &widget));
+    // A Pod and a workload named as such stay Pod-shaped: a workload's template is mutated.
+    let deployment = yaml(DEPLOYMENT);
+    let out = run(&[("p", &label("[Deployment]"))], &deployment).object;
+    assert_eq!(out["spec"]["template"]["metadata"]["labels"]["m"], "1");
+    assert!(out["metadata"]["labels"].get("m").is_none());
+    // `*` takes every object as itself, a workload included.
+    let out = run(&[("p", &label("[\"*\"]"))], &deployment).object;
+    assert_eq!(out["metadata"]["labels"]["m"], "1");
+    assert!(
+        out["spec"]["template"]["metadata"]["labels"]
+            .get("m")
+            .is_none()
+    );
+    // A strategic merge on a Service (maps merge; lists of other kinds merge by `name`).
+    let s = spec(
+        "match: {kinds: [Service]}\nmutations:\n- strategicMerge: {spec: {type: ClusterIP, selector: {app: web}}}\n",
+    );
+    let out = run(&[("p", &s)], &service).object;
+    assert_eq!(out["spec"]["type"], "ClusterIP");
+    assert_eq!(out["spec"]["selector"]["app"], "web");
+    assert_eq!(out["spec"]["ports"], service["spec"]["ports"]);
+}
+
+#[test]
+fn cluster_scoped_objects_match_no_namespace_constraint() {
+    let node = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n"}});
+    let cluster = MatchContext {
+        operation: Operation::Create,
+        namespace: "",
+        namespace_labels: no_labels(),
+    };
+    let applies = |m: &str| {
+        let s = spec(&format!(
+            "match: {m}\nmutations: [{{labels: {{values: {{m: \"1\"}}}}}}]\n"
+        ));
+        apply([("p", &s)], &node, &cluster).changed()
+    };
+    assert!(applies("{kinds: [Node]}"));
+    assert!(!applies("{kinds: [Node], namespaces: [\"*\"]}"));
+    assert!(!applies("{kinds: [Node], namespaceSelector: {}}"));
+    // Rendering a Namespace: it is its own namespace, with its own labels.
+    let ns = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a", "labels": {"mesh": "on"}}});
+    let s = spec(
+        "match: {kinds: [Namespace], namespaces: [\"team-*\"], namespaceSelector: {matchLabels: {mesh: \"on\"}}}\nmutations: [{annotations: {values: {seen: \"yes\"}}}]\n",
+    );
+    let out = render(vec![ns, node], &[("p".to_owned(), s)], &|_: &str| {
+        BTreeMap::new()
+    })
+    .expect("render");
+    assert_eq!(out[0].policies, ["p"]);
+    assert!(out[1].policies.is_empty());
+}
+
 // ---------------------------------------------------------------- validation
 
 #[test]
@@ -754,7 +829,7 @@ fn validation_names_the_field() {
     let s: MutationPolicySpec = serde_saphyr::from_str(
         r#"
 match:
-  kinds: [Pod, Service]
+  kinds: [Pod, a/b/c/Service]
   namespaces: ["", "Bad_NS"]
   objectSelector:
     matchExpressions: [{key: app, operator: In}]
@@ -791,7 +866,7 @@ mutations:
     .unwrap();
     let errors = validate(&s).unwrap_err();
     let expected = [
-        "spec.match.kinds[1]: unknown kind \"Service\"",
+        "spec.match.kinds[1]: \"a/b/c/Service\": expected Kind, version/Kind or group/version/Kind",
         "spec.match.namespaces[0]: must not be empty",
         "spec.match.namespaces[1]: \"Bad_NS\" is not a namespace name or pattern",
         "spec.match.objectSelector: matchExpressions key \"app\"",
@@ -944,7 +1019,7 @@ fn render_reports_failed_policies_per_document() {
     );
 
     let invalid: MutationPolicySpec =
-        serde_saphyr::from_str("match: {kinds: [Node]}\nmutations: [{labels: {values: {x: y}}}]\n")
+        serde_saphyr::from_str("match: {kinds: [v1/]}\nmutations: [{labels: {values: {x: y}}}]\n")
             .unwrap();
     let err = render(vec![], &[("n".to_owned(), invalid)], &labels).unwrap_err();
     assert!(

@@ -7,7 +7,7 @@ use meshgate_api::mutation_policy::{
 };
 use serde_json::Value;
 
-use super::matching::SUPPORTED_KINDS;
+use super::matching::parse_kind;
 use super::pattern::unsupported_operator;
 use super::strategic::{
     Key, duplicate_key, has_condition, has_global, join_key, known_merge_key, parse_key,
@@ -41,11 +41,8 @@ pub fn validate(spec: &MutationPolicySpec) -> Result<(), Vec<String>> {
 
 fn match_resources(m: &MatchResources, path: &str, errors: &mut Vec<String>) {
     for (i, kind) in m.kinds.iter().enumerate() {
-        if !SUPPORTED_KINDS.contains(&kind.as_str()) {
-            errors.push(format!(
-                "{path}.kinds[{i}]: unknown kind {kind:?} (supported: {})",
-                SUPPORTED_KINDS.join(", ")
-            ));
+        if let Err(e) = parse_kind(kind) {
+            errors.push(format!("{path}.kinds[{i}]: {e}"));
         }
     }
     for (i, ns) in m.namespaces.iter().enumerate() {
