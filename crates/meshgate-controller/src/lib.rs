@@ -5,6 +5,7 @@
 //! * [`agents`]: the index of agent pods and DaemonSets by node that the node gate reads.
 //! * [`leader`]: leader election on a Lease; every replica keeps warm caches, only the leader
 //!   writes.
+//! * [`registration`]: the policies webhook's rules follow the kinds the MutationPolicies name.
 //!
 //! The controllers are thin: they watch, call the pure decisions of `meshgate-core`, and write
 //! the result with optimistic locking.
@@ -16,6 +17,7 @@ pub mod leader;
 pub mod metrics;
 pub mod nodegate;
 pub mod policies;
+pub mod registration;
 pub mod repair;
 
 pub use metrics::Metrics;

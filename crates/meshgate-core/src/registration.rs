@@ -85,6 +85,69 @@ fn failure_policy(p: FailurePolicy) -> &'static str {
     }
 }
 
+/// The name of the policies webhook in the configuration.
+pub fn policies_webhook_name() -> String {
+    format!("policies.{}", meshgate_api::DOMAIN)
+}
+
+/// A resource a policy names, resolved (by discovery) for the policies webhook's rules. `*`
+/// in a field matches everything (a wildcard kind).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PolicyResource {
+    pub group: String,
+    pub version: String,
+    /// The plural resource name (`services`), or `*`.
+    pub resource: String,
+}
+
+/// The `kinds` entries of `policies` that name other kinds than Pods and the workloads (those
+/// are always registered): what discovery must resolve for the policies webhook. Entries of
+/// `exclude` blocks are not needed: they only narrow.
+pub fn policy_kind_entries<'a>(
+    policies: impl IntoIterator<Item = &'a meshgate_api::MutationPolicySpec>,
+) -> Vec<String> {
+    let mut out: Vec<String> = policies
+        .into_iter()
+        .flat_map(|p| p.match_.kinds.iter())
+        .filter(|entry| {
+            crate::policy::parse_kind(entry).is_ok_and(|(_, _, kind)| {
+                kind.contains(['*', '?']) || !crate::policy::SUPPORTED_KINDS.contains(&kind)
+            })
+        })
+        .cloned()
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// The policies webhook's rules: Pods and the workloads (CREATE, UPDATE), and `extra`
+/// resources, one rule per group and version, sorted.
+pub fn policy_rules(extra: &[PolicyResource]) -> Value {
+    let mut rules = vec![
+        json!({"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+               "resources": ["pods"], "scope": "Namespaced"}),
+        json!({"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+               "resources": ["deployments", "statefulsets", "daemonsets", "replicasets"], "scope": "Namespaced"}),
+        json!({"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+               "resources": ["jobs", "cronjobs"], "scope": "Namespaced"}),
+    ];
+    let mut grouped: std::collections::BTreeMap<(&str, &str), Vec<&str>> = Default::default();
+    for r in extra {
+        grouped
+            .entry((r.group.as_str(), r.version.as_str()))
+            .or_default()
+            .push(r.resource.as_str());
+    }
+    for ((group, version), mut resources) in grouped {
+        resources.sort_unstable();
+        resources.dedup();
+        rules.push(json!({"apiGroups": [group], "apiVersions": [version],
+                          "operations": ["CREATE", "UPDATE"], "resources": resources, "scope": "*"}));
+    }
+    Value::Array(rules)
+}
+
 /// The `MutatingWebhookConfiguration`.
 pub fn webhook_configuration(r: &Registration<'_>) -> Value {
     let c = r.config;
@@ -117,17 +180,10 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
     }
     if r.policies {
         webhooks.push(json!({
-            "name": format!("policies.{}", meshgate_api::DOMAIN),
+            "name": policies_webhook_name(),
             "admissionReviewVersions": ["v1"],
             "clientConfig": client_config(r, paths::POLICIES),
-            "rules": [
-                {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                 "resources": ["pods"], "scope": "Namespaced"},
-                {"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                 "resources": ["deployments", "statefulsets", "daemonsets", "replicasets"], "scope": "Namespaced"},
-                {"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                 "resources": ["jobs", "cronjobs"], "scope": "Namespaced"},
-            ],
+            "rules": policy_rules(&[]),
             "namespaceSelector": with_exclusions(LabelSelector::default(), &c.excluded_namespaces).to_k8s(),
             "objectSelector": LabelSelector::default().with(names::OPT_OUT, SelectorOperator::NotIn, &["false"]).to_k8s(),
             // Policies are conveniences; a webhook outage must not block deployments.

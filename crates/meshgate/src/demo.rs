@@ -159,6 +159,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                 },
                 certs: None,
                 repair: Default::default(),
+                policy_webhook: None,
             },
             async move {
                 let _ = stop_rx.await;

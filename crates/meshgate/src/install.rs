@@ -229,6 +229,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
                 "--lease-namespace".to_owned(),
                 ns.to_owned(),
                 "--manage-certs".to_owned(),
+                "--policy-webhook-configuration".to_owned(),
+                "meshgate".to_owned(),
                 "--log-json".to_owned(),
             ];
             if let Some(action) = o.repair {

@@ -67,6 +67,10 @@ enum Command {
         /// keep the webhook configuration's caBundle current.
         #[arg(long)]
         manage_certs: bool,
+        /// Keep the rules of this MutatingWebhookConfiguration's policies webhook in line with
+        /// the kinds the MutationPolicies name.
+        #[arg(long)]
+        policy_webhook_configuration: Option<String>,
         /// Repair pods whose gate timed out: label them (or delete them, see --repair-action).
         #[arg(long)]
         repair: bool,
@@ -290,6 +294,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             lease_seconds,
             health_addr,
             manage_certs,
+            policy_webhook_configuration,
             repair,
             repair_action,
             repair_dry_run,
@@ -325,6 +330,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                         meshgate_controller::certs::CertSettings::new(&lease_namespace_for_certs)
                     }),
                     repair,
+                    policy_webhook: policy_webhook_configuration,
                 },
                 run::shutdown_signal(),
             )

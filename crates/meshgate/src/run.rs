@@ -59,6 +59,9 @@ pub struct ControllerSettings {
     pub certs: Option<meshgate_controller::certs::CertSettings>,
     /// The repair loop (off unless `enabled`).
     pub repair: meshgate_core::repair::RepairSettings,
+    /// Keep the rules of this `MutatingWebhookConfiguration`'s policies webhook in line with
+    /// the kinds the MutationPolicies name (`None`: leave them as installed).
+    pub policy_webhook: Option<String>,
 }
 
 /// Runs the controllers (node gate, and the MutationPolicy backfill of existing workloads)
@@ -94,6 +97,16 @@ pub async fn run_controller(
                 _ = stop => {},
             }
         });
+    }
+    if let Some(configuration) = s.policy_webhook {
+        let (client, leader, stop) = (client.clone(), leader.clone(), shutdown.clone());
+        tokio::spawn(meshgate_controller::registration::run(
+            client,
+            leader,
+            configuration,
+            Duration::from_secs(60),
+            stop,
+        ));
     }
     futures::join!(
         meshgate_controller::nodegate::run(

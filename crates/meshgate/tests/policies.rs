@@ -19,9 +19,8 @@ use kube::api::{Api, ListParams, PostParams};
 use meshgate_api::mutation_policy::{
     ExistingReport, ExistingResources, MatchResources, MetadataMutation, Mutation, OnConflict,
 };
-use meshgate_api::{GateConfig, LabelSelector, MutationPolicy, MutationPolicySpec};
+use meshgate_api::{LabelSelector, MutationPolicy, MutationPolicySpec};
 use serde_json::{Value, json};
-use tokio::sync::OnceCell;
 
 /// The label that confines each test's policies to that test's namespaces.
 const TEST_LABEL: &str = "e2e.meshgate.dev/policy-test";
@@ -52,57 +51,9 @@ spec:
 /// meshgate's webhook registered for the policy path only, and the controller, shared by the
 /// tests here.
 async fn setup() -> (kube::Client, std::sync::Arc<meshgate_testenv::ControlPlane>) {
-    static READY: OnceCell<()> = OnceCell::const_new();
     let cp = control_plane(false).await;
-    let client = cp.client().await.expect("client");
-    READY
-        .get_or_init(|| async {
-            install_crds(&client).await;
-            // No profiles and no init gate: only the policy path is registered.
-            let config = GateConfig {
-                init_gate: meshgate_api::config::InitGate {
-                    enabled: false,
-                    ..Default::default()
-                },
-                ..GateConfig::default()
-            };
-            let webhook = start_webhook(&cp, config.clone()).await;
-            let mwc = webhook.registration("meshgate-policies", &config, true, false);
-            let hooks = mwc["webhooks"].as_array().expect("webhooks");
-            assert_eq!(hooks.len(), 1, "{mwc:#}");
-            assert!(
-                hooks[0]["clientConfig"]["url"]
-                    .as_str()
-                    .is_some_and(|u| u.ends_with("/mutate/policies")),
-                "{mwc:#}"
-            );
-            register(&client, &mwc).await;
-
-            let kubeconfig = cp.kubeconfig_path.clone();
-            background().spawn(async move {
-                let client = client_from(&kubeconfig).await;
-                let settings = meshgate::run::ControllerSettings {
-                    lease: None,
-                    health_addr: None,
-                    node_gate: Default::default(),
-                    certs: None,
-                    repair: Default::default(),
-                };
-                if let Err(e) = meshgate::run::run_controller(
-                    client,
-                    settings,
-                    futures::future::pending::<()>(),
-                )
-                .await
-                {
-                    panic!("controller failed: {e}");
-                }
-            });
-            // Keep the webhook for the life of the binary.
-            std::mem::forget(webhook);
-        })
-        .await;
-    (client, cp)
+    serve_policies(&cp).await;
+    (cp.client().await.expect("client"), cp)
 }
 
 /// A label value unique to one test (and this process).

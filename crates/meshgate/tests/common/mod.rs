@@ -120,6 +120,63 @@ pub async fn start_webhook(cp: &ControlPlane, config: GateConfig) -> Webhook {
     }
 }
 
+/// The name of the `MutatingWebhookConfiguration` that [`serve_policies`] registers.
+pub const POLICIES_CONFIGURATION: &str = "meshgate-policies";
+
+/// meshgate's webhook registered for the policy path only (no profiles, no init gate), and the
+/// controller (policy backfill, and the policies webhook's rules kept in line with the kinds the
+/// policies name), once per test binary, for its life.
+pub async fn serve_policies(cp: &ControlPlane) {
+    static READY: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    let client = cp.client().await.expect("client");
+    READY
+        .get_or_init(|| async {
+            install_crds(&client).await;
+            let config = GateConfig {
+                init_gate: meshgate_api::config::InitGate {
+                    enabled: false,
+                    ..Default::default()
+                },
+                ..GateConfig::default()
+            };
+            let webhook = start_webhook(cp, config.clone()).await;
+            let mwc = webhook.registration(POLICIES_CONFIGURATION, &config, true, false);
+            let hooks = mwc["webhooks"].as_array().expect("webhooks");
+            assert_eq!(hooks.len(), 1, "{mwc:#}");
+            assert!(
+                hooks[0]["clientConfig"]["url"]
+                    .as_str()
+                    .is_some_and(|u| u.ends_with("/mutate/policies")),
+                "{mwc:#}"
+            );
+            register(&client, &mwc).await;
+            let kubeconfig = cp.kubeconfig_path.clone();
+            background().spawn(async move {
+                let client = client_from(&kubeconfig).await;
+                let settings = meshgate::run::ControllerSettings {
+                    lease: None,
+                    health_addr: None,
+                    node_gate: Default::default(),
+                    certs: None,
+                    repair: Default::default(),
+                    policy_webhook: Some(POLICIES_CONFIGURATION.into()),
+                };
+                if let Err(e) = meshgate::run::run_controller(
+                    client,
+                    settings,
+                    futures::future::pending::<()>(),
+                )
+                .await
+                {
+                    panic!("controller failed: {e}");
+                }
+            });
+            // Keep the webhook for the life of the binary.
+            std::mem::forget(webhook);
+        })
+        .await;
+}
+
 /// A client built from a kubeconfig file (for the background runtime).
 pub async fn client_from(kubeconfig: &std::path::Path) -> Client {
     let kc = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig");

@@ -1,0 +1,281 @@
+//! MutationPolicies for any kind, on the real API server: Services, ConfigMaps, a custom
+//! resource, Namespaces and a `*` rule. The controller keeps the policies webhook's rules in line
+//! with the kinds the policies name (discovery resolves them), so the API server calls meshgate
+//! for exactly those; and one policy failing on an object takes no other policy down.
+//!
+//! Run: `cargo test -p meshgate --test policies_kinds`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DynamicObject, PostParams};
+use kube::discovery::ApiResource;
+use meshgate_api::MutationPolicy;
+use serde_json::{Value, json};
+
+fn policy(name: &str, spec: Value) -> MutationPolicy {
+    serde_json::from_value(json!({
+        "apiVersion": "meshgate.dev/v1alpha1", "kind": "MutationPolicy",
+        "metadata": {"name": name}, "spec": spec,
+    }))
+    .expect("policy")
+}
+
+/// The resources the policies webhook's rules name (`group/version/resource`).
+async fn registered(client: &kube::Client) -> Vec<String> {
+    let mwc = Api::<MutatingWebhookConfiguration>::all(client.clone())
+        .get(POLICIES_CONFIGURATION)
+        .await
+        .expect("configuration");
+    mwc.webhooks
+        .unwrap_or_default()
+        .iter()
+        .flat_map(|h| h.rules.iter().flatten())
+        .flat_map(|r| {
+            let groups = r.api_groups.clone().unwrap_or_default();
+            let versions = r.api_versions.clone().unwrap_or_default();
+            let resources = r.resources.clone().unwrap_or_default();
+            let mut out = Vec::new();
+            for g in &groups {
+                for v in &versions {
+                    for res in &resources {
+                        out.push(format!("{g}/{v}/{res}"));
+                    }
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn policies_mutate_any_kind_and_fail_on_their_own() {
+    let cp = control_plane(false).await;
+    serve_policies(&cp).await;
+    let client = cp.client().await.expect("client");
+    let label = format!("kinds-{}", std::process::id());
+
+    // A custom resource of the test's own.
+    let crd: CustomResourceDefinition = serde_json::from_value(json!({
+        "metadata": {"name": "widgets.example.com"},
+        "spec": {"group": "example.com", "scope": "Namespaced",
+                 "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+                 "versions": [{"name": "v1", "served": true, "storage": true,
+                               "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}]},
+    }))
+    .expect("crd");
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    crds.create(&PostParams::default(), &crd)
+        .await
+        .expect("crd");
+    wait_for(
+        "the CRD to be established",
+        Duration::from_secs(30),
+        || async {
+            crds.get("widgets.example.com").await.ok().is_some_and(|c| {
+                c.status.and_then(|s| s.conditions).is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                })
+            })
+        },
+    )
+    .await;
+
+    let ns = cp
+        .namespace("kinds", &[("e2e.meshgate.dev/kinds", label.as_str())])
+        .await
+        .expect("namespace");
+    let in_test = json!({"matchLabels": {"e2e.meshgate.dev/kinds": label}});
+    let policies: Api<MutationPolicy> = Api::all(client.clone());
+    for p in [
+        policy(
+            "kinds-core",
+            json!({
+                "match": {"kinds": ["Service", "v1/ConfigMap"], "namespaceSelector": in_test},
+                "mutations": [{"annotations": {"values": {"meshgate.test/core": "yes"}}}],
+            }),
+        ),
+        policy(
+            "kinds-custom",
+            json!({
+                "match": {"kinds": ["example.com/v1/Widget"], "namespaceSelector": in_test},
+                "mutations": [{"strategicMerge": {"spec": {"size": 3}}}],
+            }),
+        ),
+        policy(
+            "kinds-namespace",
+            json!({
+                "match": {"kinds": ["Namespace"], "objectSelector": {"matchLabels": {"e2e.meshgate.dev/ns": label}}},
+                "mutations": [{"labels": {"values": {"meshgate.test/seen": "on"}}}],
+            }),
+        ),
+        // Fails on every ConfigMap (no such path): the other policies still apply.
+        policy(
+            "kinds-failing",
+            json!({
+                "match": {"kinds": ["ConfigMap"], "namespaceSelector": in_test},
+                "mutations": [{"jsonPatch": [{"op": "replace", "path": "/data/missing", "value": "x"}]}],
+            }),
+        ),
+    ] {
+        policies
+            .create(&PostParams::default(), &p)
+            .await
+            .expect("policy");
+    }
+    // The controller registers exactly the named kinds besides Pods and workloads.
+    wait_for(
+        "the policies webhook's rules to name the policies' kinds",
+        Duration::from_secs(30),
+        || async {
+            let r = registered(&client).await;
+            [
+                "/v1/services",
+                "/v1/configmaps",
+                "example.com/v1/widgets",
+                "/v1/namespaces",
+            ]
+            .iter()
+            .all(|want| r.iter().any(|x| x == want))
+        },
+    )
+    .await;
+    let rules = registered(&client).await;
+    assert!(!rules.iter().any(|r| r.ends_with("/secrets")), "{rules:?}");
+
+    // Objects as created are mutated by the API server's call to meshgate.
+    let svc: Service = serde_json::from_value(json!({
+        "metadata": {"name": "web"}, "spec": {"ports": [{"port": 80}]},
+    }))
+    .expect("service");
+    let svc = Api::<Service>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &svc)
+        .await
+        .expect("service");
+    assert_eq!(
+        svc.metadata
+            .annotations
+            .unwrap_or_default()
+            .get("meshgate.test/core")
+            .map(String::as_str),
+        Some("yes")
+    );
+    let cm: ConfigMap =
+        serde_json::from_value(json!({"metadata": {"name": "c"}, "data": {"a": "b"}}))
+            .expect("configmap");
+    let cm = Api::<ConfigMap>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &cm)
+        .await
+        .expect("the ConfigMap is admitted although one policy fails on it");
+    assert_eq!(
+        cm.metadata
+            .annotations
+            .unwrap_or_default()
+            .get("meshgate.test/core")
+            .map(String::as_str),
+        Some("yes"),
+        "the other policy applied"
+    );
+    assert_eq!(cm.data.unwrap_or_default().get("missing"), None);
+    let widgets: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        &ns,
+        &ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(
+            "example.com",
+            "v1",
+            "Widget",
+        )),
+    );
+    let w: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}, "spec": {"size": 1, "color": "red"},
+    }))
+    .expect("widget");
+    let w = widgets
+        .create(&PostParams::default(), &w)
+        .await
+        .expect("widget");
+    assert_eq!(w.data["spec"], json!({"size": 3, "color": "red"}));
+    let other: Namespace = serde_json::from_value(json!({
+        "metadata": {"name": format!("{label}-labelled"), "labels": {"e2e.meshgate.dev/ns": label}},
+    }))
+    .expect("namespace");
+    let created = Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &other)
+        .await
+        .expect("namespace");
+    assert_eq!(
+        created
+            .metadata
+            .labels
+            .unwrap_or_default()
+            .get("meshgate.test/seen")
+            .map(String::as_str),
+        Some("on")
+    );
+
+    // A `*` rule: every kind, as the object itself; registered as a wildcard rule.
+    policies
+        .create(
+            &PostParams::default(),
+            &policy(
+                "kinds-star",
+                json!({
+                    "match": {"kinds": ["*"], "namespaceSelector": in_test,
+                              "objectSelector": {"matchLabels": {"e2e.meshgate.dev/star": "yes"}}},
+                    "mutations": [{"annotations": {"values": {"meshgate.test/star": "yes"}}}],
+                }),
+            ),
+        )
+        .await
+        .expect("policy");
+    wait_for("a wildcard rule", Duration::from_secs(30), || async {
+        registered(&client).await.iter().any(|r| r == "*/*/*")
+    })
+    .await;
+    let secret: k8s_openapi::api::core::v1::Secret = serde_json::from_value(json!({
+        "metadata": {"name": "s", "labels": {"e2e.meshgate.dev/star": "yes"}}, "stringData": {"k": "v"},
+    }))
+    .expect("secret");
+    let secret = Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), &ns)
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("secret");
+    assert_eq!(
+        secret
+            .metadata
+            .annotations
+            .unwrap_or_default()
+            .get("meshgate.test/star")
+            .map(String::as_str),
+        Some("yes")
+    );
+
+    // Removing the policies takes their kinds out of the registration again.
+    for name in [
+        "kinds-core",
+        "kinds-custom",
+        "kinds-namespace",
+        "kinds-failing",
+        "kinds-star",
+    ] {
+        policies
+            .delete(name, &Default::default())
+            .await
+            .expect("delete");
+    }
+    wait_for(
+        "the rules to shrink back",
+        Duration::from_secs(30),
+        || async {
+            let r = registered(&client).await;
+            !r.iter().any(|x| x.ends_with("/services") || x == "*/*/*")
+        },
+    )
+    .await;
+}
