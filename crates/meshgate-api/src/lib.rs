@@ -18,7 +18,10 @@ pub mod yaml;
 
 pub use config::{GateCheck, GateConfig, Profile};
 pub use mesh::{Capture, Mesh, MeshProfile};
-pub use mutation_policy::{MutationPolicy, MutationPolicySpec, MutationPolicyStatus};
+pub use mutation_policy::{
+    MutationPolicy, MutationPolicySpec, MutationPolicyStatus, NamespacedMutationPolicy,
+    NamespacedMutationPolicySpec,
+};
 pub use node_gate::{NodeGate, NodeGateSpec, NodeGateStatus};
 pub use selector::{LabelSelector, LabelSelectorRequirement, SelectorOperator};
 

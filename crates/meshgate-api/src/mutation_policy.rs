@@ -48,6 +48,29 @@ pub struct MutationPolicySpec {
     pub existing: ExistingResources,
 }
 
+/// `NamespacedMutationPolicy`: a MutationPolicy that a namespace's owner (a tenant, e.g. a
+/// Kubeflow profile's owner) may create. It applies only to objects in its own namespace:
+/// `match.namespaces` may name only that namespace and `namespaceSelector` is not allowed
+/// (`meshgate_core::policy::confine`); cluster-scoped objects are never matched.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "meshgate.dev",
+    version = "v1alpha1",
+    kind = "NamespacedMutationPolicy",
+    plural = "namespacedmutationpolicies",
+    shortname = "nmpol",
+    namespaced,
+    status = "MutationPolicyStatus",
+    category = "meshgate",
+    printcolumn = r#"{"name":"Kinds","type":"string","jsonPath":".spec.match.kinds"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+pub struct NamespacedMutationPolicySpec {
+    /// The same fields as a MutationPolicy's spec.
+    #[serde(flatten)]
+    pub policy: MutationPolicySpec,
+}
+
 /// A resource filter. Every field that is set must match.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]

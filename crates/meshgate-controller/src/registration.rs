@@ -16,7 +16,7 @@ use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use kube::api::{Api, Patch, PatchParams};
 use kube::discovery::Discovery;
 use kube::runtime::{reflector, watcher};
-use meshgate_api::MutationPolicy;
+use meshgate_api::{MutationPolicy, MutationPolicySpec, NamespacedMutationPolicy};
 use meshgate_core::policy::{parse_kind, wildcard_match};
 use meshgate_core::registration::{
     PolicyResource, policies_webhook_name, policy_kind_entries, policy_rules,
@@ -87,9 +87,9 @@ pub async fn resolve(
 pub async fn sync_once(
     client: &kube::Client,
     configuration: &str,
-    policies: &[std::sync::Arc<MutationPolicy>],
+    policies: &[&MutationPolicySpec],
 ) -> Result<bool, kube::Error> {
-    let entries = policy_kind_entries(policies.iter().map(|p| &p.spec));
+    let entries = policy_kind_entries(policies.iter().copied());
     let (resources, unresolved) = resolve(client, &entries).await?;
     if !unresolved.is_empty() {
         tracing::warn!(kinds = ?unresolved, "policy kinds not served by the API server (yet); left out of the webhook's rules");
@@ -131,6 +131,25 @@ pub async fn sync_once(
     Ok(true)
 }
 
+/// What a watch event means here.
+enum Seen {
+    /// The first full list is in.
+    Listed,
+    /// A policy was added, changed or deleted.
+    Changed,
+    Other,
+}
+
+impl Seen {
+    fn of<K>(e: &watcher::Event<K>) -> Self {
+        match e {
+            watcher::Event::InitDone => Seen::Listed,
+            watcher::Event::Apply(_) | watcher::Event::Delete(_) => Seen::Changed,
+            _ => Seen::Other,
+        }
+    }
+}
+
 /// Runs until `shutdown`: a watch of MutationPolicies, a pass on each change and every
 /// `resync`, writes only while leader.
 pub async fn run(
@@ -141,24 +160,35 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) {
     let (store, writer) = reflector::store::<MutationPolicy>();
-    let stream = reflector(
+    let (nstore, nwriter) = reflector::store::<NamespacedMutationPolicy>();
+    let cluster = reflector(
         writer,
         watcher(
             Api::<MutationPolicy>::all(client.clone()),
             watcher::Config::default(),
         ),
-    );
-    let mut stream = std::pin::pin!(stream);
+    )
+    .map(|e| e.map(|e| Seen::of(&e)));
+    let namespaced = reflector(
+        nwriter,
+        watcher(
+            Api::<NamespacedMutationPolicy>::all(client.clone()),
+            watcher::Config::default(),
+        ),
+    )
+    .map(|e| e.map(|e| Seen::of(&e)));
+    let mut stream = std::pin::pin!(futures::stream::select(cluster, namespaced));
     let mut tick = tokio::time::interval(resync);
     let mut shutdown = std::pin::pin!(shutdown);
-    let mut synced = false;
+    // Both watches listed once.
+    let mut lists_done = 0;
     loop {
         tokio::select! {
             _ = &mut shutdown => return,
             ev = stream.next() => match ev {
-                Some(Ok(watcher::Event::InitDone)) => synced = true,
-                Some(Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_))) => {}
-                Some(Ok(_)) => continue,
+                Some(Ok(Seen::Listed)) => lists_done += 1,
+                Some(Ok(Seen::Changed)) => {}
+                Some(Ok(Seen::Other)) => continue,
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "MutationPolicy watch");
                     continue;
@@ -167,10 +197,16 @@ pub async fn run(
             },
             _ = tick.tick() => {}
         }
-        if !synced || !*leader.borrow() {
+        if lists_done < 2 || !*leader.borrow() {
             continue;
         }
-        if let Err(e) = sync_once(&client, &configuration, &store.state()).await {
+        let (cluster, namespaced) = (store.state(), nstore.state());
+        let specs: Vec<&MutationPolicySpec> = cluster
+            .iter()
+            .map(|p| &p.spec)
+            .chain(namespaced.iter().map(|p| &p.spec.policy))
+            .collect();
+        if let Err(e) = sync_once(&client, &configuration, &specs).await {
             tracing::warn!(error = %e, "policies webhook rules: pass failed; retrying");
         }
     }

@@ -15,7 +15,7 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use meshgate_api::node_gate::NodeGateSpec;
-use meshgate_api::{MutationPolicy, MutationPolicySpec, NodeGate};
+use meshgate_api::{MutationPolicy, MutationPolicySpec, NamespacedMutationPolicy, NodeGate};
 use meshgate_core::resources::ContainerLimits;
 use meshgate_core::select::Meta;
 
@@ -102,6 +102,7 @@ impl Sources {
     pub fn watch(client: kube::Client) -> (Self, impl Future<Output = ()> + Send + 'static) {
         let (ns_store, ns_writer) = reflector::store();
         let (pol_store, pol_writer) = reflector::store();
+        let (npol_store, npol_writer) = reflector::store();
         let (gate_store, gate_writer) = reflector::store();
         let (lr_store, lr_writer) = reflector::store();
         let lr_stream = reflector::reflector(
@@ -130,6 +131,14 @@ impl Sources {
             ),
         )
         .default_backoff();
+        let npol_stream = reflector::reflector(
+            npol_writer,
+            watcher(
+                Api::<NamespacedMutationPolicy>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+        )
+        .default_backoff();
         let gate_stream = reflector::reflector(
             gate_writer,
             watcher(
@@ -147,9 +156,16 @@ impl Sources {
             limit_ranges: lr_store.clone(),
             synced: AtomicBool::new(false),
         }));
-        let (publish, pol_cache) = (sources.clone(), pol_store.clone());
+        let (publish, pol_cache, npol_cache) =
+            (sources.clone(), pol_store.clone(), npol_store.clone());
         let pol_stream = pol_stream.for_each(move |_| {
-            publish.publish_policies(&pol_cache);
+            publish.publish_policies(&pol_cache, &npol_cache);
+            async {}
+        });
+        let (publish, pol_cache, npol_cache) =
+            (sources.clone(), pol_store.clone(), npol_store.clone());
+        let npol_stream = npol_stream.for_each(move |_| {
+            publish.publish_policies(&pol_cache, &npol_cache);
             async {}
         });
         let flag = sources.clone();
@@ -157,9 +173,10 @@ impl Sources {
             let ready = async move {
                 let _ = ns_store.wait_until_ready().await;
                 let _ = pol_store.wait_until_ready().await;
+                let _ = npol_store.wait_until_ready().await;
                 let _ = gate_store.wait_until_ready().await;
                 let _ = lr_store.wait_until_ready().await;
-                flag.publish_policies(&pol_store);
+                flag.publish_policies(&pol_store, &npol_store);
                 if let Inner::Cluster { synced, .. } = &*flag.0 {
                     synced.store(true, Ordering::Release);
                     tracing::info!(
@@ -168,19 +185,42 @@ impl Sources {
                 }
                 futures::future::pending::<()>().await;
             };
-            futures::join!(ns_stream, pol_stream, gate_stream, lr_stream, ready);
+            futures::join!(
+                ns_stream,
+                pol_stream,
+                npol_stream,
+                gate_stream,
+                lr_stream,
+                ready
+            );
         };
         (sources, drive)
     }
 
-    /// Replaces the shared policy list with the watch cache's content, sorted by name.
-    fn publish_policies(&self, cache: &Store<MutationPolicy>) {
+    /// Replaces the shared policy list with the watch caches' content, sorted by name: the
+    /// cluster-wide policies by name, the namespaced ones as `namespace/name`, confined to their
+    /// namespace (one that cannot be confined is left out, and logged).
+    fn publish_policies(
+        &self,
+        cache: &Store<MutationPolicy>,
+        namespaced: &Store<NamespacedMutationPolicy>,
+    ) {
         if let Inner::Cluster { policies, .. } = &*self.0 {
             let mut list: Vec<(String, MutationPolicySpec)> = cache
                 .state()
                 .iter()
                 .map(|p| (p.metadata.name.clone().unwrap_or_default(), p.spec.clone()))
                 .collect();
+            for p in namespaced.state() {
+                let ns = p.metadata.namespace.clone().unwrap_or_default();
+                let name = format!("{ns}/{}", p.metadata.name.clone().unwrap_or_default());
+                match meshgate_core::policy::confine(&p.spec.policy, &ns) {
+                    Ok(spec) => list.push((name, spec)),
+                    Err(e) => {
+                        tracing::warn!(policy = %name, errors = ?e, "NamespacedMutationPolicy not applied")
+                    }
+                }
+            }
             list.sort_by(|a, b| a.0.cmp(&b.0));
             *policies.write().unwrap_or_else(PoisonError::into_inner) = list.into();
         }

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use kube::CustomResourceExt;
-use meshgate_api::{MutationPolicy, NodeGate};
+use meshgate_api::{MutationPolicy, NamespacedMutationPolicy, NodeGate};
 
 /// `(file name, YAML)` of every CRD.
 pub fn manifests() -> anyhow::Result<Vec<(&'static str, String)>> {
@@ -16,6 +16,10 @@ pub fn manifests() -> anyhow::Result<Vec<(&'static str, String)>> {
         (
             "mutationpolicies.meshgate.dev.yaml",
             meshgate_api::yaml::to_string(&MutationPolicy::crd())?,
+        ),
+        (
+            "namespacedmutationpolicies.meshgate.dev.yaml",
+            meshgate_api::yaml::to_string(&NamespacedMutationPolicy::crd())?,
         ),
     ])
 }

@@ -143,7 +143,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     let webhook_rules = json!([
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": [""], "resources": ["limitranges"], "verbs": ["list", "watch"]},
-        {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "nodegates"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "namespacedmutationpolicies", "nodegates"], "verbs": ["get", "list", "watch"]},
     ]);
     let controller_rules = json!([
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
@@ -154,7 +154,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         // their pods are also read for the agents' DaemonSets).
         {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "daemonsets", "replicasets"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": ["batch"], "resources": ["jobs", "cronjobs"], "verbs": ["get", "list", "watch", "patch"]},
-        {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "namespacedmutationpolicies"], "verbs": ["get", "list", "watch"]},
         // patch: the gate's finalizer (taints come off every node before a gate goes).
         {"apiGroups": ["meshgate.dev"], "resources": ["nodegates"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": ["meshgate.dev"], "resources": ["nodegates/status", "mutationpolicies/status"], "verbs": ["patch", "update"]},
@@ -180,6 +180,25 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]}));
     }
+    // Tenants: a namespace's admins and editors may manage the NamespacedMutationPolicies of
+    // their namespace (aggregated into the built-in `admin` and `edit` roles), viewers read
+    // them. Cluster-wide MutationPolicies are not aggregated anywhere: creating one is as strong
+    // as cluster-admin (docs/security.md).
+    out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": "meshgate-namespaced-policies-edit", "labels": {
+            "app.kubernetes.io/name": "meshgate", names::MANAGED_BY: "meshgate",
+            "rbac.authorization.k8s.io/aggregate-to-admin": "true",
+            "rbac.authorization.k8s.io/aggregate-to-edit": "true"}},
+        "rules": [{"apiGroups": ["meshgate.dev"], "resources": ["namespacedmutationpolicies"],
+                   "verbs": ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]}]}));
+    out.push(
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": "meshgate-namespaced-policies-view", "labels": {
+            "app.kubernetes.io/name": "meshgate", names::MANAGED_BY: "meshgate",
+            "rbac.authorization.k8s.io/aggregate-to-view": "true"}},
+        "rules": [{"apiGroups": ["meshgate.dev"], "resources": ["namespacedmutationpolicies"],
+                   "verbs": ["get", "list", "watch"]}]}),
+    );
     out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta("meshgate-controller-lease", Some(ns), "controller"),
         "rules": [
             {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update", "patch"]},

@@ -114,9 +114,24 @@ pub fn policies_of(file: &str, docs: Vec<Value>) -> Result<Policies, InputError>
                 .origins
                 .insert(name.clone(), format!("{file}: document {index}"));
             policies.push((name, p.spec));
+        } else if api_version == "meshgate.dev/v1alpha1" && kind == "NamespacedMutationPolicy" {
+            let p: meshgate_api::NamespacedMutationPolicy = serde_path(&doc).map_err(err)?;
+            let Some(ns) = p.metadata.namespace.clone().filter(|n| !n.is_empty()) else {
+                return Err(err(
+                    "metadata.namespace: required for a NamespacedMutationPolicy".to_owned(),
+                ));
+            };
+            meshgate_core::policy::validate(&p.spec.policy).map_err(|e| err(e.join("; ")))?;
+            let spec = meshgate_core::policy::confine(&p.spec.policy, &ns)
+                .map_err(|e| err(e.join("; ")))?;
+            let name = format!("{ns}/{}", p.metadata.name.clone().unwrap_or_default());
+            report
+                .origins
+                .insert(name.clone(), format!("{file}: document {index}"));
+            policies.push((name, spec));
         } else {
             return Err(err(format!(
-                "apiVersion {api_version:?} kind {kind:?} is not a MutationPolicy (meshgate.dev/v1alpha1) or a Kyverno policy (kyverno.io/v1)"
+                "apiVersion {api_version:?} kind {kind:?} is not a MutationPolicy or NamespacedMutationPolicy (meshgate.dev/v1alpha1) or a Kyverno policy (kyverno.io/v1)"
             )));
         }
     }

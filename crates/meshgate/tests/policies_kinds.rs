@@ -279,3 +279,173 @@ async fn policies_mutate_any_kind_and_fail_on_their_own() {
     )
     .await;
 }
+
+/// A NamespacedMutationPolicy acts in its own namespace only, through the API server too: a
+/// ConfigMap in its namespace is mutated, one in another namespace is not, and a policy that
+/// names another namespace is not applied at all. A tenant bound (RoleBinding) to the role
+/// `install` aggregates into `admin` and `edit` may manage them in that namespace only, and may
+/// not create cluster-wide MutationPolicies.
+#[tokio::test]
+async fn namespaced_policies_stay_in_their_namespace() {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    };
+    use meshgate_api::NamespacedMutationPolicy;
+    let cp = control_plane(false).await;
+    serve_policies(&cp).await;
+    let client = cp.client().await.expect("client");
+    let tenant = cp.namespace("tenant", &[]).await.expect("namespace");
+    let other = cp.namespace("other", &[]).await.expect("namespace");
+    let namespaced: Api<NamespacedMutationPolicy> = Api::namespaced(client.clone(), &tenant);
+    let create = |name: &str, spec: Value| {
+        let p: NamespacedMutationPolicy = serde_json::from_value(json!({
+            "apiVersion": "meshgate.dev/v1alpha1", "kind": "NamespacedMutationPolicy",
+            "metadata": {"name": name}, "spec": spec,
+        }))
+        .expect("policy");
+        let api = namespaced.clone();
+        async move {
+            api.create(&PostParams::default(), &p)
+                .await
+                .expect("policy")
+        }
+    };
+    create(
+        "own",
+        json!({"match": {"kinds": ["ConfigMap"]},
+        "mutations": [{"annotations": {"values": {"meshgate.test/tenant": "own"}}}]}),
+    )
+    .await;
+    create(
+        "reaching-out",
+        json!({"match": {"kinds": ["ConfigMap"], "namespaces": [other]},
+        "mutations": [{"annotations": {"values": {"meshgate.test/reach": "yes"}}}]}),
+    )
+    .await;
+    wait_for(
+        "the policies webhook to cover ConfigMaps",
+        Duration::from_secs(30),
+        || async {
+            registered(&client)
+                .await
+                .iter()
+                .any(|r| r == "/v1/configmaps")
+        },
+    )
+    .await;
+    let cm = |name: &str| -> ConfigMap {
+        serde_json::from_value(json!({"metadata": {"name": name}})).expect("configmap")
+    };
+    // The webhook's cache may lag the policy's creation: wait until a dry run shows it applies.
+    let mut n = 0;
+    wait_for(
+        "the tenant's policy to apply",
+        Duration::from_secs(30),
+        || {
+            n += 1;
+            let (api, probe) = (
+                Api::<ConfigMap>::namespaced(client.clone(), &tenant),
+                cm(&format!("probe-{n}")),
+            );
+            async move {
+                let dry = PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                api.create(&dry, &probe).await.ok().is_some_and(|c| {
+                    c.metadata
+                        .annotations
+                        .unwrap_or_default()
+                        .contains_key("meshgate.test/tenant")
+                })
+            }
+        },
+    )
+    .await;
+    let own = Api::<ConfigMap>::namespaced(client.clone(), &tenant)
+        .create(&PostParams::default(), &cm("c"))
+        .await
+        .expect("configmap");
+    let annotations = own.metadata.annotations.unwrap_or_default();
+    assert_eq!(
+        annotations.get("meshgate.test/tenant").map(String::as_str),
+        Some("own")
+    );
+    assert!(
+        !annotations.contains_key("meshgate.test/reach"),
+        "a policy naming another namespace applies nowhere"
+    );
+    let theirs = Api::<ConfigMap>::namespaced(client.clone(), &other)
+        .create(&PostParams::default(), &cm("c"))
+        .await
+        .expect("configmap");
+    assert!(
+        theirs.metadata.annotations.unwrap_or_default().is_empty(),
+        "no tenant policy reaches another namespace"
+    );
+
+    // The tenant's permissions, through the role `install` ships.
+    let docs = meshgate::install::render(&meshgate::install::InstallOptions {
+        profile: "istio-ambient".into(),
+        namespace: "meshgate-system".into(),
+        image: "meshgate/meshgate:0.1.0".into(),
+        node_taint: meshgate::install::NodeTaint::Webhook,
+        repair: None,
+    })
+    .expect("install renders");
+    let role: Vec<Value> = docs
+        .into_iter()
+        .filter(|d| d["metadata"]["name"] == "meshgate-namespaced-policies-edit")
+        .collect();
+    assert_eq!(role.len(), 1);
+    assert_eq!(
+        role[0]["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"],
+        "true"
+    );
+    meshgate::install::apply(&client, &role, false, |_| {})
+        .await
+        .expect("role");
+    let binding: k8s_openapi::api::rbac::v1::RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "tenant-policies"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "meshgate-namespaced-policies-edit"},
+        "subjects": [{"kind": "User", "name": "tenant-owner", "apiGroup": "rbac.authorization.k8s.io"}],
+    }))
+    .expect("binding");
+    Api::<k8s_openapi::api::rbac::v1::RoleBinding>::namespaced(client.clone(), &tenant)
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("binding");
+    let may = |resource: &'static str, namespace: Option<String>| {
+        let client = client.clone();
+        async move {
+            let review = SubjectAccessReview {
+                spec: SubjectAccessReviewSpec {
+                    user: Some("tenant-owner".into()),
+                    resource_attributes: Some(ResourceAttributes {
+                        verb: Some("create".into()),
+                        group: Some("meshgate.dev".into()),
+                        resource: Some(resource.into()),
+                        namespace,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            Api::<SubjectAccessReview>::all(client)
+                .create(&Default::default(), &review)
+                .await
+                .expect("review")
+                .status
+                .is_some_and(|s| s.allowed)
+        }
+    };
+    wait_for(
+        "the tenant's binding to take effect",
+        Duration::from_secs(20),
+        || may("namespacedmutationpolicies", Some(tenant.clone())),
+    )
+    .await;
+    assert!(!may("namespacedmutationpolicies", Some(other.clone())).await);
+    assert!(!may("mutationpolicies", None).await);
+}

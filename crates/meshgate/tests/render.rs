@@ -272,3 +272,51 @@ fn a_policy_failing_on_a_document_is_named() {
         "the other policy applied"
     );
 }
+
+/// `render --policy` takes NamespacedMutationPolicies confined to their namespace, and refuses
+/// one that reaches out of it, naming the field.
+#[test]
+fn namespaced_policies_render_in_their_namespace_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(&dir, "m.yaml", MANIFESTS);
+    let p = write(
+        &dir,
+        "ns.yaml",
+        "apiVersion: meshgate.dev/v1alpha1\nkind: NamespacedMutationPolicy\nmetadata: {name: t, namespace: other}\nspec:\n  match: {kinds: [Pod, Service]}\n  podTemplates: true\n  mutations: [{labels: {values: {tenant: other}}}]\n",
+    );
+    let (out, report) = meshgate::render::render(
+        std::slice::from_ref(&m),
+        &[p],
+        &BTreeMap::new(),
+        None,
+        Default::default(),
+        false,
+    )
+    .unwrap();
+    assert!(report.partial.is_empty(), "{report:?}");
+    let docs = meshgate::render::parse_documents("out", &out).unwrap();
+    assert!(
+        docs[0]["metadata"]["labels"].get("tenant").is_none(),
+        "the Pod is in kf"
+    );
+    assert!(
+        docs[1]["metadata"].get("labels").is_none(),
+        "the Service is in kf"
+    );
+    assert_eq!(
+        docs[2]["spec"]["template"]["metadata"]["labels"]["tenant"], "other",
+        "the Deployment in `other` is the tenant's"
+    );
+    let bad = write(
+        &dir,
+        "bad.yaml",
+        "apiVersion: meshgate.dev/v1alpha1\nkind: NamespacedMutationPolicy\nmetadata: {name: t, namespace: other}\nspec:\n  match: {kinds: [Pod], namespaces: [kf]}\n  mutations: [{labels: {values: {x: \"z\"}}}]\n",
+    );
+    let err = meshgate::render::read_policies(&bad)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("bad.yaml: document 0: ") && err.contains("spec.match.namespaces"),
+        "{err}"
+    );
+}

@@ -179,6 +179,40 @@ impl PolicyError {
     }
 }
 
+/// The spec a `NamespacedMutationPolicy` in `namespace` applies with: its own, confined to that
+/// namespace (`match.namespaces` set to it). Refused, naming the field: `match.namespaces`
+/// naming another namespace, a `namespaceSelector` (it would read other namespaces' labels),
+/// and `existing` (backfill is for cluster-wide policies).
+pub fn confine(
+    spec: &MutationPolicySpec,
+    namespace: &str,
+) -> Result<MutationPolicySpec, Vec<String>> {
+    let mut errors = Vec::new();
+    if let Some(other) = spec.match_.namespaces.iter().find(|n| *n != namespace) {
+        errors.push(format!(
+            "spec.match.namespaces: {other:?}: a NamespacedMutationPolicy applies in its own namespace ({namespace}) only"
+        ));
+    }
+    if spec.match_.namespace_selector.is_some() {
+        errors.push(
+            "spec.match.namespaceSelector: not allowed in a NamespacedMutationPolicy (it applies in its own namespace only)"
+                .to_owned(),
+        );
+    }
+    if spec.existing.enabled {
+        errors.push(
+            "spec.existing: backfill of existing workloads is for cluster-wide MutationPolicies"
+                .to_owned(),
+        );
+    }
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+    let mut confined = spec.clone();
+    confined.match_.namespaces = vec![namespace.to_owned()];
+    Ok(confined)
+}
+
 /// The outcome of [`apply`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Applied {
