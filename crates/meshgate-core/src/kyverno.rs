@@ -19,8 +19,11 @@
 //!     block whose fields must all hold, so any other OR of entries cannot be expressed.
 //!   - `all` entries are intersected (kinds, operations, literal namespaces; selectors are
 //!     combined); namespace patterns in several entries cannot be intersected.
-//!   - kinds `Pod`, `v1/Pod`, `*/Pod`, `apps/v1/Deployment`, ... become bare kinds; kinds meshgate
-//!     never mutates (Services, subresources, wildcards) are dropped with a note.
+//!   - kinds `Pod`, `v1/Pod`, `*/Pod`, `apps/v1/Deployment`, ... become bare kinds; any other
+//!     kind (`Service`, `v1/ConfigMap`, `example.com/v1/Widget`, `*`) stays as written and is
+//!     mutated as the object itself, as Kyverno does; subresources are dropped with a note, and
+//!     so are other kinds in a rule that also matches workloads (meshgate mutates those
+//!     workloads' pod templates, Kyverno would patch every object itself).
 //!   - no `operations` means every operation in Kyverno: the policy gets `[CREATE, UPDATE]`;
 //!     `DELETE` and `CONNECT` are dropped with a note.
 //! * `mutate.patchStrategicMerge`, unchanged (meshgate implements Kyverno's anchors).
@@ -430,7 +433,13 @@ fn convert_rule(
         matched.namespaces = vec![ns.to_owned()];
     }
 
-    // Kinds and where the patch applies.
+    // Kinds and where the patch applies. Kinds other than Pods and workloads are mutated as
+    // the objects themselves, as Kyverno does.
+    let (pod_shaped, others): (Vec<String>, Vec<String>) = matched
+        .kinds
+        .drain(..)
+        .partition(|k| SUPPORTED_KINDS.contains(&k.as_str()));
+    matched.kinds = pod_shaped;
     let has_pod = matched.kinds.iter().any(|k| k == "Pod");
     let workloads: Vec<String> = matched
         .kinds
@@ -439,7 +448,17 @@ fn convert_rule(
         .cloned()
         .collect();
     let mut prefix: &[&str] = &[];
-    if has_pod && !workloads.is_empty() {
+    let mut others = others;
+    if !others.is_empty() && !workloads.is_empty() {
+        notes.push(format!(
+            "{path}.match: kinds {} dropped: the rule also matches workloads, whose pod templates meshgate mutates; Kyverno would apply the same patch to those objects themselves (split the rule)",
+            others.join(", ")
+        ));
+        others.clear();
+    }
+    if workloads.is_empty() {
+        // Pods and other kinds: the objects themselves.
+    } else if has_pod && !workloads.is_empty() {
         notes.push(format!(
             "{path}.match: kinds {} dropped: the rule also matches Pod, so its patch is written against a Pod; Kyverno would apply it to those workload objects themselves, meshgate only mutates their pod templates",
             workloads.join(", ")
@@ -478,6 +497,9 @@ fn convert_rule(
         }
     }
 
+    let only_pods = matched.kinds == ["Pod"] && others.is_empty();
+    matched.kinds.extend(others);
+
     // Mutations.
     let mutations = match (smp, json_ops) {
         (Some(s), _) => {
@@ -498,7 +520,7 @@ fn convert_rule(
 
     // Pod controllers.
     let mut pod_templates = false;
-    if matched.kinds == ["Pod"] {
+    if only_pods {
         match ctx.autogen {
             Autogen::All => pod_templates = true,
             Autogen::Off => {}
@@ -712,8 +734,8 @@ fn description(r: &Value, path: &str, notes: &mut Vec<String>) -> Result<Desc, S
     for (i, raw) in raw_kinds.iter().enumerate() {
         match normalize_kind(raw) {
             Ok(k) => {
-                if !kinds.iter().any(|x| x == k) {
-                    kinds.push(k.to_owned());
+                if !kinds.iter().any(|x| *x == k) {
+                    kinds.push(k);
                 }
             }
             Err(why) => notes.push(format!("{path}.kinds[{i}]: {raw:?} dropped: {why}")),
@@ -745,8 +767,9 @@ fn description(r: &Value, path: &str, notes: &mut Vec<String>) -> Result<Desc, S
     })
 }
 
-/// `Pod`, `v1/Pod`, `*/Pod`, `apps/v1/Deployment`, `batch/*/Job` → the bare kind.
-fn normalize_kind(raw: &str) -> Result<&'static str, String> {
+/// `Pod`, `v1/Pod`, `*/Pod`, `apps/v1/Deployment`, `batch/*/Job` → the bare kind; any other
+/// kind → meshgate's entry (`Service`, `v1/ConfigMap`, `example.com/v1/Widget`, `*`).
+fn normalize_kind(raw: &str) -> Result<String, String> {
     let upper = |s: &str| s.starts_with(|c: char| c.is_ascii_uppercase()) || s == "*";
     let parts: Vec<&str> = raw.split('/').collect();
     let (group, kind, subresource) = match parts.as_slice() {
@@ -761,14 +784,14 @@ fn normalize_kind(raw: &str) -> Result<&'static str, String> {
     if subresource.is_some() {
         return Err("subresources are not mutated by meshgate".to_owned());
     }
-    if kind.contains(['*', '?']) {
-        return Err("wildcard kinds are not supported".to_owned());
-    }
-    let Some(k) = SUPPORTED_KINDS.iter().copied().find(|k| *k == kind) else {
-        return Err(format!(
-            "meshgate mutates only {}",
-            SUPPORTED_KINDS.join(", ")
-        ));
+    let Some(k) = SUPPORTED_KINDS
+        .iter()
+        .copied()
+        .find(|k| *k == kind && !kind.contains(['*', '?']))
+    else {
+        // Any other kind: the entry as written (meshgate's syntax is Kyverno's).
+        crate::policy::parse_kind(raw)?;
+        return Ok(raw.to_owned());
     };
     let expected = match k {
         "Pod" => "",
@@ -782,7 +805,7 @@ fn normalize_kind(raw: &str) -> Result<&'static str, String> {
     {
         return Err(format!("group {g:?} is not the group of {k}"));
     }
-    Ok(k)
+    Ok(k.to_owned())
 }
 
 /// The fields in which several descriptions differ.

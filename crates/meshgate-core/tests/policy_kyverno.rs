@@ -312,7 +312,7 @@ fn workload_rules_are_rebased_on_the_pod_template() {
     assert!(union.pod_templates);
 
     let expected = [
-        "spec.rules[0].match.any[0].resources.kinds[3]: \"Service\" dropped",
+        "spec.rules[0].match: kinds Service dropped: the rule also matches workloads",
         "spec.rules[0].match: kind CronJob dropped",
         "spec.rules[1] (scale): not converted: spec.rules[1].mutate: the patch changes the Deployment objects themselves",
         "spec.rules[2] (by-user): not converted: spec.rules[2].match.any[0].subjects: matching on the requesting user is not supported",
@@ -415,4 +415,49 @@ fn long_and_duplicate_names_are_dns1123() {
         );
         assert!(!n.starts_with('-') && !n.ends_with('-'));
     }
+}
+
+/// Rules for other kinds than Pods and workloads convert as they are: the objects themselves.
+#[test]
+fn rules_for_other_kinds_convert() {
+    let out = import(&doc(r#"
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata: {name: others}
+spec:
+  rules:
+  - name: services
+    match:
+      any:
+      - resources: {kinds: [Service, v1/ConfigMap, networking.k8s.io/v1/NetworkPolicy]}
+    mutate:
+      patchStrategicMerge: {metadata: {labels: {team: mesh}}}
+  - name: everything
+    match:
+      any:
+      - resources: {kinds: ["*"], selector: {matchLabels: {mesh: "true"}}}
+    mutate:
+      patchesJson6902: |-
+        - {op: add, path: /metadata/annotations/seen, value: "yes"}
+"#))
+    .unwrap();
+    assert!(out.notes.is_empty(), "{:#?}", out.notes);
+    let services = &out.policies[0].1;
+    assert_eq!(
+        services.match_.kinds,
+        [
+            "Service",
+            "v1/ConfigMap",
+            "networking.k8s.io/v1/NetworkPolicy"
+        ]
+    );
+    assert!(!services.pod_templates);
+    let svc = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "shop"}});
+    let out_svc = run(&out.policies[..1], &svc, Operation::Create);
+    assert_eq!(out_svc["metadata"]["labels"]["team"], "mesh");
+    let every = &out.policies[1].1;
+    assert_eq!(every.match_.kinds, ["*"]);
+    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x", "namespace": "shop", "labels": {"mesh": "true"}}});
+    let out_secret = run(&out.policies[1..], &secret, Operation::Create);
+    assert_eq!(out_secret["metadata"]["annotations"]["seen"], "yes");
 }
