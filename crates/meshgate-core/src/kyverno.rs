@@ -734,7 +734,7 @@ fn description(r: &Value, path: &str, notes: &mut Vec<String>) -> Result<Desc, S
     for (i, raw) in raw_kinds.iter().enumerate() {
         match normalize_kind(raw) {
             Ok(k) => {
-                if !kinds.iter().any(|x| *x == k) {
+                if !kinds.contains(&k) {
                     kinds.push(k);
                 }
             }
