@@ -20,6 +20,9 @@ use meshgate_pki::Ca;
 use serde_json::json;
 use tokio::sync::watch;
 
+/// The field manager of the caBundle writes.
+pub const CA_BUNDLE_MANAGER: &str = "meshgate-controller-certs";
+
 /// Settings of the certificate loop.
 #[derive(Clone, Debug)]
 pub struct CertSettings {
@@ -209,12 +212,14 @@ pub async fn reconcile_once(
             }
             let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))
                 .map_err(|e| CertError::Pki(meshgate_pki::PkiError::Parse(e.to_string())))?;
-            mwcs.patch(
-                &s.webhook_configuration,
-                &PatchParams::default(),
-                &Patch::<()>::Json(patch),
-            )
-            .await?;
+            // Under the controller's own field manager: `install`'s server-side apply (manager
+            // `meshgate`, no caBundle in its manifests) never takes the bundle away.
+            let pp = PatchParams {
+                field_manager: Some(CA_BUNDLE_MANAGER.to_owned()),
+                ..PatchParams::default()
+            };
+            mwcs.patch(&s.webhook_configuration, &pp, &Patch::<()>::Json(patch))
+                .await?;
             tracing::info!(configuration = %s.webhook_configuration, "caBundle updated");
             out.bundle_updated = true;
         }
@@ -222,17 +227,33 @@ pub async fn reconcile_once(
     Ok(out)
 }
 
-/// Runs [`reconcile_once`] every `interval` while this replica leads.
-pub async fn run(client: kube::Client, leader: watch::Receiver<bool>, s: CertSettings) {
+/// Runs [`reconcile_once`] while this replica leads: on becoming leader, every `interval`, and
+/// 5 s after a failed pass.
+pub async fn run(client: kube::Client, mut leader: watch::Receiver<bool>, s: CertSettings) {
     let mut tick = tokio::time::interval(s.interval);
+    let mut failed = false;
     loop {
-        tick.tick().await;
+        // A pass every interval, as soon as this replica becomes the leader (on a first install
+        // the webhook waits for the certificates the leader creates), and 5 s after a failure.
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = tokio::time::sleep(Duration::from_secs(5)), if failed => {}
+            changed = leader.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+        }
         if !*leader.borrow() {
             continue;
         }
-        if let Err(e) = reconcile_once(&client, &s).await {
-            tracing::warn!(error = %e, "certificate pass failed; retrying next interval");
-        }
+        failed = match reconcile_once(&client, &s).await {
+            Ok(_) => false,
+            Err(e) => {
+                tracing::warn!(error = %e, "certificate pass failed; retrying in 5 s");
+                true
+            }
+        };
     }
 }
 

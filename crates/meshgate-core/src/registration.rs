@@ -48,22 +48,25 @@ pub struct Registration<'a> {
     pub node_taint: bool,
 }
 
+/// The webhook's client configuration; no `caBundle` when `ca_bundle_pem` is empty (the
+/// controller writes it).
 fn client_config(r: &Registration<'_>, path: &str) -> Value {
-    let ca = k8s_openapi::ByteString(r.ca_bundle_pem.as_bytes().to_vec());
-    match &r.target {
+    let mut config = match &r.target {
         WebhookTarget::Service {
             namespace,
             name,
             port,
         } => json!({
             "service": {"namespace": namespace, "name": name, "path": path, "port": port},
-            "caBundle": ca,
         }),
         WebhookTarget::Url(base) => json!({
             "url": format!("{}{path}", base.trim_end_matches('/')),
-            "caBundle": ca,
         }),
+    };
+    if !r.ca_bundle_pem.is_empty() {
+        config["caBundle"] = json!(k8s_openapi::ByteString(r.ca_bundle_pem.as_bytes().to_vec()));
     }
+    config
 }
 
 fn with_exclusions(mut ns: LabelSelector, excluded: &[String]) -> LabelSelector {

@@ -1,11 +1,17 @@
 //! `meshgate install`: every manifest meshgate needs in a cluster, for a profile.
 //!
 //! Rendered objects, in apply order: Namespace, CRDs, ServiceAccounts, least-privilege RBAC per
-//! component, the gate ConfigMap, the CA and TLS Secrets (generated here; the controller rotates
-//! them before expiry and keeps the caBundle current),
-//! the webhook Service, Deployment (2 replicas) and PodDisruptionBudget, the controller Deployment
-//! (2 replicas, leader election), the MutatingWebhookConfiguration (caBundle = the generated CA),
-//! and the profile's default NodeGate and policies.
+//! component, the gate ConfigMap, the webhook Service, Deployment (2 replicas) and
+//! PodDisruptionBudget, the controller Deployment (2 replicas, leader election), the
+//! MutatingWebhookConfiguration (without a caBundle), and the profile's default NodeGate and
+//! policies.
+//!
+//! No key material is rendered: the controller creates the webhook's CA and serving certificate
+//! in the cluster on its first start when they are absent (Secrets `meshgate-ca` and
+//! `meshgate-webhook-tls`), writes the caBundle, and rotates both before expiry
+//! (`meshgate_controller::certs`). Re-running `install` (or upgrading) leaves the Secrets and
+//! the caBundle alone (they are not in the manifests, and the caBundle belongs to the
+//! controller's field manager), so the API server keeps trusting the webhook.
 
 use std::time::Duration;
 
@@ -209,21 +215,9 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "meshgate-controller-lease"},
         "subjects": [{"kind": "ServiceAccount", "name": "meshgate-controller", "namespace": ns}]}));
 
-    // Configuration and certificates.
+    // Configuration. The certificates are the controller's (see the module documentation).
     out.push(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("meshgate-config", Some(ns), "webhook"),
         "data": {"config.yaml": meshgate_api::yaml::to_string(&config)?}}));
-    let service = format!("meshgate-webhook.{ns}.svc");
-    let ca = meshgate_pki::Ca::new("meshgate-ca", Duration::from_secs(3 * 365 * 24 * 3600))?;
-    let serving = ca.issue_server(
-        &[&service, &format!("meshgate-webhook.{ns}")],
-        Duration::from_secs(365 * 24 * 3600),
-    )?;
-    // The controller renews both before expiry and keeps the caBundle current
-    // (meshgate_controller::certs); these are the first ones, so the webhook can start at once.
-    out.push(json!({"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta("meshgate-ca", Some(ns), "controller"),
-        "stringData": {"ca.crt": ca.certificate().cert_pem, "ca.key": ca.certificate().key_pem}}));
-    out.push(json!({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls", "metadata": meta("meshgate-webhook-tls", Some(ns), "webhook"),
-        "stringData": {"tls.crt": serving.cert_pem, "tls.key": serving.key_pem, "ca.crt": ca.certificate().cert_pem}}));
 
     // The webhook.
     let selector =
@@ -278,7 +272,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
             name: "meshgate-webhook".into(),
             port: 443,
         },
-        ca_bundle_pem: &ca.certificate().cert_pem,
+        ca_bundle_pem: "",
         policies: true,
         node_taint: o.node_taint == NodeTaint::Webhook,
     });

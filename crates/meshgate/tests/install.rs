@@ -41,6 +41,22 @@ fn golden_manifests() {
     }
 }
 
+/// `install` never prints key material: no Secret, no private key, no caBundle (the controller
+/// creates the CA and certificate in the cluster and writes the bundle).
+#[test]
+fn install_output_holds_no_key_material() {
+    for profile in PROFILES {
+        let docs = render(&options(profile)).unwrap();
+        let text = meshgate::render::to_yaml_stream(&docs).unwrap();
+        assert!(!text.contains("PRIVATE KEY"), "{profile}: a private key");
+        assert!(
+            !docs.iter().any(|d| d["kind"] == "Secret"),
+            "{profile}: a Secret"
+        );
+        assert!(!text.contains("caBundle"), "{profile}: a caBundle");
+    }
+}
+
 #[test]
 fn an_unknown_profile_is_named() {
     let err = render(&options("consul")).unwrap_err().to_string();

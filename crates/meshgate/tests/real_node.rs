@@ -1292,6 +1292,53 @@ async fn ambient_meshgate_installed_from_its_image_gates_the_real_node() {
     );
     let setup_took = setup.elapsed();
 
+    // The certificates are the controller's, made in the cluster; installing again (as an
+    // upgrade does) keeps the CA and the caBundle.
+    let ca_of = || async {
+        let secret = Api::<k8s_openapi::api::core::v1::Secret>::namespaced(
+            client.clone(),
+            "meshgate-system",
+        )
+        .get("meshgate-ca")
+        .await
+        .expect("the controller created the CA Secret");
+        let mwc =
+            Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(
+                client.clone(),
+            )
+            .get("meshgate")
+            .await
+            .expect("configuration");
+        let bundles: Vec<Vec<u8>> = mwc
+            .webhooks
+            .unwrap_or_default()
+            .into_iter()
+            .map(|h| h.client_config.ca_bundle.map(|b| b.0).unwrap_or_default())
+            .collect();
+        (
+            secret.data.unwrap_or_default().get("ca.crt").cloned(),
+            bundles,
+        )
+    };
+    let (ca_before, bundles_before) = ca_of().await;
+    assert!(ca_before.is_some() && bundles_before.iter().all(|b| !b.is_empty()));
+    meshgate_cli(
+        &cp,
+        &[
+            "install",
+            "--profile",
+            "istio-ambient",
+            "--image",
+            MESHGATE_IMAGE,
+            "--apply",
+        ],
+    );
+    assert_eq!(
+        ca_of().await,
+        (ca_before, bundles_before),
+        "install again kept the CA and caBundle"
+    );
+
     // A pod of an ambient namespace: the in-cluster webhook gates it; the scheduler places it;
     // the gate holds it until the node-proxy stand-in opens the in-pod listener.
     let ns = cp
