@@ -23,6 +23,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 cache=${MESHGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$cache/target}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+# No incremental compilation data in the shared cache: a test run gains nothing from it, and it
+# grows by gigabytes per run (a full disk puts the real node under disk pressure).
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 step() { printf '\n== %s ==\n' "$*"; }
 
 step "Debian packages (iptables for the network-namespace tests)"

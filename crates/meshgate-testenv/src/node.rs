@@ -1114,8 +1114,9 @@ fn cni_conflist(d: &Path) -> String {
 }
 
 /// The kubelet's configuration: cgroup v1 allowed (these hosts), cgroupfs (no systemd), its
-/// directories in the run directory, serving on loopback, no eviction or image GC on a full
-/// disk (the test images must stay).
+/// directories in the run directory, serving on loopback, no image GC and disk eviction only
+/// below 100 MiB free (absolute: 1% of a large build machine's disk is gigabytes, and a node
+/// under disk pressure rejects the tests' pods).
 fn kubelet_config(d: &Path, socket: &Path, ca: &Path, port: u16, healthz: u16) -> String {
     format!(
         "apiVersion: kubelet.config.k8s.io/v1beta1
@@ -1140,7 +1141,7 @@ failSwapOn: false
 rotateCertificates: false
 serverTLSBootstrap: false
 volumePluginDir: {d}/kubelet/volume-plugins
-evictionHard: {{memory.available: 50Mi, nodefs.available: 1%, nodefs.inodesFree: 1%, imagefs.available: 1%}}
+evictionHard: {{memory.available: 50Mi, nodefs.available: 100Mi, nodefs.inodesFree: 1%, imagefs.available: 100Mi}}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 ",
