@@ -299,6 +299,7 @@ fn install_manifests_and_crds_read_back_as_meant() {
     let want = [
         serde_json::to_value(meshgate_api::NodeGate::crd()).expect("json"),
         serde_json::to_value(meshgate_api::MutationPolicy::crd()).expect("json"),
+        serde_json::to_value(meshgate_api::NamespacedMutationPolicy::crd()).expect("json"),
     ];
     assert_reads_back(&crds, &want);
 }
