@@ -127,9 +127,27 @@ fn axum_router(
     repair: meshgate_controller::repair::RepairMetrics,
 ) -> axum::Router {
     use axum::routing::get;
+    let synced = metrics.synced.clone();
     axum::Router::new()
         .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(|| async { "ok" }))
+        // Ready once the node gate's caches have their first full list (before that the
+        // controller decides nothing; see meshgate_controller::nodegate).
+        .route(
+            "/readyz",
+            get(move || {
+                let ready = synced.get() == 1;
+                async move {
+                    if ready {
+                        (axum::http::StatusCode::OK, "ok")
+                    } else {
+                        (
+                            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                            "not ready: caches not synced",
+                        )
+                    }
+                }
+            }),
+        )
         .route(
             "/metrics",
             get(move || {
