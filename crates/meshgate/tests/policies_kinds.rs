@@ -310,16 +310,18 @@ async fn namespaced_policies_stay_in_their_namespace() {
                 .expect("policy")
         }
     };
-    create(
-        "own",
-        json!({"match": {"kinds": ["ConfigMap"]},
-        "mutations": [{"annotations": {"values": {"meshgate.test/tenant": "own"}}}]}),
-    )
-    .await;
+    // The policy that reaches out first: the webhook's watch delivers policies in order, so once
+    // the tenant's own policy applies (waited for below), the other one has been seen too.
     create(
         "reaching-out",
         json!({"match": {"kinds": ["ConfigMap"], "namespaces": [other]},
         "mutations": [{"annotations": {"values": {"meshgate.test/reach": "yes"}}}]}),
+    )
+    .await;
+    create(
+        "own",
+        json!({"match": {"kinds": ["ConfigMap"]},
+        "mutations": [{"annotations": {"values": {"meshgate.test/tenant": "own"}}}]}),
     )
     .await;
     wait_for(
