@@ -23,6 +23,7 @@ use crate::selector::LabelSelector;
     printcolumn = r#"{"name":"Kinds","type":"string","jsonPath":".spec.match.kinds"}"#,
     printcolumn = r#"{"name":"Existing","type":"integer","jsonPath":".status.existing.mutated"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Native","type":"string","jsonPath":".status.conditions[?(@.type==\"Native\")].status"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]

@@ -50,7 +50,7 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, ReplicaSet, StatefulSet}
 use k8s_openapi::api::batch::v1::{CronJob, Job};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference, Time};
-use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
@@ -60,8 +60,9 @@ use meshgate_api::mutation_policy::{ExistingReport, MutationPolicyStatus, Operat
 use meshgate_api::{GateConfig, MutationPolicy, MutationPolicySpec, names};
 use meshgate_core::patch::{JsonPatch, escape};
 use meshgate_core::policy::{
-    self, MatchContext, PolicyError, opted_out, pod_template_path, policy_matches,
+    self, MatchContext, PolicyError, native, opted_out, pod_template_path, policy_matches,
 };
+use meshgate_core::registration::{PolicyApi, policy_kind_entries};
 use serde_json::Value;
 use tokio::sync::watch;
 
@@ -83,6 +84,12 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    #[error("keeping the MutatingAdmissionPolicy of policy {policy}: {source}")]
+    Native {
+        policy: String,
+        #[source]
+        source: kube::Error,
+    },
     #[error("writing the status of policy {policy}: {source}")]
     Status {
         policy: String,
@@ -96,12 +103,16 @@ pub enum Error {
 pub struct Settings {
     /// Namespaces in which nothing is ever mutated (the webhook's `excludedNamespaces`).
     pub excluded_namespaces: Vec<String>,
+    /// Native mode: compile policies to MutatingAdmissionPolicies of this API version (the
+    /// API server serves it). `None`: every policy stays on the webhook.
+    pub native: Option<PolicyApi>,
 }
 
 impl Default for Settings {
     fn default() -> Self {
         Self {
             excluded_namespaces: GateConfig::default().excluded_namespaces,
+            native: None,
         }
     }
 }
@@ -178,13 +189,40 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
     }
     let generation = policy.metadata.generation.unwrap_or_default();
     let old = policy.status.clone().unwrap_or_default();
-    if old.observed_generation == generation && generation != 0 {
-        return Ok(Action::await_change());
-    }
     let name = policy.name_any();
     let spec = &policy.spec;
+    let valid = policy::validate(spec);
+    // Native mode is kept on every reconcile (a deleted MutatingAdmissionPolicy comes back).
+    let native = serve_natively(&ctx, &policy, valid.is_ok()).await?;
+    let native = condition(
+        &old,
+        generation,
+        NATIVE,
+        native.native,
+        native.reason,
+        &native.message,
+    );
+    if old.observed_generation == generation && generation != 0 {
+        let same = old.conditions.iter().any(|c| {
+            c.type_ == NATIVE
+                && c.status == native.status
+                && c.reason == native.reason
+                && c.message == native.message
+        });
+        if !same && ctx.is_leader() {
+            let mut conditions: Vec<Condition> = old
+                .conditions
+                .iter()
+                .filter(|c| c.type_ != NATIVE)
+                .cloned()
+                .collect();
+            conditions.push(native);
+            write_status(&ctx, &name, generation, None, conditions).await?;
+        }
+        return Ok(Action::await_change());
+    }
 
-    if let Err(errors) = policy::validate(spec) {
+    if let Err(errors) = valid {
         tracing::warn!(policy = %name, ?errors, "invalid policy");
         let message = errors.join("; ");
         let conditions = vec![
@@ -197,6 +235,7 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
                 "Invalid",
                 "the policy is invalid (see the Valid condition); nothing is applied",
             ),
+            native,
         ];
         write_status(&ctx, &name, generation, None, conditions).await?;
         return Ok(Action::await_change());
@@ -219,7 +258,7 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
             "AdmissionOnly",
             "applied at admission only; existing workloads are left alone (spec.existing.enabled is false)",
         );
-        write_status(&ctx, &name, generation, None, vec![valid, ready]).await?;
+        write_status(&ctx, &name, generation, None, vec![valid, ready, native]).await?;
         return Ok(Action::await_change());
     }
 
@@ -251,7 +290,7 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
         &name,
         generation,
         Some(&pass.report),
-        vec![valid, ready],
+        vec![valid, ready, native],
     )
     .await?;
     let reason = if report.dry_run {
@@ -273,6 +312,158 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
     )
     .await;
     Ok(Action::await_change())
+}
+
+/// The condition type that says which path applies a policy at admission.
+pub const NATIVE: &str = "Native";
+
+/// The `Native` condition's content.
+struct NativeState {
+    native: bool,
+    reason: &'static str,
+    message: String,
+}
+
+/// Native mode for one policy: its MutatingAdmissionPolicy and binding applied (server-side
+/// apply, field manager `meshgate-controller`, owned by the policy) when it compiles, deleted
+/// when it does not (or native mode is off); the state says which path serves the policy and why.
+async fn serve_natively(
+    ctx: &Ctx,
+    policy: &MutationPolicy,
+    valid: bool,
+) -> Result<NativeState, Error> {
+    let name = policy.name_any();
+    let webhook = |reason: &'static str, message: String| NativeState {
+        native: false,
+        reason,
+        message,
+    };
+    let Some(api) = ctx.settings.native else {
+        return Ok(webhook(
+            "Disabled",
+            "the webhook applies the policy: native policies are off (the controller's --native-policies, or the API server serves no MutatingAdmissionPolicy API)".into(),
+        ));
+    };
+    let (maps, bindings) = native_apis(&ctx.client, api);
+    let native_name = native::native_name(&name);
+    let state = if !valid {
+        webhook(
+            "Invalid",
+            "the policy is invalid (see the Valid condition)".into(),
+        )
+    } else if let Err(why) = native::expressible(&policy.spec) {
+        webhook(
+            "NotExpressible",
+            format!("the webhook applies the policy: {why}"),
+        )
+    } else {
+        let entries = policy_kind_entries([&policy.spec]);
+        let (resources, unresolved) = crate::registration::resolve(&ctx.client, &entries)
+            .await
+            .map_err(|source| Error::Native {
+                policy: name.clone(),
+                source,
+            })?;
+        if !unresolved.is_empty() {
+            webhook(
+                "KindsNotServed",
+                format!(
+                    "the webhook applies the policy: the API server does not serve {} (yet)",
+                    unresolved.join(", ")
+                ),
+            )
+        } else {
+            let owner = policy.controller_owner_ref(&()).map(|mut o| {
+                o.controller = None;
+                o.block_owner_deletion = None;
+                serde_json::to_value(o).unwrap_or(Value::Null)
+            });
+            let input = native::NativeInput {
+                name: &name,
+                spec: &policy.spec,
+                resources: &resources,
+                excluded_namespaces: &ctx.settings.excluded_namespaces,
+                api,
+                owner,
+            };
+            match native::compile(&input) {
+                Err(why) => webhook(
+                    "NotExpressible",
+                    format!("the webhook applies the policy: {why}"),
+                ),
+                Ok(compiled) => {
+                    if !ctx.is_leader() {
+                        return Ok(webhook("NotLeader", String::new()));
+                    }
+                    let pp = PatchParams::apply(NATIVE_FIELD_MANAGER).force();
+                    let apply = async {
+                        maps.patch(&native_name, &pp, &Patch::Apply(&compiled.policy))
+                            .await?;
+                        bindings
+                            .patch(&native_name, &pp, &Patch::Apply(&compiled.binding))
+                            .await
+                    };
+                    apply.await.map_err(|source| Error::Native {
+                        policy: name.clone(),
+                        source,
+                    })?;
+                    return Ok(NativeState {
+                        native: true,
+                        reason: "MutatingAdmissionPolicy",
+                        message: format!(
+                            "the API server applies the policy itself (MutatingAdmissionPolicy and binding {native_name}); the webhook's pass after it changes nothing"
+                        ),
+                    });
+                }
+            }
+        }
+    };
+    if ctx.is_leader() {
+        for api in [&bindings, &maps] {
+            match api.delete(&native_name, &DeleteParams::default()).await {
+                Ok(_) => tracing::info!(policy = %name, "native policy removed: {}", state.message),
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(source) => {
+                    return Err(Error::Native {
+                        policy: name.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+    }
+    Ok(state)
+}
+
+/// The field manager of compiled MutatingAdmissionPolicies.
+pub const NATIVE_FIELD_MANAGER: &str = "meshgate-controller";
+
+/// The APIs of MutatingAdmissionPolicies and their bindings in `api`'s version.
+fn native_apis(client: &kube::Client, api: PolicyApi) -> (Api<DynamicObject>, Api<DynamicObject>) {
+    let (group, version) = api
+        .api_version()
+        .split_once('/')
+        .unwrap_or(("admissionregistration.k8s.io", "v1"));
+    let resource = |kind: &str, plural: &str| ApiResource {
+        group: group.to_owned(),
+        version: version.to_owned(),
+        api_version: api.api_version().to_owned(),
+        kind: kind.to_owned(),
+        plural: plural.to_owned(),
+    };
+    (
+        Api::all_with(
+            client.clone(),
+            &resource("MutatingAdmissionPolicy", "mutatingadmissionpolicies"),
+        ),
+        Api::all_with(
+            client.clone(),
+            &resource(
+                "MutatingAdmissionPolicyBinding",
+                "mutatingadmissionpolicybindings",
+            ),
+        ),
+    )
 }
 
 /// A condition of the policy's status (see [`crate::conditions::condition`]).

@@ -14,6 +14,8 @@ use meshgate_api::node_gate::NodeGateSpec;
 use meshgate_api::{LabelSelector, SelectorOperator, names};
 use serde_json::{Value, json};
 
+use crate::policy::native::cel_string;
+
 /// Paths served by the webhook, one per purpose.
 pub mod paths {
     pub const POD_GATE: &str = "/mutate/pod-gate";
@@ -300,21 +302,6 @@ pub fn node_taint_policy(gate_name: &str, gate: &NodeGateSpec, api: PolicyApi) -
         "spec": {"policyName": name, "matchResources": match_resources},
     });
     [policy, binding]
-}
-
-/// A CEL string literal.
-fn cel_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for ch in s.chars() {
-        match ch {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            _ => out.push(ch),
-        }
-    }
-    out.push('"');
-    out
 }
 
 #[cfg(test)]

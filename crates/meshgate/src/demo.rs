@@ -160,6 +160,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                 certs: None,
                 repair: Default::default(),
                 policy_webhook: None,
+                native_policies: false,
             },
             async move {
                 let _ = stop_rx.await;

@@ -166,6 +166,9 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         {"apiGroups": ["meshgate.dev"], "resources": ["nodegates/status", "mutationpolicies/status"], "verbs": ["patch", "update"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"], "resourceNames": ["meshgate"], "verbs": ["get", "patch"]},
+        // Native policies: the MutatingAdmissionPolicies (and bindings) compiled from
+        // MutationPolicies, kept by server-side apply and deleted when a policy stops compiling.
+        {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingadmissionpolicies", "mutatingadmissionpolicybindings"], "verbs": ["get", "create", "patch", "delete"]},
     ]);
     let mut controller_rules = controller_rules;
     if let Some(action) = o.repair {
@@ -244,6 +247,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
                 "--manage-certs".to_owned(),
                 "--policy-webhook-configuration".to_owned(),
                 "meshgate".to_owned(),
+                "--native-policies".to_owned(),
                 "--log-json".to_owned(),
             ];
             if let Some(action) = o.repair {

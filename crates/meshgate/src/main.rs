@@ -71,6 +71,12 @@ enum Command {
         /// the kinds the MutationPolicies name.
         #[arg(long)]
         policy_webhook_configuration: Option<String>,
+        /// Compile each MutationPolicy that a MutatingAdmissionPolicy can express into one (and
+        /// its binding), so that the API server applies it without calling the webhook; the
+        /// policy's `Native` condition says which path serves it and why. Needs the API server
+        /// to serve MutatingAdmissionPolicy (discovery); else every policy stays on the webhook.
+        #[arg(long)]
+        native_policies: bool,
         /// Repair pods whose gate timed out: label them (or delete them, see --repair-action).
         #[arg(long)]
         repair: bool,
@@ -295,6 +301,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             health_addr,
             manage_certs,
             policy_webhook_configuration,
+            native_policies,
             repair,
             repair_action,
             repair_dry_run,
@@ -331,6 +338,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     }),
                     repair,
                     policy_webhook: policy_webhook_configuration,
+                    native_policies,
                 },
                 run::shutdown_signal(),
             )

@@ -62,6 +62,9 @@ pub struct ControllerSettings {
     /// Keep the rules of this `MutatingWebhookConfiguration`'s policies webhook in line with
     /// the kinds the MutationPolicies name (`None`: leave them as installed).
     pub policy_webhook: Option<String>,
+    /// Native mode: compile MutationPolicies that a MutatingAdmissionPolicy can express into
+    /// one, when the API server serves that API (`meshgate_core::policy::native`).
+    pub native_policies: bool,
 }
 
 /// Runs the controllers (node gate, and the MutationPolicy backfill of existing workloads)
@@ -86,6 +89,19 @@ pub async fn run_controller(
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
+    }
+    let mut policy_settings = meshgate_controller::policies::Settings::default();
+    if s.native_policies {
+        policy_settings.native = crate::discovery::policy_api(&client).await;
+        match policy_settings.native {
+            Some(api) => tracing::info!(
+                api = api.api_version(),
+                "native policies: expressible MutationPolicies become MutatingAdmissionPolicies"
+            ),
+            None => tracing::warn!(
+                "native policies: the API server serves no MutatingAdmissionPolicy API; every policy stays on the webhook"
+            ),
+        }
     }
     // Every controller stops on the same signal.
     let shutdown = futures::FutureExt::shared(shutdown);
@@ -116,7 +132,12 @@ pub async fn run_controller(
             s.node_gate,
             shutdown.clone(),
         ),
-        meshgate_controller::policies::run(client.clone(), leader.clone(), shutdown.clone()),
+        meshgate_controller::policies::run_with(
+            client.clone(),
+            leader.clone(),
+            policy_settings,
+            shutdown.clone()
+        ),
         meshgate_controller::repair::run(client, leader, s.repair, repair_metrics, shutdown),
     );
     Ok(())

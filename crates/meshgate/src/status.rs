@@ -32,6 +32,12 @@ pub struct PolicyRow {
     pub policy: String,
     pub kinds: String,
     pub ready: String,
+    /// Which path applies the policy at admission: `native` (a MutatingAdmissionPolicy the
+    /// API server evaluates), `webhook`, or `-` (not reported yet).
+    pub served_by: String,
+    /// Why it is on the webhook (the `Native` condition's message), when it is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub served_by_reason: Option<String>,
     pub existing_matched: u32,
     pub existing_mutated: u32,
     pub last_applied: String,
@@ -79,6 +85,7 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
         .map(|p| {
             let status = p.status.clone().unwrap_or_default();
             let existing = status.existing.clone().unwrap_or_default();
+            let native = status.conditions.iter().find(|c| c.type_ == "Native");
             PolicyRow {
                 policy: p.metadata.name.clone().unwrap_or_default(),
                 kinds: if p.spec.match_.kinds.is_empty() {
@@ -91,6 +98,20 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
                     .iter()
                     .find(|c| c.type_ == "Ready")
                     .map_or_else(|| "-".into(), |c| c.status.clone()),
+                served_by: native.map_or_else(
+                    || "-".into(),
+                    |c| {
+                        if c.status == "True" {
+                            "native"
+                        } else {
+                            "webhook"
+                        }
+                        .into()
+                    },
+                ),
+                served_by_reason: native
+                    .filter(|c| c.status != "True")
+                    .map(|c| c.message.clone()),
                 existing_matched: existing.matched,
                 existing_mutated: existing.mutated,
                 last_applied: existing
@@ -207,6 +228,7 @@ pub fn table(s: &Status) -> String {
             "POLICY",
             "KINDS",
             "READY",
+            "SERVED-BY",
             "EXISTING-MATCHED",
             "EXISTING-MUTATED",
             "LAST-APPLIED",
@@ -218,6 +240,7 @@ pub fn table(s: &Status) -> String {
                     r.policy.clone(),
                     r.kinds.clone(),
                     r.ready.clone(),
+                    r.served_by.clone(),
                     r.existing_matched.to_string(),
                     r.existing_mutated.to_string(),
                     r.last_applied.clone(),

@@ -120,6 +120,7 @@
 
 pub mod json6902;
 mod matching;
+pub mod native;
 mod pattern;
 mod render;
 mod strategic;

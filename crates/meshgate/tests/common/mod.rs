@@ -160,6 +160,7 @@ pub async fn serve_policies(cp: &ControlPlane) {
                     certs: None,
                     repair: Default::default(),
                     policy_webhook: Some(POLICIES_CONFIGURATION.into()),
+                    native_policies: false,
                 };
                 if let Err(e) = meshgate::run::run_controller(
                     client,
