@@ -126,6 +126,70 @@ pub struct Mutation {
     /// `meshgate import kyverno`). Unset: RFC 6902, strictly.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub json_patch_options: Option<JsonPatchOptions>,
+    /// Conditions that must hold for the mutation to apply (Kyverno's `preconditions`),
+    /// evaluated once, before `foreach`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preconditions: Option<Conditions>,
+    /// Apply the mutation once per element of a list (Kyverno's `foreach`), with the variables
+    /// `element` and `elementIndex`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub foreach: Option<ForEach>,
+}
+
+/// `foreach`: the mutation applies once per element of `list`, in order, each time to the
+/// result of the previous one.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ForEach {
+    /// A JMESPath expression over the variables (e.g. `request.object.spec.containers`); it
+    /// must give a list (or nothing: no iteration). Evaluated once, before the first element.
+    pub list: String,
+    /// Conditions per element (`element`, `elementIndex` in scope); an element for which they
+    /// do not hold is skipped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preconditions: Option<Conditions>,
+}
+
+/// Conditions: every one of `all` and, when `any` is not empty, at least one of `any`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Conditions {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub any: Vec<PreCondition>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub all: Vec<PreCondition>,
+}
+
+/// One condition: `key` `operator` `value`, both sides with variables (`{{ ... }}`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PreCondition {
+    #[schemars(schema_with = "any_value")]
+    pub key: serde_json::Value,
+    pub operator: ConditionOperator,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "any_value")]
+    pub value: Option<serde_json::Value>,
+    /// Why the condition matters (shown when it fails; informational).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// Kyverno's condition operators (the ones meshgate evaluates).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ConditionOperator {
+    Equals,
+    NotEquals,
+    In,
+    NotIn,
+    AnyIn,
+    AllIn,
+    AnyNotIn,
+    AllNotIn,
+    GreaterThan,
+    GreaterThanOrEquals,
+    LessThan,
+    LessThanOrEquals,
 }
 
 /// Leniencies of a JSON patch, each off by default (RFC 6902).

@@ -45,13 +45,28 @@
 //!   template` for CronJob): meshgate mutates pod templates, never the workload object itself, so
 //!   the prefix is removed. A rule matching Pod and workloads keeps Pod only (its patch is
 //!   written against a Pod; Kyverno would apply it to the workload object).
+//! * Variables (`{{ }}`) in `mutate`, over `request.object`, `request.operation`,
+//!   `request.namespace`, `element` and `elementIndex`, with JMESPath and Kyverno's common string
+//!   functions (`policy::variables`). In a rule auto-generated for pod controllers,
+//!   `request.object` is the pod template, as Kyverno's autogen rewrites the paths.
+//! * `preconditions` (`{any, all}` or a list) become the mutation's `preconditions`, evaluated
+//!   once, on the object as the rule finds it; operators `Equals`, `NotEquals`, `In`, `NotIn`,
+//!   `AnyIn`, `AllIn`, `AnyNotIn`, `AllNotIn` and the numeric comparisons (others are refused,
+//!   named).
+//! * `mutate.foreach` entries (`list`, `preconditions`, and `patchStrategicMerge` or
+//!   `patchesJson6902`) become one mutation each with `foreach`, applied per element in list
+//!   order.
 //! * `spec.emitWarning: true` sets the MutationPolicy's `warning`.
 //! * A namespaced `Policy` applies in its own namespace only: its namespace becomes the rule's
 //!   `namespaces`.
 //!
 //! # What does not
-//! Variables (`{{ }}`) and references (`$( )`) anywhere in a rule, `context`, `preconditions`,
-//! `celPreconditions`, `mutate.foreach`, `mutate.targets` / `mutateExistingOnPolicyUpdate`,
+//! Variables in `match`/`exclude`, references (`$( )`) anywhere in a rule; `context` entries
+//! (a `configMap`, `apiCall`, `globalReference` or `imageRegistry` entry needs the cluster at
+//! admission; `variable` entries are not supported either): the rule is refused, naming the
+//! entry; variables and `foreach` in a rule that matches workloads only (their `request.object`
+//! would be the workload); a nested `foreach`, `order: Descending`, rule `preconditions` with
+//! several `foreach` entries; `celPreconditions`, `mutate.targets` / `mutateExistingOnPolicyUpdate`,
 //! `match`/`exclude` on names, annotations or the requesting user (`subjects`, `roles`,
 //! `clusterRoles`), `spec.webhookConfiguration.matchConditions`, policies with
 //! `spec.admission: false`. Validate, generate and verifyImages rules are ignored with a note.
@@ -63,8 +78,9 @@ use std::collections::BTreeSet;
 
 use meshgate_api::LabelSelector;
 use meshgate_api::mutation_policy::{
-    JsonPatchOp, JsonPatchOperation, JsonPatchOptions, MatchResources, MetadataMutation, Mutation,
-    MutationPolicySpec, OnConflict, Operation,
+    ConditionOperator, Conditions, ForEach, JsonPatchOp, JsonPatchOperation, JsonPatchOptions,
+    MatchResources, MetadataMutation, Mutation, MutationPolicySpec, OnConflict, Operation,
+    PreCondition,
 };
 use serde_json::Value;
 
@@ -357,18 +373,34 @@ fn convert_rule(
     for (field, why) in [
         (
             "context",
-            "context entries (external data, variables) are not supported",
+            "context entries are not converted: configMap, apiCall, globalReference and imageRegistry entries need the cluster at admission, and variable entries are not supported",
         ),
-        ("preconditions", "preconditions are not supported"),
         ("celPreconditions", "CEL preconditions are not supported"),
     ] {
         if non_empty(rule.get(field)) {
             reasons.push(format!("{path}.{field}: {why}"));
         }
     }
-    if non_empty(mutate.get("foreach")) {
-        reasons.push(format!("{path}.mutate.foreach: foreach is not supported"));
-    }
+    let preconditions = match rule.get("preconditions").filter(|v| !is_empty_value(v)) {
+        Some(p) => match conditions(p, &format!("{path}.preconditions")) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                reasons.push(e);
+                None
+            }
+        },
+        None => None,
+    };
+    let foreach = match mutate.get("foreach").filter(|v| !is_empty_value(v)) {
+        Some(f) => match foreach_mutations(f, &format!("{path}.mutate.foreach")) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                reasons.push(e);
+                None
+            }
+        },
+        None => None,
+    };
     if non_empty(mutate.get("targets")) {
         reasons.push(format!(
             "{path}.mutate.targets: mutating other existing resources is not supported"
@@ -383,15 +415,19 @@ fn convert_rule(
             "{path}.mutate.mutateExistingOnPolicyUpdate: mutating existing resources is not supported"
         ));
     }
-    for field in ["match", "exclude", "mutate"] {
+    for field in ["match", "exclude"] {
         if let Some(v) = rule.get(field)
-            && let Some(at) = find_variable(v, &format!("{path}.{field}"))
+            && let Some(at) = find_variable(v, &format!("{path}.{field}"), true)
         {
             reasons.push(format!(
-                "{at}: variables ({{{{ }}}}) and references ($( )) are not supported"
+                "{at}: variables ({{{{ }}}}) and references ($( )) in match and exclude are not supported"
             ));
         }
     }
+    if let Some(at) = find_variable(mutate, &format!("{path}.mutate"), false) {
+        reasons.push(format!("{at}: references ($( )) are not supported"));
+    }
+    let has_variables = find_variable(mutate, "", true).is_some();
     let smp = mutate.get("patchStrategicMerge").filter(|v| !v.is_null());
     let json = mutate.get("patchesJson6902").filter(|v| !v.is_null());
     if smp.is_some() && json.is_some() {
@@ -399,7 +435,12 @@ fn convert_rule(
             "{path}.mutate: sets both patchStrategicMerge and patchesJson6902"
         ));
     }
-    if smp.is_none() && json.is_none() && reasons.is_empty() {
+    if foreach.is_some() && (smp.is_some() || json.is_some()) {
+        reasons.push(format!(
+            "{path}.mutate: sets foreach and a patch: Kyverno applies only one of them"
+        ));
+    }
+    if smp.is_none() && json.is_none() && foreach.is_none() && reasons.is_empty() {
         reasons.push(format!(
             "{path}.mutate: no patchStrategicMerge or patchesJson6902 to convert"
         ));
@@ -467,6 +508,11 @@ fn convert_rule(
     } else if !has_pod {
         let (cron, templated): (Vec<String>, Vec<String>) =
             workloads.into_iter().partition(|k| k == "CronJob");
+        if has_variables || foreach.is_some() {
+            return Err(format!(
+                "{path}.mutate: variables and foreach in a rule that matches workloads only are not converted (their request.object is the workload; meshgate's is the pod template)"
+            ));
+        }
         let fits = |p: &[&str]| match (smp, &json_ops) {
             (Some(s), _) => strip_patch(s, p).is_some(),
             (None, Some(ops)) => strip_ops(ops, p).is_some(),
@@ -501,7 +547,7 @@ fn convert_rule(
     matched.kinds.extend(others);
 
     // Mutations.
-    let mutations = match (smp, json_ops) {
+    let mut mutations = match (smp, json_ops) {
         (Some(s), _) => {
             let patch = strip_patch(s, prefix)
                 .ok_or_else(|| format!("{path}.mutate.patchStrategicMerge: must be an object"))?;
@@ -513,10 +559,30 @@ fn convert_rule(
         (None, Some(ops)) => {
             let ops = strip_ops(&ops, prefix)
                 .ok_or_else(|| format!("{json_path}: an operation is outside the pod template"))?;
-            json_mutations(ops)
+            if preconditions.is_some() {
+                // One mutation, so that the preconditions are evaluated once, on the object
+                // as the rule finds it (as Kyverno does).
+                vec![Mutation {
+                    json_patch: Some(ops),
+                    json_patch_options: Some(kyverno_json_options()),
+                    ..Default::default()
+                }]
+            } else {
+                json_mutations(ops)
+            }
         }
-        (None, None) => Vec::new(),
+        (None, None) => foreach.unwrap_or_default(),
     };
+    if let Some(p) = preconditions {
+        if mutations.len() > 1 {
+            return Err(format!(
+                "{path}: preconditions with several foreach entries are not converted (meshgate would evaluate them once per entry, on the object as the previous entry left it)"
+            ));
+        }
+        for m in &mut mutations {
+            m.preconditions = Some(p.clone());
+        }
+    }
 
     // Pod controllers.
     let mut pod_templates = false;
@@ -573,9 +639,9 @@ fn is_empty_value(v: &Value) -> bool {
     }
 }
 
-/// The path of the first string or key with `{{` or `$(`.
-fn find_variable(value: &Value, path: &str) -> Option<String> {
-    let has = |s: &str| s.contains("{{") || s.contains("$(");
+/// The path of the first string or key with `$(` (and, with `variables`, `{{`).
+fn find_variable(value: &Value, path: &str, variables: bool) -> Option<String> {
+    let has = |s: &str| (variables && s.contains("{{")) || s.contains("$(");
     match value {
         Value::String(s) if has(s) => Some(path.to_owned()),
         Value::Object(map) => map.iter().find_map(|(k, v)| {
@@ -583,13 +649,13 @@ fn find_variable(value: &Value, path: &str) -> Option<String> {
             if has(k) {
                 Some(p)
             } else {
-                find_variable(v, &p)
+                find_variable(v, &p, variables)
             }
         }),
         Value::Array(items) => items
             .iter()
             .enumerate()
-            .find_map(|(i, v)| find_variable(v, &format!("{path}[{i}]"))),
+            .find_map(|(i, v)| find_variable(v, &format!("{path}[{i}]"), variables)),
         _ => None,
     }
 }
@@ -1059,16 +1125,142 @@ fn json_mutations(ops: Vec<JsonPatchOperation>) -> Vec<Mutation> {
             // Kyverno's leniencies (evanphx/json-patch ApplyOptions as Kyverno sets them).
             None => out.push(Mutation {
                 json_patch: Some(vec![op]),
-                json_patch_options: Some(JsonPatchOptions {
-                    negative_indices: true,
-                    allow_missing_path_on_remove: true,
-                    ensure_path_exists_on_add: true,
-                }),
+                json_patch_options: Some(kyverno_json_options()),
                 ..Default::default()
             }),
         }
     }
     out
+}
+
+/// Kyverno's leniencies (evanphx/json-patch ApplyOptions as Kyverno sets them).
+fn kyverno_json_options() -> JsonPatchOptions {
+    JsonPatchOptions {
+        negative_indices: true,
+        allow_missing_path_on_remove: true,
+        ensure_path_exists_on_add: true,
+    }
+}
+
+/// Kyverno `preconditions`: `{any, all}`, or a list (all of them).
+fn conditions(v: &Value, path: &str) -> Result<Conditions, String> {
+    let list = |v: Option<&Value>, at: &str| -> Result<Vec<PreCondition>, String> {
+        v.filter(|v| !v.is_null())
+            .map(|v| {
+                v.as_array()
+                    .ok_or_else(|| format!("{at}: must be a list"))?
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| condition(c, &format!("{at}[{i}]")))
+                    .collect()
+            })
+            .transpose()
+            .map(Option::unwrap_or_default)
+    };
+    match v {
+        Value::Array(_) => Ok(Conditions {
+            any: Vec::new(),
+            all: list(Some(v), path)?,
+        }),
+        Value::Object(m) => {
+            if let Some(other) = m.keys().find(|k| *k != "any" && *k != "all") {
+                return Err(format!(
+                    "{path}.{other}: not a precondition field (any, all)"
+                ));
+            }
+            Ok(Conditions {
+                any: list(m.get("any"), &format!("{path}.any"))?,
+                all: list(m.get("all"), &format!("{path}.all"))?,
+            })
+        }
+        _ => Err(format!("{path}: must be {{any, all}} or a list")),
+    }
+}
+
+fn condition(v: &Value, path: &str) -> Result<PreCondition, String> {
+    let op = v
+        .get("operator")
+        .and_then(Value::as_str)
+        .ok_or_else(|| format!("{path}.operator: required"))?;
+    let operator = serde_json::from_value::<ConditionOperator>(Value::String(op.to_owned()))
+        .map_err(|_| {
+            format!(
+                "{path}.operator: {op:?} is not supported (Equals, NotEquals, In, NotIn, AnyIn, AllIn, AnyNotIn, AllNotIn, GreaterThan, GreaterThanOrEquals, LessThan, LessThanOrEquals)"
+            )
+        })?;
+    let key = v
+        .get("key")
+        .cloned()
+        .ok_or_else(|| format!("{path}.key: required"))?;
+    Ok(PreCondition {
+        key,
+        operator,
+        value: v.get("value").cloned(),
+        message: v.get("message").and_then(Value::as_str).map(str::to_owned),
+    })
+}
+
+/// `mutate.foreach` entries as mutations, one each.
+fn foreach_mutations(v: &Value, path: &str) -> Result<Vec<Mutation>, String> {
+    let entries = v
+        .as_array()
+        .ok_or_else(|| format!("{path}: must be a list"))?;
+    let mut out = Vec::new();
+    for (i, e) in entries.iter().enumerate() {
+        let at = format!("{path}[{i}]");
+        for (field, why) in [
+            ("foreach", "nested foreach is not supported"),
+            ("context", "context entries are not converted"),
+        ] {
+            if e.get(field).is_some_and(|v| !is_empty_value(v)) {
+                return Err(format!("{at}.{field}: {why}"));
+            }
+        }
+        if e.get("order").and_then(Value::as_str) == Some("Descending") {
+            return Err(format!(
+                "{at}.order: Descending is not supported (meshgate applies the elements in list order)"
+            ));
+        }
+        let list = e
+            .get("list")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("{at}.list: required"))?
+            .to_owned();
+        let preconditions = e
+            .get("preconditions")
+            .filter(|v| !is_empty_value(v))
+            .map(|p| conditions(p, &format!("{at}.preconditions")))
+            .transpose()?;
+        let smp = e.get("patchStrategicMerge").filter(|v| !v.is_null());
+        let json = e.get("patchesJson6902").filter(|v| !v.is_null());
+        let mut m = match (smp, json) {
+            (Some(s), None) => {
+                if !s.is_object() {
+                    return Err(format!("{at}.patchStrategicMerge: must be an object"));
+                }
+                Mutation {
+                    strategic_merge: Some(s.clone()),
+                    ..Default::default()
+                }
+            }
+            (None, Some(j)) => Mutation {
+                json_patch: Some(parse_json6902(j, &format!("{at}.patchesJson6902"))?),
+                json_patch_options: Some(kyverno_json_options()),
+                ..Default::default()
+            },
+            _ => {
+                return Err(format!(
+                    "{at}: set one of patchStrategicMerge, patchesJson6902"
+                ));
+            }
+        };
+        m.foreach = Some(ForEach {
+            list,
+            preconditions,
+        });
+        out.push(m);
+    }
+    Ok(out)
 }
 
 fn metadata_slot<'m>(m: &'m mut Mutation, field: &str) -> Option<&'m mut MetadataMutation> {

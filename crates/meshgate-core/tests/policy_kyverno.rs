@@ -84,36 +84,112 @@ fn the_istio_outbound_policy_converts_and_works() {
 }
 
 #[test]
-fn variables_foreach_context_are_reported_unsupported() {
-    let err = import(&fixture("kyverno/variables-foreach.yaml")).unwrap_err();
-    let KyvernoError::NothingConvertible { policy, notes } = &err else {
-        panic!("unexpected {err:?}");
-    };
-    assert_eq!(policy, "dynamic-things");
-    let expect = [
-        "spec.rules[0] (label-with-namespace): not converted: spec.rules[0].mutate.patchStrategicMerge.metadata.labels.origin-namespace: variables",
-        "spec.rules[1] (pull-policy-per-container): not converted: spec.rules[1].mutate.foreach: foreach is not supported",
-        "spec.rules[2] (with-context): not converted: spec.rules[2].context: context entries",
-        "spec.rules[3] (check-labels): validate rule ignored",
-    ];
-    for e in expect {
-        assert!(
-            notes.iter().any(|n| n.starts_with(e)),
-            "missing {e:?} in {notes:#?}"
-        );
-    }
-    let rule2 = notes
-        .iter()
-        .find(|n| n.starts_with("spec.rules[2]"))
-        .unwrap();
-    assert!(
-        rule2.contains("spec.rules[2].preconditions: preconditions are not supported"),
-        "{rule2}"
+fn variables_and_foreach_convert_and_context_is_reported() {
+    let out = import(&fixture("kyverno/variables-foreach.yaml")).unwrap();
+    let names: Vec<&str> = out.policies.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "dynamic-things-label-with-namespace",
+            "dynamic-things-pull-policy-per-container"
+        ]
     );
-    assert_eq!(notes.len(), 4, "{notes:#?}");
+    assert_eq!(out.notes.len(), 1, "{:#?}", out.notes);
     assert!(
-        err.to_string()
-            .starts_with("nothing in Kyverno policy dynamic-things can be converted: ")
+        out.notes[0].starts_with(
+            "spec.rules[2] (with-context): not converted: spec.rules[2].context: context entries are not converted: configMap, apiCall"
+        ),
+        "{}",
+        out.notes[0]
+    );
+    assert_eq!(out.ignored.len(), 1);
+    for (_, spec) in &out.policies {
+        assert_eq!(validate(spec), Ok(()));
+    }
+    let pod = doc("
+apiVersion: v1
+kind: Pod
+metadata: {name: web}
+spec:
+  containers:
+  - {name: app, image: app:1}
+  - {name: log, image: log:1, imagePullPolicy: IfNotPresent}
+");
+    let got = run(&out.policies, &pod, Operation::Create);
+    assert_eq!(got["metadata"]["labels"]["origin-namespace"], "shop");
+    assert_eq!(got["spec"]["containers"][0]["imagePullPolicy"], "Always");
+    assert_eq!(got["spec"]["containers"][1]["imagePullPolicy"], "Always");
+    // Kyverno's autogen: a Deployment's template, where request.object is the template.
+    let deployment = doc("
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web}
+spec:
+  template:
+    spec:
+      containers: [{name: app, image: app:1}]
+");
+    let got = run(&out.policies, &deployment, Operation::Create);
+    assert_eq!(
+        got["spec"]["template"]["metadata"]["labels"]["origin-namespace"],
+        "shop"
+    );
+    assert_eq!(
+        got["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"],
+        "Always"
+    );
+}
+
+#[test]
+fn preconditions_gate_a_rule_and_each_foreach_element() {
+    let out = import(&fixture("kyverno/preconditions-foreach.yaml")).unwrap();
+    assert!(out.notes.is_empty(), "{:#?}", out.notes);
+    assert_eq!(out.policies.len(), 2);
+    for (_, spec) in &out.policies {
+        assert_eq!(validate(spec), Ok(()));
+        // A JSON patch in any rule turns Kyverno's pod-controller rules off.
+        assert!(!spec.pod_templates);
+    }
+    let pod = |annotations: &str| {
+        doc(&format!(
+            "
+apiVersion: v1
+kind: Pod
+metadata: {{name: web, annotations: {annotations}}}
+spec:
+  initContainers:
+  - {{name: fetch, image: curlimages/curl:8}}
+  - {{name: migrate, image: app/migrate:1}}
+  containers:
+  - {{name: app, image: app:1}}
+  - {{name: proxy, image: mesh/proxy:1}}
+"
+        ))
+    };
+    let got = run(&out.policies, &pod("{}"), Operation::Create);
+    let init = &got["spec"]["initContainers"];
+    assert_eq!(init[0]["name"], "fetch");
+    assert_eq!(init[0]["securityContext"]["runAsUser"], 1337);
+    assert_eq!(init[1]["name"], "migrate");
+    assert!(init[1].get("securityContext").is_none(), "{init}");
+    assert_eq!(
+        got["metadata"]["annotations"],
+        json!({"container-0": "app-create-shop", "container-1": "proxy-create-shop"})
+    );
+    // The rule's precondition: a pod that opts out of injection keeps its uids.
+    let got = run(
+        &out.policies,
+        &pod("{sidecar.istio.io/inject: \"false\"}"),
+        Operation::Update,
+    );
+    assert!(
+        got["spec"]["initContainers"][0]
+            .get("securityContext")
+            .is_none()
+    );
+    assert_eq!(
+        got["metadata"]["annotations"]["container-1"],
+        "proxy-update-shop"
     );
 }
 

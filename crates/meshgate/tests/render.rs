@@ -135,9 +135,12 @@ spec:
         metadata: {labels: {team: mesh}}
   - name: copy-name
     match: {any: [{resources: {kinds: [Pod]}}]}
+    context:
+    - name: settings
+      configMap: {name: settings, namespace: default}
     mutate:
       patchStrategicMerge:
-        metadata: {labels: {copied: \"{{ request.object.metadata.name }}\"}}
+        metadata: {labels: {copied: \"{{ settings.data.name }}\"}}
   - name: check
     match: {any: [{resources: {kinds: [Pod]}}]}
     validate: {message: x, pattern: {metadata: {name: \"?*\"}}}

@@ -46,6 +46,11 @@
 //! writes (a `(name): "*"` template placed before an element that adds a container selects that
 //! container on the next application; put such templates after the elements they should see).
 //!
+//! * Variables, `preconditions` and `foreach` (Kyverno's, with the variables that need no API
+//!   call): see the `variables` module. A mutation with `preconditions` applies only when they
+//!   hold; with `foreach`, once per element of its list, in order; strings with `{{ }}` are
+//!   substituted before the mutation applies. An evaluation error (a variable that resolves to
+//!   nothing, a list that is not a list) is the policy's failure, like any other.
 //! * `annotations` / `labels`: set each value; `onConflict: Keep` leaves a key that already has
 //!   a value, `Overwrite` (the default) replaces it.
 //! * `jsonPatch`: RFC 6902, strictly (an `add` under a missing parent, a `remove` of a missing
@@ -125,6 +130,7 @@ mod pattern;
 mod render;
 mod strategic;
 mod validate;
+pub mod variables;
 
 use meshgate_api::mutation_policy::{MetadataMutation, Mutation, MutationPolicySpec, OnConflict};
 use meshgate_api::names;
@@ -159,6 +165,13 @@ pub enum PolicyError {
         path: String,
         message: String,
     },
+    /// A variable, a precondition or a `foreach` list could not be evaluated.
+    #[error("policy {policy}: spec.mutations[{mutation}]: {message}")]
+    Evaluation {
+        policy: String,
+        mutation: usize,
+        message: String,
+    },
     /// A JSON patch operation failed (bad path, failed `test`, ...) or is malformed.
     #[error("policy {policy}: spec.mutations[{mutation}].jsonPatch[{op}]: {message}")]
     JsonPatch {
@@ -174,6 +187,7 @@ impl PolicyError {
     pub fn policy(&self) -> &str {
         match self {
             PolicyError::InvalidMutation { policy, .. }
+            | PolicyError::Evaluation { policy, .. }
             | PolicyError::StrategicMerge { policy, .. }
             | PolicyError::JsonPatch { policy, .. } => policy,
         }
@@ -265,7 +279,14 @@ where
         if !path.is_empty() && opted_out(target) {
             continue;
         }
-        match apply_mutations(name, spec, target) {
+        let request = Request {
+            operation: match ctx.operation {
+                meshgate_api::mutation_policy::Operation::Create => "CREATE",
+                meshgate_api::mutation_policy::Operation::Update => "UPDATE",
+            },
+            namespace: ctx.namespace,
+        };
+        match apply_mutations(name, spec, target, &request) {
             Ok(true) => {
                 out.policies.push(name.to_owned());
                 if let Some(w) = spec.warning.as_deref().filter(|w| !w.is_empty()) {
@@ -285,23 +306,170 @@ pub fn admission_patch(original: &Value, patched: &Value) -> JsonPatch {
     JsonPatch::diff(original, patched)
 }
 
-/// Applies the mutations of one policy, in order, to a Pod-shaped `target` (a Pod, or a pod
-/// template), without any matching. Returns whether `target` changed; on error `target` is left
-/// as it was.
+/// What the variables `request.operation` and `request.namespace` hold.
+#[derive(Clone, Copy, Debug)]
+pub struct Request<'a> {
+    pub operation: &'a str,
+    pub namespace: &'a str,
+}
+
+/// Applies the mutations of one policy, in order, to its `target` (a Pod, a pod template, or
+/// the object), without any matching. Returns whether `target` changed; on error `target` is
+/// left as it was.
 pub fn apply_mutations(
     policy: &str,
     spec: &MutationPolicySpec,
     target: &mut Value,
+    request: &Request<'_>,
 ) -> Result<bool, PolicyError> {
     let mut work = target.clone();
     for (index, mutation) in spec.mutations.iter().enumerate() {
-        apply_mutation(policy, index, mutation, &mut work)?;
+        if mutation.preconditions.is_none()
+            && mutation.foreach.is_none()
+            && !mutation_has_variables(mutation)
+        {
+            apply_mutation(policy, index, mutation, &mut work)?;
+            continue;
+        }
+        let failed = |message: String| PolicyError::Evaluation {
+            policy: policy.to_owned(),
+            mutation: index,
+            message,
+        };
+        // `request.object` is the target as this mutation finds it.
+        let vars = variables::Vars::new(&work, request.operation, request.namespace);
+        if let Some(p) = &mutation.preconditions
+            && !vars
+                .holds(p)
+                .map_err(|e| failed(format!("preconditions: {e}")))?
+        {
+            continue;
+        }
+        let Some(foreach) = &mutation.foreach else {
+            let m = substituted(mutation, &vars).map_err(failed)?;
+            apply_mutation(policy, index, &m, &mut work)?;
+            continue;
+        };
+        let list = match vars
+            .eval(&foreach.list)
+            .map_err(|e| failed(format!("foreach.list: {e}")))?
+        {
+            Value::Null => Vec::new(),
+            Value::Array(items) => items,
+            other => {
+                return Err(failed(format!(
+                    "foreach.list: {:?} gives {}, not a list",
+                    foreach.list,
+                    kind_of(&other)
+                )));
+            }
+        };
+        for (i, element) in list.iter().enumerate() {
+            let each = vars.with_element(element, i);
+            if let Some(p) = &foreach.preconditions
+                && !each
+                    .holds(p)
+                    .map_err(|e| failed(format!("foreach.preconditions (element {i}): {e}")))?
+            {
+                continue;
+            }
+            let m = substituted(mutation, &each)
+                .map_err(|e| failed(format!("foreach (element {i}): {e}")))?;
+            apply_mutation(policy, index, &m, &mut work)?;
+        }
     }
     if work == *target {
         return Ok(false);
     }
     *target = work;
     Ok(true)
+}
+
+fn kind_of(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Whether any string of the mutation holds a variable.
+fn mutation_has_variables(m: &Mutation) -> bool {
+    let meta = |v: &Option<MetadataMutation>| {
+        v.as_ref().is_some_and(|m| {
+            m.values
+                .iter()
+                .any(|(k, v)| k.contains("{{") || v.contains("{{"))
+        })
+    };
+    meta(&m.labels)
+        || meta(&m.annotations)
+        || m.strategic_merge
+            .as_ref()
+            .is_some_and(variables::has_variables)
+        || m.json_patch.as_ref().is_some_and(|ops| {
+            ops.iter().any(|op| {
+                op.path.contains("{{")
+                    || op.from.as_deref().is_some_and(|f| f.contains("{{"))
+                    || op.value.as_ref().is_some_and(variables::has_variables)
+            })
+        })
+}
+
+/// The mutation with its variables substituted (the preconditions and foreach dropped: they
+/// were evaluated).
+fn substituted(m: &Mutation, vars: &variables::Vars) -> Result<Mutation, String> {
+    let text = |s: &str| -> Result<String, String> {
+        Ok(match vars.substitute_str(s)? {
+            Value::String(s) => s,
+            other => other.to_string(),
+        })
+    };
+    let meta = |v: &Option<MetadataMutation>| -> Result<Option<MetadataMutation>, String> {
+        v.as_ref()
+            .map(|m| {
+                Ok(MetadataMutation {
+                    values: m
+                        .values
+                        .iter()
+                        .map(|(k, v)| Ok((text(k)?, text(v)?)))
+                        .collect::<Result<_, String>>()?,
+                    on_conflict: m.on_conflict,
+                })
+            })
+            .transpose()
+    };
+    Ok(Mutation {
+        annotations: meta(&m.annotations)?,
+        labels: meta(&m.labels)?,
+        strategic_merge: m
+            .strategic_merge
+            .as_ref()
+            .map(|p| vars.substitute(p))
+            .transpose()?,
+        json_patch: m
+            .json_patch
+            .as_ref()
+            .map(|ops| {
+                ops.iter()
+                    .map(|op| {
+                        Ok(meshgate_api::mutation_policy::JsonPatchOperation {
+                            op: op.op,
+                            path: text(&op.path)?,
+                            from: op.from.as_deref().map(text).transpose()?,
+                            value: op.value.as_ref().map(|v| vars.substitute(v)).transpose()?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>, String>>()
+            })
+            .transpose()?,
+        json_patch_options: m.json_patch_options.clone(),
+        preconditions: None,
+        foreach: None,
+    })
 }
 
 fn apply_mutation(
@@ -369,6 +537,7 @@ fn apply_mutation(
             strategic_merge: None,
             json_patch: Some(ops),
             json_patch_options,
+            ..
         } => apply_json_patch(
             policy,
             index,

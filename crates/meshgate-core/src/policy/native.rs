@@ -113,6 +113,11 @@ fn writes(spec: &MutationPolicySpec) -> Result<Vec<Write>, NotNative> {
     }
     let mut out = Vec::new();
     for (i, m) in spec.mutations.iter().enumerate() {
+        if m.preconditions.is_some() || m.foreach.is_some() || super::mutation_has_variables(m) {
+            return Err(NotNative(format!(
+                "spec.mutations[{i}]: variables, preconditions and foreach are evaluated by the webhook (JMESPath, Kyverno's semantics)"
+            )));
+        }
         match m {
             Mutation {
                 labels: Some(meta),
@@ -120,6 +125,7 @@ fn writes(spec: &MutationPolicySpec) -> Result<Vec<Write>, NotNative> {
                 strategic_merge: None,
                 json_patch: None,
                 json_patch_options: None,
+                ..
             }
             | Mutation {
                 annotations: Some(meta),
@@ -127,6 +133,7 @@ fn writes(spec: &MutationPolicySpec) -> Result<Vec<Write>, NotNative> {
                 strategic_merge: None,
                 json_patch: None,
                 json_patch_options: None,
+                ..
             } => {
                 let field = if m.labels.is_some() {
                     "labels"
@@ -155,6 +162,7 @@ fn writes(spec: &MutationPolicySpec) -> Result<Vec<Write>, NotNative> {
                 annotations: None,
                 json_patch: None,
                 json_patch_options: None,
+                ..
             } => out.extend(metadata_merge(patch).map_err(|why| {
                 NotNative(format!(
                     "spec.mutations[{i}].strategicMerge{why}: only string metadata.labels and metadata.annotations (plain keys or +(key)) compile to a MutatingAdmissionPolicy; the rest of a strategic merge (lists, conditions, deletes) differs from the API server's apply merge"

@@ -1162,3 +1162,62 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn variables_are_checked_where_they_are_written_and_fail_their_policy_alone() {
+    let bad: MutationPolicySpec = serde_saphyr::from_str(
+        "
+match: {}
+mutations:
+- labels:
+    values: {sa: '{{ serviceAccountName }}'}
+- strategicMerge:
+    spec:
+      containers: [{name: '{{ element.name }}', imagePullPolicy: Always}]
+- annotations:
+    values: {a: b}
+  foreach: {list: 'request.object.spec.[', preconditions: {all: [{key: '{{ element.x }}', operator: Equals, value: y}]}}
+",
+    )
+    .expect("parses");
+    let errors = validate(&bad).expect_err("invalid");
+    for expected in [
+        "spec.mutations[0].labels.values[\"sa\"]: {{ serviceAccountName }}: variable \"serviceAccountName\" is not available",
+        "spec.mutations[1].strategicMerge: {{ element.name }}: element is only defined inside a foreach",
+        "spec.mutations[2].foreach.list: {{ request.object.spec.[ }}:",
+    ] {
+        assert!(
+            errors.iter().any(|e| e.starts_with(expected)),
+            "missing {expected:?} in {errors:#?}"
+        );
+    }
+    assert_eq!(errors.len(), 3, "{errors:#?}");
+
+    // A variable that resolves to nothing fails its policy; the other policy still applies.
+    let missing = spec(
+        "
+match: {}
+mutations:
+- labels:
+    values: {owner: '{{ request.object.metadata.labels.team }}'}
+",
+    );
+    let fine = spec("match: {}\nmutations:\n- labels:\n    values: {ok: 'yes'}\n");
+    let pod =
+        yaml("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec: {containers: [{name: a}]}\n");
+    let applied = apply(
+        [("a-missing", &missing), ("b-fine", &fine)],
+        &pod,
+        &create_in("shop"),
+    );
+    assert_eq!(
+        applied.object["metadata"]["labels"],
+        serde_json::json!({"ok": "yes"})
+    );
+    assert_eq!(applied.failed.len(), 1);
+    let message = applied.failed[0].to_string();
+    assert!(
+        message.starts_with("policy a-missing: spec.mutations[0]: variable {{ request.object.metadata.labels.team }} resolves to nothing"),
+        "{message}"
+    );
+}

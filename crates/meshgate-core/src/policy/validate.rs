@@ -110,6 +110,78 @@ fn mutation(m: &Mutation, path: &str, errors: &mut Vec<String>) {
     if m.json_patch_options.is_some() && m.json_patch.is_none() {
         errors.push(format!("{path}.jsonPatchOptions: only used with jsonPatch"));
     }
+    variables(m, path, errors);
+}
+
+/// Every variable compiles and names a root meshgate provides; `element` only in a foreach.
+fn variables(m: &Mutation, path: &str, errors: &mut Vec<String>) {
+    use super::variables::{check, variables_in};
+    let foreach = m.foreach.is_some();
+    let mut check_value = |value: &Value, at: String, in_foreach: bool| match variables_in(value) {
+        Ok(exprs) => {
+            for e in exprs {
+                if let Err(msg) = check(&e, in_foreach) {
+                    errors.push(format!("{at}: {msg}"));
+                }
+            }
+        }
+        Err(msg) => errors.push(format!("{at}: {msg}")),
+    };
+    for (field, meta) in [("labels", &m.labels), ("annotations", &m.annotations)] {
+        if let Some(meta) = meta {
+            for (k, v) in &meta.values {
+                check_value(
+                    &Value::String(k.clone()),
+                    format!("{path}.{field}.values"),
+                    foreach,
+                );
+                check_value(
+                    &Value::String(v.clone()),
+                    format!("{path}.{field}.values[{k:?}]"),
+                    foreach,
+                );
+            }
+        }
+    }
+    if let Some(p) = &m.strategic_merge {
+        check_value(p, format!("{path}.strategicMerge"), foreach);
+    }
+    for (i, op) in m.json_patch.iter().flatten().enumerate() {
+        let at = format!("{path}.jsonPatch[{i}]");
+        check_value(
+            &Value::String(op.path.clone()),
+            format!("{at}.path"),
+            foreach,
+        );
+        if let Some(from) = &op.from {
+            check_value(&Value::String(from.clone()), format!("{at}.from"), foreach);
+        }
+        if let Some(v) = &op.value {
+            check_value(v, format!("{at}.value"), foreach);
+        }
+    }
+    let mut conditions =
+        |c: &meshgate_api::mutation_policy::Conditions, at: &str, in_foreach: bool| {
+            for (group, list) in [("any", &c.any), ("all", &c.all)] {
+                for (i, cond) in list.iter().enumerate() {
+                    check_value(&cond.key, format!("{at}.{group}[{i}].key"), in_foreach);
+                    if let Some(v) = &cond.value {
+                        check_value(v, format!("{at}.{group}[{i}].value"), in_foreach);
+                    }
+                }
+            }
+        };
+    if let Some(c) = &m.preconditions {
+        conditions(c, &format!("{path}.preconditions"), false);
+    }
+    if let Some(f) = &m.foreach {
+        if let Some(c) = &f.preconditions {
+            conditions(c, &format!("{path}.foreach.preconditions"), true);
+        }
+        if let Err(msg) = check(&f.list, false) {
+            errors.push(format!("{path}.foreach.list: {msg}"));
+        }
+    }
 }
 
 fn metadata(m: &MetadataMutation, path: &str, labels: bool, errors: &mut Vec<String>) {
@@ -126,6 +198,10 @@ fn check_values(
     errors: &mut Vec<String>,
 ) {
     for (k, v) in values {
+        if k.contains("{{") || v.contains("{{") {
+            // Checked once substituted, by the API server.
+            continue;
+        }
         if let Err(e) = qualified_name(k) {
             errors.push(format!("{path}.values[{k:?}]: invalid key: {e}"));
         }
