@@ -820,5 +820,11 @@ fn run(settings: &Settings) -> Result<(), String> {
         baseline_rss as f64 / MIB,
         baseline_hwm as f64 / MIB,
     );
+    // Headline figures, one per line, for tools (issue #17's format).
+    println!("RATIO webhook/baseline: {ratio:.2}");
+    println!(
+        "VALUE webhook-peak-rss-mib: {:.1}",
+        webhook_hwm as f64 / MIB
+    );
     Ok(())
 }

@@ -540,6 +540,10 @@ async fn run() -> Result<(), String> {
     if let Some(counts) = review_counts(server.health_addr).await {
         println!("  webhook reviews answered: {counts}");
     }
+    // Headline figures, one per line, for tools (issue #17's format).
+    println!("RATIO webhook-gate/none: {with:.2}");
+    println!("RATIO minimal-webhook/none: {minimal_ratio:.2}");
+    println!("RATIO webhook-gate/minimal-webhook: {against_minimal:.2}");
     server
         .shutdown(Duration::from_secs(5))
         .await

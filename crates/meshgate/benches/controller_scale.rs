@@ -284,10 +284,24 @@ async fn run() -> Result<(), String> {
         "RSS",
         "VmHWM"
     );
+    let mut headlines = Vec::new();
     for n in sizes {
-        scale(&cp, &client, &agents_ns, n).await?;
+        let figures = scale(&cp, &client, &agents_ns, n).await?;
+        headlines.push((n, figures));
+    }
+    // Headline figures, one per line, for tools (issue #17's format). Absolute values: no
+    // baseline of bare taint patches is measured yet.
+    for (n, f) in headlines {
+        println!("VALUE controller-rss-{n}-mib: {:.1}", f.rss_mib);
+        println!("VALUE untaint-burst-p99-{n}-ms: {}", f.p99_ms);
     }
     Ok(())
+}
+
+/// One size's headline figures.
+struct Headline {
+    rss_mib: f64,
+    p99_ms: u128,
 }
 
 async fn scale(
@@ -295,7 +309,7 @@ async fn scale(
     client: &kube::Client,
     agents_ns: &str,
     n: usize,
-) -> Result<(), String> {
+) -> Result<Headline, String> {
     let pool = format!("scale{n}");
     let nodes: Api<Node> = Api::all(client.clone());
     let pods: Api<Pod> = Api::namespaced(client.clone(), agents_ns);
@@ -513,5 +527,8 @@ async fn scale(
         nodes.delete_collection(&DeleteParams::default(), &selector),
     )
     .await;
-    Ok(())
+    Ok(Headline {
+        rss_mib: rss as f64 / MIB,
+        p99_ms: quantile(&latencies, 0.99).as_millis(),
+    })
 }
