@@ -599,6 +599,84 @@ pub fn resource_patch(resource: &str, count: u32, advertise: bool) -> Value {
     json!({"status": {"capacity": {resource: value}, "allocatable": {resource: value}}})
 }
 
+/// What `meshgate uninstall` changes on one node.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct UninstallPlan {
+    /// The JSON patch of `spec.taints` (with a `test` of the list it was computed from).
+    pub taints: Option<JsonPatch>,
+    /// The taint keys it removes.
+    pub removed: Vec<String>,
+    /// The merge patch that drops meshgate's annotations (ownership record, release mark).
+    pub annotations: Option<Value>,
+    /// The merge patch of `status` that withdraws the gate resources.
+    pub resources: Option<Value>,
+}
+
+/// What uninstalling meshgate takes off a node: of the taints whose key is a gate's (any gate:
+/// all go) or meshgate's default, those meshgate owns ([`owns_key`]: its own domain, or recorded
+/// as added by meshgate) — a taint with a gate's key that another component added (a gate that
+/// only lifts it) is left; meshgate's annotations; and the gates' resources (names of the gates,
+/// or in meshgate's domain) that the node advertises.
+pub fn uninstall_patches(
+    gates: &[&NodeGateSpec],
+    annotations: &BTreeMap<String, String>,
+    taints: &[Taint],
+    capacity: &[String],
+) -> UninstallPlan {
+    let mut keys: Vec<&str> = gates.iter().map(|g| g.taint.key.as_str()).collect();
+    keys.push(meshgate_api::names::DEFAULT_TAINT_KEY);
+    let removed: Vec<String> = taints
+        .iter()
+        .map(|t| t.key.as_str())
+        .filter(|k| (keys.contains(k) || in_own_domain(k)) && owns_key(k, annotations))
+        .map(str::to_owned)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let mut plan = UninstallPlan::default();
+    if !removed.is_empty() {
+        let observed: Vec<Value> = taints
+            .iter()
+            .map(|t| serde_json::to_value(t).unwrap_or(Value::Null))
+            .collect();
+        let desired: Vec<Value> = taints
+            .iter()
+            .filter(|t| !removed.contains(&t.key))
+            .map(|t| serde_json::to_value(t).unwrap_or(Value::Null))
+            .collect();
+        plan.taints = Some(JsonPatch(vec![
+            json!({"op": "test", "path": "/spec/taints", "value": observed}),
+            json!({"op": "replace", "path": "/spec/taints", "value": desired}),
+        ]));
+    }
+    plan.removed = removed;
+    let ours: serde_json::Map<String, Value> =
+        [OWNED_TAINTS, meshgate_api::names::NODE_READY_SINCE]
+            .iter()
+            .filter(|k| annotations.contains_key(**k))
+            .map(|k| ((*k).to_owned(), Value::Null))
+            .collect();
+    if !ours.is_empty() {
+        plan.annotations = Some(json!({"metadata": {"annotations": ours}}));
+    }
+    let resources: serde_json::Map<String, Value> = capacity
+        .iter()
+        .filter(|r| {
+            gates
+                .iter()
+                .any(|g| g.resource.as_ref().is_some_and(|res| &res.name == *r))
+                || in_own_domain(r)
+                || r.as_str() == meshgate_api::names::DEFAULT_RESOURCE
+        })
+        .map(|r| (r.clone(), Value::Null))
+        .collect();
+    if !resources.is_empty() {
+        plan.resources =
+            Some(json!({"status": {"capacity": resources.clone(), "allocatable": resources}}));
+    }
+    plan
+}
+
 /// Taints every DaemonSet pod tolerates (added by the DaemonSet controller).
 const DAEMONSET_TOLERATED: &[&str] = &[
     "node.kubernetes.io/not-ready",
@@ -1161,5 +1239,84 @@ mod create_tests {
         let bare = json!({"metadata": {"name": "n"}});
         let out = taints_on_create([&a], &bare).apply(&bare).unwrap();
         assert_eq!(out["spec"]["taints"][0]["key"], "a/not-ready");
+    }
+}
+
+#[cfg(test)]
+mod uninstall_tests {
+    use super::*;
+    use meshgate_api::node_gate::GateTaint;
+
+    fn taint(key: &str) -> Taint {
+        Taint {
+            key: key.into(),
+            effect: "NoSchedule".into(),
+            ..Taint::default()
+        }
+    }
+
+    #[test]
+    fn uninstall_takes_only_what_meshgate_owns() {
+        let foreign = NodeGateSpec {
+            taint: GateTaint {
+                key: "example.com/cni-not-ready".into(),
+                ..GateTaint::default()
+            },
+            ..NodeGateSpec::default()
+        };
+        let gates = [&foreign];
+        let taints = [
+            taint(meshgate_api::names::DEFAULT_TAINT_KEY),
+            taint("example.com/cni-not-ready"),
+            taint("node.kubernetes.io/not-ready"),
+        ];
+        // The foreign gate key was put on by someone else (not recorded): it stays.
+        let none = BTreeMap::new();
+        let plan = uninstall_patches(&gates, &none, &taints, &["pods".into()]);
+        assert_eq!(plan.removed, [meshgate_api::names::DEFAULT_TAINT_KEY]);
+        assert_eq!(plan.annotations, None);
+        assert_eq!(plan.resources, None);
+        let desired = &plan.taints.expect("patch").0[1]["value"];
+        assert_eq!(
+            desired,
+            &json!([
+                {"key": "example.com/cni-not-ready", "effect": "NoSchedule"},
+                {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
+            ])
+        );
+        // Recorded as meshgate's: it goes, and so do the bookkeeping and the resource.
+        let recorded = BTreeMap::from([
+            (
+                OWNED_TAINTS.to_owned(),
+                "example.com/cni-not-ready".to_owned(),
+            ),
+            (
+                meshgate_api::names::NODE_READY_SINCE.to_owned(),
+                "t".to_owned(),
+            ),
+        ]);
+        let plan = uninstall_patches(
+            &gates,
+            &recorded,
+            &taints,
+            &["pods".into(), meshgate_api::names::DEFAULT_RESOURCE.into()],
+        );
+        assert_eq!(
+            plan.removed,
+            [
+                "example.com/cni-not-ready",
+                meshgate_api::names::DEFAULT_TAINT_KEY
+            ]
+        );
+        assert!(plan.annotations.is_some());
+        assert_eq!(
+            plan.resources,
+            Some(json!({"status": {
+                "capacity": {meshgate_api::names::DEFAULT_RESOURCE: null},
+                "allocatable": {meshgate_api::names::DEFAULT_RESOURCE: null}}}))
+        );
+        // Nothing of meshgate's: nothing to do.
+        let plan = uninstall_patches(&gates, &none, &[taint("x/y")], &[]);
+        assert_eq!(plan, UninstallPlan::default());
     }
 }

@@ -8,3 +8,4 @@ pub mod logging;
 pub mod render;
 pub mod run;
 pub mod status;
+pub mod uninstall;

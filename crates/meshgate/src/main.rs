@@ -167,6 +167,23 @@ enum Command {
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
+    /// Remove meshgate from the cluster: admission registrations first (nothing fails closed),
+    /// then the components, then the taints and resources it put on nodes, then the rest of
+    /// what `install` created. Safe to run again.
+    Uninstall {
+        /// The namespace `install` used.
+        #[arg(long, default_value = "meshgate-system")]
+        namespace: String,
+        /// Also delete meshgate's CRDs, and with them every NodeGate and MutationPolicy.
+        #[arg(long)]
+        crds: bool,
+        /// How long to wait for the controller's pods to stop.
+        #[arg(long, default_value = "120s", value_parser = parse_seconds)]
+        wait: std::time::Duration,
+        /// Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster).
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+    },
     /// Convert policies of other tools.
     Import {
         #[command(subcommand)]
@@ -475,6 +492,22 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 _ => emit(&meshgate::status::table(&status)),
             }
         }
+        Command::Uninstall {
+            namespace,
+            crds,
+            wait,
+            kubeconfig,
+        } => {
+            let client = client_for(kubeconfig).await?;
+            let options = meshgate::uninstall::UninstallOptions {
+                namespace,
+                crds,
+                wait,
+            };
+            meshgate::uninstall::uninstall(&client, &options, |line| eprintln!("{line}")).await?;
+            eprintln!("meshgate is uninstalled");
+            Ok(())
+        }
         Command::Import {
             from:
                 ImportFrom::Kyverno {
@@ -487,4 +520,16 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             emit(&out)
         }
     }
+}
+
+/// `120s`, `2m` or `90` (seconds).
+fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+    let (number, unit) = match s.strip_suffix('m') {
+        Some(n) => (n, 60),
+        None => (s.strip_suffix('s').unwrap_or(s), 1),
+    };
+    number
+        .parse::<u64>()
+        .map(|n| std::time::Duration::from_secs(n * unit))
+        .map_err(|_| format!("{s:?}: expected seconds, e.g. 120s or 2m"))
 }

@@ -1,0 +1,300 @@
+//! `meshgate uninstall`: removes meshgate from a cluster in the order that never leaves a pod or
+//! a node held by a component that is gone.
+//!
+//! 1. The admission registrations meshgate made (labelled `app.kubernetes.io/managed-by:
+//!    meshgate`): the MutatingWebhookConfiguration (so no API request waits for a webhook that is
+//!    going away, whatever its failure policy) and the MutatingAdmissionPolicies and bindings
+//!    (the node taint at registration, native policies): from here on nothing new is gated or
+//!    tainted.
+//! 2. The controller and the webhook (their Deployments in the install namespace), and a wait
+//!    until the controller's pods are gone: a running controller would put taints back.
+//! 3. Every node: the taints meshgate owns (`meshgate_core::nodegate::uninstall_taints`: a
+//!    NodeGate's key that is in meshgate's domain or recorded as added by meshgate; a taint that
+//!    another component put on is left), its bookkeeping annotations, and the gate resources it
+//!    advertised. Then meshgate's finalizer comes off every NodeGate (no controller is left to
+//!    remove it).
+//! 4. The rest of what `install` created: Services, ConfigMaps, Secrets (the controller's
+//!    certificates), ServiceAccounts, PodDisruptionBudgets, Roles and bindings in the namespace,
+//!    the ClusterRoles and ClusterRoleBindings, and the namespace itself when `install` made it.
+//! 5. With `--crds`: meshgate's CustomResourceDefinitions, and with them every NodeGate and
+//!    MutationPolicy. Without it, policies and gates stay (they are the user's).
+//!
+//! Every step tolerates what is already gone, so running it again finishes an interrupted run and
+//! then does nothing.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::discovery::Discovery;
+use kube::{Resource, ResourceExt};
+use meshgate_api::{NodeGate, names};
+use meshgate_core::nodegate::{taints_of, uninstall_patches};
+use serde_json::json;
+
+/// What to remove.
+#[derive(Clone, Debug)]
+pub struct UninstallOptions {
+    /// The namespace `install` used.
+    pub namespace: String,
+    /// Remove the CRDs too (and every NodeGate and MutationPolicy with them).
+    pub crds: bool,
+    /// How long to wait for the controller's pods to go.
+    pub wait: Duration,
+}
+
+const MANAGED: &str = "app.kubernetes.io/managed-by=meshgate";
+
+/// The kinds `install` creates, in deletion order (after the registrations and Deployments).
+const NAMESPACED: &[(&str, &str, &str, &str)] = &[
+    ("", "v1", "Service", "services"),
+    ("", "v1", "ConfigMap", "configmaps"),
+    ("", "v1", "Secret", "secrets"),
+    (
+        "policy",
+        "v1",
+        "PodDisruptionBudget",
+        "poddisruptionbudgets",
+    ),
+    (
+        "networking.k8s.io",
+        "v1",
+        "NetworkPolicy",
+        "networkpolicies",
+    ),
+    (
+        "rbac.authorization.k8s.io",
+        "v1",
+        "RoleBinding",
+        "rolebindings",
+    ),
+    ("rbac.authorization.k8s.io", "v1", "Role", "roles"),
+    ("", "v1", "ServiceAccount", "serviceaccounts"),
+];
+const CLUSTER: &[(&str, &str, &str, &str)] = &[
+    (
+        "rbac.authorization.k8s.io",
+        "v1",
+        "ClusterRoleBinding",
+        "clusterrolebindings",
+    ),
+    (
+        "rbac.authorization.k8s.io",
+        "v1",
+        "ClusterRole",
+        "clusterroles",
+    ),
+];
+
+fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
+    ApiResource {
+        group: group.into(),
+        version: version.into(),
+        api_version: if group.is_empty() {
+            version.into()
+        } else {
+            format!("{group}/{version}")
+        },
+        kind: kind.into(),
+        plural: plural.into(),
+    }
+}
+
+/// Deletes every object `api` lists with meshgate's label; returns how many.
+async fn delete_labelled(
+    api: &Api<DynamicObject>,
+    what: &str,
+    progress: &mut impl FnMut(&str),
+) -> anyhow::Result<usize> {
+    let list = match api.list(&ListParams::default().labels(MANAGED)).await {
+        Ok(l) => l,
+        // A kind the server does not serve has nothing of meshgate's.
+        Err(kube::Error::Api(e)) if e.code == 404 => return Ok(0),
+        Err(e) => return Err(anyhow::anyhow!("listing {what}: {e}")),
+    };
+    let mut n = 0;
+    for obj in list.items {
+        let name = obj.name_any();
+        match api.delete(&name, &DeleteParams::background()).await {
+            Ok(_) => {
+                n += 1;
+                progress(&format!("deleted {what} {name}"));
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(anyhow::anyhow!("deleting {what} {name}: {e}")),
+        }
+    }
+    Ok(n)
+}
+
+/// Removes meshgate (see the module documentation). `progress` gets one line per change.
+pub async fn uninstall(
+    client: &kube::Client,
+    o: &UninstallOptions,
+    mut progress: impl FnMut(&str),
+) -> anyhow::Result<()> {
+    let ns = o.namespace.as_str();
+    // 1. Admission registrations.
+    let mwc = resource(
+        "admissionregistration.k8s.io",
+        "v1",
+        "MutatingWebhookConfiguration",
+        "mutatingwebhookconfigurations",
+    );
+    delete_labelled(
+        &Api::all_with(client.clone(), &mwc),
+        "MutatingWebhookConfiguration",
+        &mut progress,
+    )
+    .await?;
+    for version in ["v1", "v1beta1"] {
+        for (kind, plural) in [
+            (
+                "MutatingAdmissionPolicyBinding",
+                "mutatingadmissionpolicybindings",
+            ),
+            ("MutatingAdmissionPolicy", "mutatingadmissionpolicies"),
+        ] {
+            let ar = resource("admissionregistration.k8s.io", version, kind, plural);
+            delete_labelled(&Api::all_with(client.clone(), &ar), kind, &mut progress).await?;
+        }
+    }
+    // 2. The components, and the controller's pods gone.
+    let deployments = resource("apps", "v1", "Deployment", "deployments");
+    delete_labelled(
+        &Api::namespaced_with(client.clone(), ns, &deployments),
+        "Deployment",
+        &mut progress,
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let controller_pods = ListParams::default()
+        .labels("app.kubernetes.io/name=meshgate,app.kubernetes.io/component=controller");
+    let deadline = tokio::time::Instant::now() + o.wait;
+    loop {
+        let left = pods.list_metadata(&controller_pods).await?.items.len();
+        if left == 0 {
+            break;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "{left} controller pod(s) still running in {ns} after {:?}; nothing on the nodes was changed (run uninstall again)",
+                o.wait
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // 3. Nodes, then the gates' finalizers.
+    let discovery = Discovery::new(client.clone()).run().await?;
+    let gates_served = discovery
+        .groups()
+        .any(|g| g.name() == meshgate_api::DOMAIN && g.recommended_kind("NodeGate").is_some());
+    let gates: Vec<NodeGate> = if gates_served {
+        Api::<NodeGate>::all(client.clone())
+            .list(&ListParams::default())
+            .await?
+            .items
+    } else {
+        Vec::new()
+    };
+    let specs: Vec<&meshgate_api::NodeGateSpec> = gates.iter().map(|g| &g.spec).collect();
+    let nodes: Api<Node> = Api::all(client.clone());
+    let empty = BTreeMap::new();
+    for node in nodes.list(&ListParams::default()).await?.items {
+        let name = node.name_any();
+        let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
+        let capacity: Vec<String> = node
+            .status
+            .as_ref()
+            .and_then(|s| s.capacity.as_ref())
+            .map(|c| c.keys().cloned().collect())
+            .unwrap_or_default();
+        let plan = uninstall_patches(&specs, annotations, &taints_of(&node), &capacity);
+        if let Some(patch) = &plan.taints {
+            nodes
+                .patch(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::<()>::Json(serde_json::from_value::<json_patch::Patch>(
+                        serde_json::Value::Array(patch.0.clone()),
+                    )?),
+                )
+                .await
+                .map_err(|e| anyhow::anyhow!("node {name}: removing taints: {e}"))?;
+            progress(&format!(
+                "node {name}: removed taints {}",
+                plan.removed.join(", ")
+            ));
+        }
+        if let Some(patch) = &plan.annotations {
+            nodes
+                .patch(&name, &PatchParams::default(), &Patch::Merge(patch))
+                .await
+                .map_err(|e| anyhow::anyhow!("node {name}: annotations: {e}"))?;
+        }
+        if let Some(patch) = &plan.resources {
+            nodes
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(patch))
+                .await
+                .map_err(|e| anyhow::anyhow!("node {name}: withdrawing resources: {e}"))?;
+            progress(&format!("node {name}: withdrew gate resources"));
+        }
+    }
+    let gate_api: Api<NodeGate> = Api::all(client.clone());
+    for gate in &gates {
+        let finalizer = meshgate_controller::nodegate::FINALIZER;
+        if gate.finalizers().iter().any(|f| f == finalizer) {
+            let left: Vec<&String> = gate
+                .finalizers()
+                .iter()
+                .filter(|f| *f != finalizer)
+                .collect();
+            let patch = json!({"metadata": {"finalizers": left, "resourceVersion": gate.resource_version()}});
+            gate_api
+                .patch(
+                    &gate.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                )
+                .await
+                .map_err(|e| anyhow::anyhow!("NodeGate {}: finalizer: {e}", gate.name_any()))?;
+            progress(&format!("NodeGate {}: finalizer removed", gate.name_any()));
+        }
+    }
+    // 4. The rest.
+    for (g, v, kind, plural) in NAMESPACED {
+        let ar = resource(g, v, kind, plural);
+        delete_labelled(
+            &Api::namespaced_with(client.clone(), ns, &ar),
+            kind,
+            &mut progress,
+        )
+        .await?;
+    }
+    for (g, v, kind, plural) in CLUSTER {
+        let ar = resource(g, v, kind, plural);
+        delete_labelled(&Api::all_with(client.clone(), &ar), kind, &mut progress).await?;
+    }
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    if let Some(n) = namespaces.get_opt(ns).await?
+        && n.labels().get(names::MANAGED_BY).map(String::as_str) == Some("meshgate")
+        && n.meta().deletion_timestamp.is_none()
+    {
+        namespaces.delete(ns, &DeleteParams::background()).await?;
+        progress(&format!("deleted Namespace {ns}"));
+    }
+    // 5. CRDs.
+    if o.crds {
+        let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+            Api::all(client.clone());
+        for crd in crds.list(&ListParams::default()).await?.items {
+            let name = crd.name_any();
+            if crd.spec.group == meshgate_api::DOMAIN && crd.meta().deletion_timestamp.is_none() {
+                crds.delete(&name, &DeleteParams::background()).await?;
+                progress(&format!("deleted CustomResourceDefinition {name}"));
+            }
+        }
+    }
+    Ok(())
+}
