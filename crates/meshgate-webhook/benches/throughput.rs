@@ -248,6 +248,7 @@ async fn start_webhook(certs: CertFiles) -> SocketAddr {
             certs,
             cert_poll_interval: Duration::from_secs(10),
             request_timeout: Duration::from_secs(10),
+            max_in_flight: meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT,
             shutdown_grace: Duration::from_secs(1),
         },
         app,

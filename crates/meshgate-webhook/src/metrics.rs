@@ -43,6 +43,7 @@ pub struct Metrics {
     pub cert_reloads: Counter,
     pub cert_reload_errors: Counter,
     pub in_flight: Gauge,
+    pub overloaded: Counter,
     registry: Arc<Registry>,
 }
 
@@ -72,6 +73,7 @@ impl Metrics {
         let cert_reloads = Counter::default();
         let cert_reload_errors = Counter::default();
         let in_flight = Gauge::default();
+        let overloaded = Counter::default();
         let mut registry = Registry::with_prefix("meshgate_webhook");
         registry.register(
             "reviews",
@@ -108,7 +110,13 @@ impl Metrics {
             "Reviews being answered",
             in_flight.clone(),
         );
+        registry.register(
+            "overloaded",
+            "Requests refused with 429 because the in-flight limit was reached (the API server then applies the webhook's failure policy)",
+            overloaded.clone(),
+        );
         Self {
+            overloaded,
             reviews,
             latency,
             mutations,

@@ -27,8 +27,15 @@ use crate::metrics::{MutationLabels, PathLabels, ReviewLabels};
 use crate::tls::{self, CertFiles};
 use crate::{Sources, metrics::Metrics};
 
-/// Request bodies over this size get 413 (the API server's own limit for objects is 3 MiB).
-pub const MAX_BODY: usize = 3 * 1024 * 1024;
+/// Request bodies over this size get 413. The largest object the API server stores is etcd's
+/// request limit (1.5 MiB by default), and a review of an UPDATE carries two of them (`object`
+/// and `oldObject`) plus the request's fields: 3.5 MiB holds that with room for JSON escaping.
+pub const MAX_BODY: usize = 3 * 1024 * 1024 + 512 * 1024;
+
+/// Reviews answered at once by default; more get an immediate 429 (see [`ServerOptions`]).
+/// With [`MAX_BODY`] this bounds the memory held by request bodies (32 × 3.5 MiB in the worst
+/// case, a few MiB for real pods); `install` sizes the container's memory limit for it.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 32;
 
 /// What a review handler needs.
 #[derive(Clone, Debug)]
@@ -53,8 +60,13 @@ impl App {
     }
 }
 
-/// The admission routes (served over TLS).
-pub fn router(app: App, request_timeout: Duration) -> Router {
+/// The admission routes (served over TLS). At most `max_in_flight` requests are handled at
+/// once, body reading included; one more gets `429 Too Many Requests` at once (no queue: the API
+/// server's timeout would expire in a queue, and a fast refusal lets it apply the failure
+/// policy right away).
+pub fn router(app: App, request_timeout: Duration, max_in_flight: usize) -> Router {
+    let permits = Arc::new(tokio::sync::Semaphore::new(max_in_flight.max(1)));
+    let overloaded = app.metrics.overloaded.clone();
     Router::new()
         .route(paths::POD_GATE, post(pod_gate))
         .route(paths::POLICIES, post(policies))
@@ -63,6 +75,28 @@ pub fn router(app: App, request_timeout: Duration) -> Router {
         .layer(tower_http::timeout::TimeoutLayer::with_status_code(
             StatusCode::SERVICE_UNAVAILABLE,
             request_timeout,
+        ))
+        .layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                let permits = permits.clone();
+                let overloaded = overloaded.clone();
+                async move {
+                    match permits.try_acquire_owned() {
+                        Ok(permit) => {
+                            let response = next.run(request).await;
+                            drop(permit);
+                            response
+                        }
+                        Err(_) => {
+                            overloaded.inc();
+                            plain(
+                                StatusCode::TOO_MANY_REQUESTS,
+                                "overloaded: too many reviews in flight\n".to_owned(),
+                            )
+                        }
+                    }
+                }
+            },
         ))
         .layer(tower_http::catch_panic::CatchPanicLayer::new())
         .with_state(app)
@@ -336,6 +370,8 @@ pub struct ServerOptions {
     pub certs: CertFiles,
     pub cert_poll_interval: Duration,
     pub request_timeout: Duration,
+    /// Requests handled at once (body reading included); more get 429 at once.
+    pub max_in_flight: usize,
     /// How long in-flight reviews may take to finish after SIGTERM.
     pub shutdown_grace: Duration,
 }
@@ -576,7 +612,10 @@ impl Server {
                 fresh: fresh.clone(),
             })
             .handle(handle.clone())
-            .serve(router(app.clone(), options.request_timeout).into_make_service());
+            .serve(
+                router(app.clone(), options.request_timeout, options.max_in_flight)
+                    .into_make_service(),
+            );
         let health_router = health_router(app.clone());
         let task = tokio::spawn(async move {
             // The health port stays up until the review port has drained.

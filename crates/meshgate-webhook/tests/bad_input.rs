@@ -77,6 +77,10 @@ struct Harness {
 }
 
 async fn start() -> Harness {
+    start_with(meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT).await
+}
+
+async fn start_with(max_in_flight: usize) -> Harness {
     let (ca, serving) = new_ca("meshgate-test-ca");
     let certs = SecretDir::new(serving.cert_pem.as_bytes(), serving.key_pem.as_bytes())
         .expect("certificate directory");
@@ -106,6 +110,7 @@ async fn start() -> Harness {
             },
             cert_poll_interval: POLL,
             request_timeout: Duration::from_secs(10),
+            max_in_flight,
             shutdown_grace: Duration::from_secs(5),
         },
         app,
@@ -1118,4 +1123,161 @@ async fn metrics_and_readiness() {
     let resp = h.health_get("/nothing").await;
     assert_eq!(resp.status, 404, "{resp:?}");
     h.assert_up().await;
+}
+
+// ------------------------------------------------------------------------------------------
+// Overload and abuse.
+
+/// This process's peak resident set (VmHWM), in bytes.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .expect("VmHWM")
+}
+
+/// A POST of a shared body, written without copying it (the client's memory stays out of the
+/// server's peak). Returns the status.
+async fn post_shared(
+    addr: SocketAddr,
+    tls: &TlsConnector,
+    path: &str,
+    body: &[u8],
+) -> io::Result<u16> {
+    let mut conn = Conn::new(tls_connect(addr, tls).await?);
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let write = async {
+        conn.stream.write_all(head.as_bytes()).await?;
+        conn.stream.write_all(body).await?;
+        conn.stream.flush().await
+    };
+    // The server may answer (413) and close before the whole body is written.
+    let _ = timeout(IO_TIMEOUT, write).await;
+    conn.read_response().await.map(|r| r.status)
+}
+
+/// The memory limit `meshgate install` gives the webhook container.
+const CONTAINER_LIMIT: u64 = 256 * 1024 * 1024;
+
+/// Slow and oversized bodies, and reviews of the largest real objects, at the in-flight limit:
+/// the webhook refuses what is over its limits at once (429 over the in-flight limit, 413 over
+/// the body limit), stays up, keeps answering well-formed reviews once the slow clients are gone,
+/// and its memory stays under the container's limit. (The server runs in this process; the
+/// client side shares one request buffer, so the peak is the server's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_and_abuse_leave_the_webhook_up_and_answering() {
+    // The limits `meshgate install` configures.
+    const LIMIT: usize = meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT;
+    let h = start_with(LIMIT).await;
+
+    // 1. Slow clients take every slot: headers of a 1 MiB body, then a trickle.
+    let head = format!(
+        "POST {POD_GATE} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{",
+        1024 * 1024
+    );
+    let mut slow = Vec::new();
+    for _ in 0..LIMIT {
+        let mut tls = tls_connect(h.server.addr, &h.tls).await.expect("connect");
+        tls.write_all(head.as_bytes()).await.expect("head");
+        tls.flush().await.expect("flush");
+        slow.push(tls);
+    }
+    // Once they hold the slots, a well-formed review is refused at once, not queued.
+    let mut refused = None;
+    for i in 0..200 {
+        let resp = h
+            .review(POD_GATE, &pod_review(&format!("busy-{i}"), "other"))
+            .await;
+        if resp.status == 429 {
+            refused = Some(resp);
+            break;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    let refused = refused.expect("a review is refused while the slow clients hold every slot");
+    assert!(refused.text().contains("overloaded"), "{refused:?}");
+    let overloaded = metric(&h.metrics().await, "meshgate_webhook_overloaded_total ")
+        .expect("overloaded counter");
+    assert!(overloaded >= 1.0, "{overloaded}");
+    // The slow clients go away: their slots come back.
+    drop(slow);
+    let mut answered = false;
+    for i in 0..200 {
+        let resp = h
+            .review(POD_GATE, &pod_review(&format!("free-{i}"), "other"))
+            .await;
+        if resp.status == 200 {
+            assert_answer(&resp, &format!("free-{i}"));
+            answered = true;
+            break;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    assert!(
+        answered,
+        "reviews are answered again once the slow clients left"
+    );
+
+    // 2. Oversized bodies, many at once: each gets 413 (or 429 over the limit), none is read
+    //    beyond the body limit.
+    let oversized = Arc::new(vec![b' '; MAX_BODY + 1024 * 1024]);
+    let mut tasks = Vec::new();
+    for _ in 0..(4 * LIMIT) {
+        let (addr, tls, body) = (h.server.addr, h.tls.clone(), oversized.clone());
+        tasks.push(tokio::spawn(async move {
+            post_shared(addr, &tls, POD_GATE, &body).await
+        }));
+    }
+    for t in tasks {
+        // The server may close the connection before reading the whole body.
+        if let Ok(status) = t.await.expect("task") {
+            assert!(matches!(status, 413 | 429), "oversized body: {status}");
+        }
+    }
+
+    // 3. Reviews of the largest real objects (a ConfigMap UPDATE, object and oldObject at
+    //    etcd's 1.5 MiB limit), at the in-flight limit and over it.
+    let data = "x".repeat(1024 * 1024 + 400 * 1024);
+    let cm = json!({"apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"name": "big", "namespace": "other"}, "data": {"blob": data}});
+    let mut big = review("big", "ConfigMap", "UPDATE", "other", cm.clone());
+    big["request"]["oldObject"] = cm;
+    let body = Arc::new(serde_json::to_vec(&big).expect("json"));
+    drop(big);
+    assert!(body.len() < MAX_BODY, "{} bytes", body.len());
+    let mut tasks = Vec::new();
+    for _ in 0..(2 * LIMIT) {
+        let (addr, tls, body) = (h.server.addr, h.tls.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            post_shared(addr, &tls, POLICIES, &body)
+                .await
+                .expect("response")
+        }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        let status = t.await.expect("task");
+        assert!(matches!(status, 200 | 429), "largest review: {status}");
+        ok += usize::from(status == 200);
+    }
+    assert!(ok >= 1, "some of the largest reviews are answered");
+
+    h.assert_up().await;
+    let peak = peak_rss();
+    assert!(
+        peak < CONTAINER_LIMIT,
+        "peak RSS {} MiB over the container limit {} MiB",
+        peak / (1024 * 1024),
+        CONTAINER_LIMIT / (1024 * 1024)
+    );
+    eprintln!(
+        "peak RSS of the test process: {:.1} MiB",
+        peak as f64 / (1024.0 * 1024.0)
+    );
 }

@@ -375,6 +375,7 @@ async fn run() -> Result<(), String> {
             key,
             cert_poll_interval: Duration::from_secs(5),
             request_timeout: Duration::from_secs(10),
+            max_in_flight: meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT,
         },
     )
     .await

@@ -121,6 +121,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
             key,
             cert_poll_interval: Duration::from_secs(2),
             request_timeout: Duration::from_secs(10),
+            max_in_flight: meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT,
         },
     )
     .await?;

@@ -228,7 +228,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     out.push(json!({"apiVersion": "v1", "kind": "Service", "metadata": meta("meshgate-webhook", Some(ns), "webhook"),
         "spec": {"selector": selector, "ports": [{"name": "https", "port": 443, "targetPort": "https"}]}}));
     out.push(deployment(ns, "webhook", &o.image,
-        json!(["webhook", "--config", "/etc/meshgate/config/config.yaml", "--cert", "/etc/meshgate/tls/tls.crt", "--key", "/etc/meshgate/tls/tls.key", "--log-json"]),
+        json!(["webhook", "--config", "/etc/meshgate/config/config.yaml", "--cert", "/etc/meshgate/tls/tls.crt", "--key", "/etc/meshgate/tls/tls.key",
+               "--max-in-flight", meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT.to_string(), "--log-json"]),
         json!([{"name": "https", "containerPort": 8443}, {"name": "health", "containerPort": 8080}]),
         json!([{"name": "tls", "mountPath": "/etc/meshgate/tls", "readOnly": true}, {"name": "config", "mountPath": "/etc/meshgate/config", "readOnly": true}]),
         json!([{"name": "tls", "secret": {"secretName": "meshgate-webhook-tls"}}, {"name": "config", "configMap": {"name": "meshgate-config"}}])));
@@ -316,6 +317,13 @@ fn deployment(
 ) -> Value {
     let selector =
         json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": component});
+    // The webhook holds at most `--max-in-flight` request bodies of up to 3.5 MiB; its load test
+    // (`bad_input`: overload_and_abuse...) peaks near 105 MiB at the default of 32.
+    let memory_limit = if component == "webhook" {
+        "256Mi"
+    } else {
+        "128Mi"
+    };
     json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": meta(&format!("meshgate-{component}"), Some(ns), component),
@@ -341,7 +349,7 @@ fn deployment(
                         "ports": ports,
                         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "health"}, "periodSeconds": 5},
                         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "health"}, "periodSeconds": 10},
-                        "resources": {"requests": {"cpu": "50m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+                        "resources": {"requests": {"cpu": "50m", "memory": "32Mi"}, "limits": {"memory": memory_limit}},
                         "securityContext": {"readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
                         "volumeMounts": mounts,
                     }],

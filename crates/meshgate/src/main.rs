@@ -49,6 +49,11 @@ enum Command {
         /// Seconds between checks of the certificate files.
         #[arg(long, default_value_t = 5)]
         cert_poll_seconds: u64,
+        /// Reviews answered at once (body reading included); more get 429 Too Many Requests
+        /// at once, and the API server applies the webhook's failure policy. With the 3.5 MiB
+        /// body limit this bounds memory: size the container's memory limit with it.
+        #[arg(long, default_value_t = meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT)]
+        max_in_flight: usize,
     },
     /// Run the controllers (node gate), leader-elected.
     Controller {
@@ -276,6 +281,7 @@ fn check_report(report: &render::Report, allow_partial: bool) -> anyhow::Result<
 async fn run_command(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Webhook {
+            max_in_flight,
             config,
             cert,
             key,
@@ -302,6 +308,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     key,
                     cert_poll_interval: Duration::from_secs(cert_poll_seconds.max(1)),
                     request_timeout: Duration::from_secs(10),
+                    max_in_flight,
                 },
             )
             .await?;

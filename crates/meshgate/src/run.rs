@@ -21,6 +21,8 @@ pub struct WebhookSettings {
     pub key: PathBuf,
     pub cert_poll_interval: Duration,
     pub request_timeout: Duration,
+    /// Reviews handled at once; more get 429 at once.
+    pub max_in_flight: usize,
 }
 
 /// Starts the webhook in the background; its caches follow the cluster through `client`.
@@ -38,6 +40,7 @@ pub async fn start_webhook(client: kube::Client, s: WebhookSettings) -> anyhow::
             },
             cert_poll_interval: s.cert_poll_interval,
             request_timeout: s.request_timeout,
+            max_in_flight: s.max_in_flight,
             shutdown_grace: Duration::from_secs(20),
         },
         app,

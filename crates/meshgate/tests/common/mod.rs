@@ -99,6 +99,7 @@ pub async fn start_webhook(cp: &ControlPlane, config: GateConfig) -> Webhook {
         key,
         cert_poll_interval: Duration::from_millis(200),
         request_timeout: Duration::from_secs(10),
+        max_in_flight: meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT,
     };
     let server = background()
         .spawn(async move {
