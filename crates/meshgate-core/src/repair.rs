@@ -965,3 +965,148 @@ mod tests {
         }
     }
 }
+
+/// Where a pod's gate is (`meshgate status pod`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GateProgress {
+    /// The pod has no gate container.
+    NotGated,
+    /// The gate has not started yet (`reason`: the kubelet's, e.g. `PodInitializing`).
+    NotStarted { reason: Option<String> },
+    /// The gate runs (since `since`, Unix seconds); `restarts` times restarted, the last run
+    /// timed out when `last_timed_out`.
+    Waiting {
+        since: Option<i64>,
+        restarts: i32,
+        last_timed_out: bool,
+    },
+    /// The gate passed (at `at`).
+    Passed { at: Option<i64> },
+    /// The gate timed out (exit 1) and waits for its restart.
+    TimedOut { restarts: i32 },
+    /// The gate ended with another exit code (a usage or internal error).
+    Failed { exit: i32 },
+}
+
+/// Reads the gate container's status of a pod.
+pub fn gate_progress(pod: &Pod) -> GateProgress {
+    let gate = names::GATE_CONTAINER;
+    let has_gate = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.name == gate));
+    if !has_gate {
+        return GateProgress::NotGated;
+    }
+    let Some(status) = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.init_container_statuses.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.name == gate))
+    else {
+        return GateProgress::NotStarted { reason: None };
+    };
+    let state = status.state.as_ref();
+    let last_timed_out = status
+        .last_state
+        .as_ref()
+        .and_then(|s| s.terminated.as_ref())
+        .is_some_and(|t| t.exit_code == GATE_EXIT_NOT_READY);
+    if let Some(t) = state.and_then(|s| s.terminated.as_ref()) {
+        return match t.exit_code {
+            GATE_EXIT_READY => GateProgress::Passed {
+                at: t.finished_at.as_ref().map(|t| t.0.as_second()),
+            },
+            GATE_EXIT_NOT_READY => GateProgress::TimedOut {
+                restarts: status.restart_count,
+            },
+            exit => GateProgress::Failed { exit },
+        };
+    }
+    if let Some(r) = state.and_then(|s| s.running.as_ref()) {
+        return GateProgress::Waiting {
+            since: r.started_at.as_ref().map(|t| t.0.as_second()),
+            restarts: status.restart_count,
+            last_timed_out,
+        };
+    }
+    let reason = state
+        .and_then(|s| s.waiting.as_ref())
+        .and_then(|w| w.reason.clone());
+    if last_timed_out && reason.as_deref() == Some("CrashLoopBackOff") {
+        return GateProgress::TimedOut {
+            restarts: status.restart_count,
+        };
+    }
+    GateProgress::NotStarted { reason }
+}
+
+#[cfg(test)]
+mod progress_tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod(statuses: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p"},
+            "spec": {"initContainers": [{"name": "meshgate-wait", "image": "g"}],
+                     "containers": [{"name": "app", "image": "a"}]},
+            "status": {"initContainerStatuses": statuses},
+        }))
+        .expect("pod")
+    }
+
+    #[test]
+    fn the_gate_container_says_where_the_pod_is() {
+        let status = |state: serde_json::Value, last: serde_json::Value, restarts: i32| {
+            json!([{"name": "meshgate-wait", "ready": false, "restartCount": restarts, "image": "g",
+                    "imageID": "", "state": state, "lastState": last}])
+        };
+        assert_eq!(
+            gate_progress(&pod(status(
+                json!({"running": {"startedAt": "2026-11-30T10:00:00Z"}}),
+                json!({"terminated": {"exitCode": 1}}),
+                1
+            ))),
+            GateProgress::Waiting {
+                since: Some(1_796_032_800),
+                restarts: 1,
+                last_timed_out: true
+            }
+        );
+        assert_eq!(
+            gate_progress(&pod(status(
+                json!({"terminated": {"exitCode": 0, "finishedAt": "2026-11-30T10:00:00Z"}}),
+                json!({}),
+                0
+            ))),
+            GateProgress::Passed {
+                at: Some(1_796_032_800)
+            }
+        );
+        assert_eq!(
+            gate_progress(&pod(status(
+                json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+                json!({"terminated": {"exitCode": 1}}),
+                3
+            ))),
+            GateProgress::TimedOut { restarts: 3 }
+        );
+        assert_eq!(
+            gate_progress(&pod(status(
+                json!({"terminated": {"exitCode": 2}}),
+                json!({}),
+                0
+            ))),
+            GateProgress::Failed { exit: 2 }
+        );
+        assert_eq!(
+            gate_progress(&pod(json!([]))),
+            GateProgress::NotStarted { reason: None }
+        );
+        let mut plain = pod(json!([]));
+        plain.spec.as_mut().expect("spec").init_containers = None;
+        assert_eq!(gate_progress(&plain), GateProgress::NotGated);
+    }
+}

@@ -165,11 +165,13 @@ enum Command {
     },
     /// What meshgate is doing: nodes per gate, policies, webhooks.
     Status {
+        #[command(subcommand)]
+        of: Option<StatusOf>,
         /// Output format.
-        #[arg(short = 'o', long, default_value = "table", value_parser = ["table", "json", "yaml"])]
+        #[arg(short = 'o', long, default_value = "table", value_parser = ["table", "json", "yaml"], global = true)]
         output: String,
         /// Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster).
-        #[arg(long)]
+        #[arg(long, global = true)]
         kubeconfig: Option<PathBuf>,
     },
     /// Remove meshgate from the cluster: admission registrations first (nothing fails closed),
@@ -193,6 +195,17 @@ enum Command {
     Import {
         #[command(subcommand)]
         from: ImportFrom,
+    },
+}
+
+/// `meshgate status` of one thing.
+#[derive(Subcommand, Debug)]
+enum StatusOf {
+    /// Why is this pod waiting: its gate verdict, what its gate waits for and for how long, and
+    /// the gates of its node.
+    Pod {
+        /// NAMESPACE/NAME.
+        pod: String,
     },
 }
 
@@ -490,7 +503,27 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Demo { keep } => meshgate::demo::run(meshgate::demo::DemoOptions { keep }).await,
-        Command::Status { output, kubeconfig } => {
+        Command::Status {
+            of: Some(StatusOf::Pod { pod }),
+            output,
+            kubeconfig,
+        } => {
+            let (namespace, name) = pod
+                .split_once('/')
+                .ok_or_else(|| anyhow::anyhow!("status pod {pod:?}: expected NAMESPACE/NAME"))?;
+            let client = client_for(kubeconfig).await?;
+            let report = meshgate::status::pod(&client, namespace, name).await?;
+            match output.as_str() {
+                "json" => emit(&(serde_json::to_string_pretty(&report)? + "\n")),
+                "yaml" => emit(&meshgate_api::yaml::to_string(&report)?),
+                _ => emit(&meshgate::status::pod_text(&report)),
+            }
+        }
+        Command::Status {
+            of: None,
+            output,
+            kubeconfig,
+        } => {
             let client = client_for(kubeconfig).await?;
             let status = meshgate::status::collect(&client).await?;
             match output.as_str() {

@@ -358,3 +358,164 @@ pub async fn node_rows(
     }
     Ok(rows)
 }
+
+/// `meshgate status pod NS/NAME`: why a pod is waiting.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodReport {
+    pub pod: String,
+    pub node: Option<String>,
+    pub phase: Option<String>,
+    /// The webhook's verdict (`meshgate.dev/gate`): `gated: <checks>` or `none: <why>`; absent
+    /// when no profile selected the pod (or meshgate did not see it).
+    pub verdict: Option<String>,
+    pub gated: bool,
+    /// The gate's checks (its arguments), e.g. `tcp-listening 15008`.
+    pub waits_for: Option<String>,
+    /// `not-gated`, `not-started`, `waiting`, `passed`, `timed-out`, `failed`.
+    pub gate: String,
+    /// Seconds the gate has been running (waiting), when it runs.
+    pub waiting_seconds: Option<i64>,
+    pub restarts: i32,
+    /// One sentence for a person.
+    pub summary: String,
+    /// The node gates that select the pod's node, with their state on it.
+    pub node_gates: Vec<NodeRow>,
+}
+
+/// Reads one pod, its gate container and its node's gates.
+pub async fn pod(client: &kube::Client, namespace: &str, name: &str) -> anyhow::Result<PodReport> {
+    use meshgate_core::repair::{GateProgress, gate_progress};
+    let pod = Api::<Pod>::namespaced(client.clone(), namespace)
+        .get_opt(name)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("pod {namespace}/{name} not found"))?;
+    let now = meshgate_controller::now();
+    let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+    let verdict = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(meshgate_api::names::GATE_VERDICT))
+        .cloned();
+    let waits_for = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_ref())
+        .and_then(|cs| {
+            cs.iter()
+                .find(|c| c.name == meshgate_api::names::GATE_CONTAINER)
+        })
+        .map(|c| c.args.clone().unwrap_or_default().join(" "));
+    let progress = gate_progress(&pod);
+    let (gate, waiting_seconds, restarts) = match &progress {
+        GateProgress::NotGated => ("not-gated", None, 0),
+        GateProgress::NotStarted { .. } => ("not-started", None, 0),
+        GateProgress::Waiting {
+            since, restarts, ..
+        } => ("waiting", since.map(|s| (now - s).max(0)), *restarts),
+        GateProgress::Passed { .. } => ("passed", None, 0),
+        GateProgress::TimedOut { restarts } => ("timed-out", None, *restarts),
+        GateProgress::Failed { .. } => ("failed", None, 0),
+    };
+    let mut node_gates = Vec::new();
+    if let Some(n) = &node
+        && let Some(node_obj) = Api::<Node>::all(client.clone()).get_opt(n).await?
+    {
+        let gates = Api::<NodeGate>::all(client.clone())
+            .list(&ListParams::default())
+            .await?;
+        node_gates = node_rows(client, &gates.items, &[node_obj], now).await?;
+    }
+    let on = node.as_deref().unwrap_or("no node yet");
+    let held: Vec<String> = node_gates
+        .iter()
+        .filter(|r| r.tainted || r.state != "Ready")
+        .map(|r| format!("gate {} is {} (agents {})", r.gate, r.state, r.agents_ready))
+        .collect();
+    let node_note = if held.is_empty() {
+        String::new()
+    } else {
+        format!("; on {on}: {}", held.join(", "))
+    };
+    let summary = match &progress {
+        GateProgress::NotGated => match &verdict {
+            Some(v) => format!("not gated ({v})"),
+            None => "not gated: no profile selected the pod, or meshgate's webhook did not see it"
+                .to_owned(),
+        },
+        GateProgress::NotStarted { reason } => format!(
+            "the gate has not started yet{}{node_note}",
+            reason
+                .as_deref()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default()
+        ),
+        GateProgress::Waiting { last_timed_out, .. } => format!(
+            "the gate has been waiting {}s for: {}{}{node_note}",
+            waiting_seconds.unwrap_or(0),
+            waits_for.as_deref().unwrap_or("?"),
+            if *last_timed_out {
+                " (its previous run timed out)"
+            } else {
+                ""
+            }
+        ),
+        GateProgress::Passed { .. } => "the gate passed: the mesh had set the pod up".to_owned(),
+        GateProgress::TimedOut { restarts } => format!(
+            "the gate timed out ({restarts} restarts): the mesh did not set the pod up in time{node_note}"
+        ),
+        GateProgress::Failed { exit } => {
+            format!("the gate failed with exit code {exit} (see its log)")
+        }
+    };
+    Ok(PodReport {
+        pod: format!("{namespace}/{name}"),
+        node,
+        phase: pod.status.as_ref().and_then(|s| s.phase.clone()),
+        gated: waits_for.is_some(),
+        verdict,
+        waits_for,
+        gate: gate.to_owned(),
+        waiting_seconds,
+        restarts,
+        summary,
+        node_gates,
+    })
+}
+
+/// The pod report as text.
+pub fn pod_text(r: &PodReport) -> String {
+    let mut out = format!(
+        "POD {}\nNODE {}\nPHASE {}\nVERDICT {}\nGATE {}{}\nWAITS FOR {}\n\n{}\n",
+        r.pod,
+        r.node.as_deref().unwrap_or("-"),
+        r.phase.as_deref().unwrap_or("-"),
+        r.verdict.as_deref().unwrap_or("-"),
+        r.gate,
+        r.waiting_seconds
+            .map(|s| format!(" ({s}s)"))
+            .unwrap_or_default(),
+        r.waits_for.as_deref().unwrap_or("-"),
+        r.summary
+    );
+    if !r.node_gates.is_empty() {
+        out.push('\n');
+        out.push_str(&table_of(
+            &["GATE", "NODE", "AGENTS-READY", "STATE", "TAINTED"],
+            r.node_gates
+                .iter()
+                .map(|n| {
+                    vec![
+                        n.gate.clone(),
+                        n.node.clone(),
+                        n.agents_ready.clone(),
+                        n.state.clone(),
+                        n.tainted.to_string(),
+                    ]
+                })
+                .collect(),
+        ));
+    }
+    out
+}
