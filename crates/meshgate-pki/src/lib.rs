@@ -178,6 +178,72 @@ pub fn not_after_unix(cert_pem: &str) -> Result<i64, PkiError> {
     Ok(cert.validity().not_after.timestamp())
 }
 
+/// Checks a serving certificate as an API server would before calling a webhook with
+/// `ca_bundle_pem`: valid at `now_unix`, signed by a CA of the bundle, and naming `dns_name`.
+/// Returns its end of validity; the error says which of these fails.
+pub fn verify_serving(
+    cert_pem: &str,
+    ca_bundle_pem: &str,
+    dns_name: &str,
+    now_unix: i64,
+) -> Result<i64, String> {
+    let (_, pem) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes())
+        .map_err(|e| format!("the serving certificate is not PEM: {e}"))?;
+    let leaf = pem
+        .parse_x509()
+        .map_err(|e| format!("the serving certificate is not X.509: {e}"))?;
+    let validity = leaf.validity();
+    let not_after = validity.not_after.timestamp();
+    if not_after <= now_unix {
+        return Err(format!(
+            "the serving certificate expired at {} (unix {not_after})",
+            validity.not_after
+        ));
+    }
+    if validity.not_before.timestamp() > now_unix {
+        return Err(format!(
+            "the serving certificate is not valid before {}",
+            validity.not_before
+        ));
+    }
+    let mut signed = false;
+    for pem in x509_parser::pem::Pem::iter_from_buffer(ca_bundle_pem.as_bytes()) {
+        let Ok(pem) = pem else { continue };
+        let Ok(ca) = pem.parse_x509() else { continue };
+        if ca.subject() == leaf.issuer() && leaf.verify_signature(Some(ca.public_key())).is_ok() {
+            signed = true;
+            break;
+        }
+    }
+    if !signed {
+        return Err(format!(
+            "the serving certificate (issuer {}) is not signed by any CA in the caBundle",
+            leaf.issuer()
+        ));
+    }
+    let names: Vec<String> = leaf
+        .subject_alternative_name()
+        .ok()
+        .flatten()
+        .map(|san| {
+            san.value
+                .general_names
+                .iter()
+                .filter_map(|n| match n {
+                    x509_parser::extensions::GeneralName::DNSName(d) => Some((*d).to_owned()),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if !names.iter().any(|n| n == dns_name) {
+        return Err(format!(
+            "the serving certificate names {names:?}, not {dns_name}"
+        ));
+    }
+    Ok(not_after)
+}
+
 /// RFC 1123 host names, with an optional leading `*.` wildcard label.
 fn is_dns_name(name: &str) -> bool {
     let name = name.strip_prefix("*.").unwrap_or(name);
@@ -207,6 +273,41 @@ pub fn public_key_pem(key_pem: &str) -> Result<String, PkiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn serving_certificates_are_checked_as_the_api_server_would() {
+        let ca = Ca::new("ca", Duration::from_secs(3600)).unwrap();
+        let other = Ca::new("other", Duration::from_secs(3600)).unwrap();
+        let cert = ca
+            .issue_server(&["svc.ns.svc"], Duration::from_secs(60))
+            .unwrap();
+        let now = cert.not_after_unix - 30;
+        let bundle = &ca.certificate().cert_pem;
+        assert_eq!(
+            verify_serving(&cert.cert_pem, bundle, "svc.ns.svc", now),
+            Ok(cert.not_after_unix)
+        );
+        let both = format!("{}{}", other.certificate().cert_pem, bundle);
+        assert!(verify_serving(&cert.cert_pem, &both, "svc.ns.svc", now).is_ok());
+        let e = verify_serving(
+            &cert.cert_pem,
+            &other.certificate().cert_pem,
+            "svc.ns.svc",
+            now,
+        )
+        .unwrap_err();
+        assert!(e.contains("not signed by any CA in the caBundle"), "{e}");
+        let e = verify_serving(
+            &cert.cert_pem,
+            bundle,
+            "svc.ns.svc",
+            cert.not_after_unix + 1,
+        )
+        .unwrap_err();
+        assert!(e.contains("expired"), "{e}");
+        let e = verify_serving(&cert.cert_pem, bundle, "other.ns.svc", now).unwrap_err();
+        assert!(e.contains("not other.ns.svc"), "{e}");
+    }
 
     #[test]
     fn issues_pem_certificates() {

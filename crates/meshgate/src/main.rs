@@ -174,6 +174,19 @@ enum Command {
         #[arg(long, global = true)]
         kubeconfig: Option<PathBuf>,
     },
+    /// Is the install healthy? Each check passes or fails with a hint; exits non-zero when any
+    /// fails.
+    Check {
+        /// The namespace `install` used.
+        #[arg(long, default_value = "meshgate-system")]
+        namespace: String,
+        /// Output format.
+        #[arg(short = 'o', long, default_value = "text", value_parser = ["text", "json"])]
+        output: String,
+        /// Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster).
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+    },
     /// Remove meshgate from the cluster: admission registrations first (nothing fails closed),
     /// then the components, then the taints and resources it put on nodes, then the rest of
     /// what `install` created. Safe to run again.
@@ -531,6 +544,24 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 "yaml" => emit(&meshgate_api::yaml::to_string(&status)?),
                 _ => emit(&meshgate::status::table(&status)),
             }
+        }
+        Command::Check {
+            namespace,
+            output,
+            kubeconfig,
+        } => {
+            let client = client_for(kubeconfig).await?;
+            let checks = meshgate::check::run(&client, &namespace).await?;
+            if output == "json" {
+                emit(&(serde_json::to_string_pretty(&checks)? + "\n"))?;
+            } else {
+                emit(&meshgate::check::text(&checks))?;
+            }
+            let failed = checks.iter().filter(|c| !c.ok).count();
+            if failed > 0 {
+                anyhow::bail!("{failed} check(s) failed");
+            }
+            Ok(())
         }
         Command::Uninstall {
             namespace,

@@ -1338,6 +1338,11 @@ async fn ambient_meshgate_installed_from_its_image_gates_the_real_node() {
         (ca_before, bundles_before),
         "install again kept the CA and caBundle"
     );
+    // A healthy install passes every check (components, certificate against the caBundle,
+    // agents, RBAC, gates); `meshgate_cli` requires exit 0.
+    let report = meshgate_cli(&cp, &["check"]);
+    assert!(report.contains("checks passed"), "{report}");
+    assert!(!report.contains("[FAIL]"), "{report}");
 
     // A pod of an ambient namespace: the in-cluster webhook gates it; the scheduler places it;
     // the gate holds it until the node-proxy stand-in opens the in-pod listener.
