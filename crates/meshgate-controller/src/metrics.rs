@@ -36,6 +36,8 @@ pub struct Metrics {
     pub initial_reconcile_done: Gauge,
     /// Re-taints the budget held back.
     pub retaints_deferred: Counter,
+    /// The repair loop's metrics, `meshgate_controller_repair_*`, in the same registry.
+    pub repair: crate::repair::RepairMetrics,
     registry: Arc<Registry>,
 }
 
@@ -101,7 +103,9 @@ impl Metrics {
             "Re-taints not written because the gate's maxRetainted budget was used up",
             retaints_deferred.clone(),
         );
+        let repair = crate::repair::RepairMetrics::register(r.sub_registry_with_prefix("repair"));
         Self {
+            repair,
             synced,
             initial_reconcile_done,
             retaints_deferred,
@@ -121,5 +125,18 @@ impl Metrics {
             out.clear();
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn one_registry_one_exposition() {
+        let m = super::Metrics::new();
+        m.repair.pods.set(3);
+        let text = m.encode();
+        assert!(text.contains("meshgate_controller_repair_pods 3"), "{text}");
+        assert!(text.contains("meshgate_controller_synced"), "{text}");
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
     }
 }

@@ -78,7 +78,7 @@ pub async fn run_controller(
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) -> anyhow::Result<()> {
     let metrics = meshgate_controller::Metrics::new();
-    let repair_metrics = meshgate_controller::repair::RepairMetrics::new();
+    let repair_metrics = metrics.repair.clone();
     s.repair
         .validate()
         .map_err(|e| anyhow::anyhow!("repair settings: {e}"))?;
@@ -88,7 +88,7 @@ pub async fn run_controller(
     };
     if let Some(addr) = s.health_addr {
         let listener = tokio::net::TcpListener::bind(addr).await?;
-        let app = axum_router(metrics.clone(), repair_metrics.clone());
+        let app = axum_router(metrics.clone());
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
@@ -146,10 +146,7 @@ pub async fn run_controller(
     Ok(())
 }
 
-fn axum_router(
-    metrics: meshgate_controller::Metrics,
-    repair: meshgate_controller::repair::RepairMetrics,
-) -> axum::Router {
+fn axum_router(metrics: meshgate_controller::Metrics) -> axum::Router {
     use axum::routing::get;
     let synced = metrics.synced.clone();
     axum::Router::new()
@@ -174,14 +171,10 @@ fn axum_router(
         )
         .route(
             "/metrics",
+            // One registry: the repair loop's metrics are registered in the controller's.
             get(move || {
-                let (m, r) = (metrics.clone(), repair.clone());
-                // Two registries, one exposition: a single `# EOF` at the end.
-                async move {
-                    let mut text = m.encode().replace("# EOF\n", "");
-                    text.push_str(&r.encode());
-                    text
-                }
+                let m = metrics.clone();
+                async move { m.encode() }
             }),
         )
 }
