@@ -146,29 +146,31 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     for c in ["webhook", "controller"] {
         out.push(json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(&format!("meshgate-{c}"), Some(ns), c)}));
     }
+    // Exactly what the code paths use (`cargo test -p meshgate --test install_rbac` fails on a
+    // permission no path exercises and on a path without its permission): watches list and
+    // watch; `get` only where an object is read by name.
     let webhook_rules = json!([
-        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": [""], "resources": ["limitranges"], "verbs": ["list", "watch"]},
-        {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "namespacedmutationpolicies", "nodegates"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["namespaces", "limitranges"], "verbs": ["list", "watch"]},
+        {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "namespacedmutationpolicies", "nodegates"], "verbs": ["list", "watch"]},
     ]);
     let controller_rules = json!([
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch", "patch"]},
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
         // patch: policy backfill of existing workloads' pod templates (DaemonSets included;
         // their pods are also read for the agents' DaemonSets).
         {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "daemonsets", "replicasets"], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": ["batch"], "resources": ["jobs", "cronjobs"], "verbs": ["get", "list", "watch", "patch"]},
-        {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "namespacedmutationpolicies"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "namespacedmutationpolicies"], "verbs": ["list", "watch"]},
         // patch: the gate's finalizer (taints come off every node before a gate goes).
-        {"apiGroups": ["meshgate.dev"], "resources": ["nodegates"], "verbs": ["get", "list", "watch", "patch"]},
-        {"apiGroups": ["meshgate.dev"], "resources": ["nodegates/status", "mutationpolicies/status"], "verbs": ["patch", "update"]},
+        {"apiGroups": ["meshgate.dev"], "resources": ["nodegates"], "verbs": ["list", "watch", "patch"]},
+        {"apiGroups": ["meshgate.dev"], "resources": ["nodegates/status", "mutationpolicies/status"], "verbs": ["patch"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"], "resourceNames": ["meshgate"], "verbs": ["get", "patch"]},
         // Native policies: the MutatingAdmissionPolicies (and bindings) compiled from
         // MutationPolicies, kept by server-side apply and deleted when a policy stops compiling.
-        {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingadmissionpolicies", "mutatingadmissionpolicybindings"], "verbs": ["get", "create", "patch", "delete"]},
+        {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingadmissionpolicies", "mutatingadmissionpolicybindings"], "verbs": ["create", "patch", "delete"]},
     ]);
     let mut controller_rules = controller_rules;
     if let Some(action) = o.repair {
@@ -210,8 +212,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     );
     out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta("meshgate-controller-lease", Some(ns), "controller"),
         "rules": [
-            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update", "patch"]},
-            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["meshgate-ca", "meshgate-webhook-tls"], "verbs": ["get", "patch", "update"]},
+            {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]},
+            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["meshgate-ca", "meshgate-webhook-tls"], "verbs": ["get", "patch"]},
             {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
         ]}));
     out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta("meshgate-controller-lease", Some(ns), "controller"),
