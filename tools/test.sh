@@ -10,13 +10,14 @@
 #    iptables when missing (tools/node/packages.sh; root) and builds, once, kubelet,
 #    kube-controller-manager and kube-proxy (tools/node/build.sh);
 # 1c. builds yamlcheck (kubectl's YAML reader, sigs.k8s.io/yaml) for the yaml_readback test
-#    (tools/yamlcheck/build.sh);
-# 2. cargo fmt --check, cargo clippy --all-targets -D warnings, the CRD manifests are current;
+#    (tools/yamlcheck/build.sh) and Helm for the helm test (tools/helm/build.sh);
+# 2. cargo fmt --check, cargo clippy --all-targets -D warnings, the CRD manifests and the Helm
+#    chart are current;
 # 3. cargo test --workspace: unit tests, the end-to-end tests against the real control plane, and
 #    real_node on a real node (it builds meshgate-wait, pause and app static, once).
 #
 # Env: MESHGATE_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate) holds the control plane,
-# the node binaries, yamlcheck, the static test binaries (static-target) and, unless CARGO_TARGET_DIR is set,
+# the node binaries, yamlcheck, helm, the static test binaries (static-target) and, unless CARGO_TARGET_DIR is set,
 # the Cargo build directory, so that a new clone reuses them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -46,6 +47,10 @@ step "yamlcheck (kubectl's YAML reader, for the yaml_readback test)"
 MESHGATE_YAMLCHECK=$(tools/yamlcheck/build.sh)
 export MESHGATE_YAMLCHECK
 
+step "helm (for the helm test)"
+MESHGATE_HELM=$(tools/helm/build.sh)
+export MESHGATE_HELM
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -54,6 +59,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "generated CRD manifests are current"
 cargo run --quiet --locked -p meshgate -- crds --check deploy/crds
+
+step "the Helm chart is what install generates"
+cargo run --quiet --locked -p meshgate -- chart --check deploy/helm/meshgate
 
 step "cargo test --workspace"
 # The end-to-end test binaries each start their own control plane; two at a time fit 2 cores.

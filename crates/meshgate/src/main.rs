@@ -103,6 +103,15 @@ enum Command {
         #[arg(long)]
         write: Option<PathBuf>,
     },
+    /// Write the Helm chart (generated from `install`), or check the checked-in copy.
+    Chart {
+        /// Fail unless the chart in this directory is what `install` generates.
+        #[arg(long, conflicts_with = "write")]
+        check: Option<PathBuf>,
+        /// Write the chart into this directory.
+        #[arg(long)]
+        write: Option<PathBuf>,
+    },
     /// Apply policies to manifests offline and print the result.
     Render {
         /// Manifests (multi-document YAML; `-` for stdin).
@@ -403,6 +412,11 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 emit(&crds::all_yaml()?)
             }
         }
+        Command::Chart { check, write } => match (check, write) {
+            (Some(dir), _) => meshgate::chart::check(&dir),
+            (None, Some(dir)) => meshgate::chart::write(&dir),
+            (None, None) => anyhow::bail!("chart: pass --write DIR or --check DIR"),
+        },
         Command::Render {
             manifests,
             policies,

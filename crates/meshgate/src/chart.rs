@@ -1,0 +1,240 @@
+//! The Helm chart (`deploy/helm/meshgate`), generated from `meshgate install` so that the two
+//! can never disagree: `meshgate chart --write DIR` writes it, `--check DIR` fails when the
+//! checked-in chart is stale (the `helm` test runs it, and compares `helm template` with
+//! `meshgate install` for every profile, repair mode and node-taint path).
+//!
+//! How it is made: `install` is rendered for every combination of the values `profile`, `repair`
+//! (`""`, `label`, `delete`) and the node taint path (`policy`, `webhook`), with placeholders for
+//! the release namespace and the image. Each object becomes one template file; an object that
+//! differs between combinations gets one block per variant, under a condition on the
+//! combination (`meshgate.combo`). The placeholders become `{{ .Release.Namespace }}` and
+//! `{{ .Values.image }}`. CRDs go to `crds/` (Helm installs them once and never upgrades or
+//! deletes them, as it does for every chart). The install namespace is not part of the chart: Helm
+//! creates it (`--create-namespace`), and a chart must not template its own release namespace.
+//!
+//! `nodeTaint: auto` (the default) picks the MutatingAdmissionPolicy where the cluster serves
+//! `admissionregistration.k8s.io/v1` (Helm's `.Capabilities`), else the webhook, as `install`
+//! does by discovery.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::install::{InstallOptions, NodeTaint, PROFILES, RepairAction};
+use meshgate_core::registration::PolicyApi;
+
+const NAMESPACE: &str = "helm-release-namespace-placeholder";
+const IMAGE: &str = "helm-image-placeholder";
+const REPAIRS: [(&str, Option<RepairAction>); 3] = [
+    ("", None),
+    ("label", Some(RepairAction::Label)),
+    ("delete", Some(RepairAction::Delete)),
+];
+const TAINTS: [&str; 2] = ["policy", "webhook"];
+
+const CHART_YAML: &str = "\
+apiVersion: v2
+name: meshgate
+description: Holds pods and nodes until the service mesh's node agents have set them up, and mutates workloads by policy.
+type: application
+version: 0.1.0
+appVersion: \"0.1.0\"
+";
+
+const VALUES_YAML: &str = "\
+# The mesh profile: istio-ambient, istio-sidecar, kubeflow (Istio sidecar mode with its policy),
+# linkerd. As `meshgate install --profile`.
+profile: istio-ambient
+# meshgate's image (both binaries). As `meshgate install --image`.
+image: meshgate/meshgate:0.1.0
+# How new nodes get the startup taint at registration: policy (a MutatingAdmissionPolicy the API
+# server evaluates), webhook, or auto (the policy where the cluster serves
+# admissionregistration.k8s.io/v1). As `meshgate install --node-taint`.
+nodeTaint: auto
+# The controller's repair loop for pods whose gate timed out: \"\" (off), label, delete.
+# As `meshgate install --repair`.
+repair: \"\"
+";
+
+const HELPERS: &str = "\
+{{/* The node taint path: policy or webhook. */}}
+{{- define \"meshgate.nodeTaint\" -}}
+{{- if eq .Values.nodeTaint \"auto\" -}}
+{{- if .Capabilities.APIVersions.Has \"admissionregistration.k8s.io/v1/MutatingAdmissionPolicy\" -}}policy{{- else -}}webhook{{- end -}}
+{{- else -}}
+{{- .Values.nodeTaint -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The combination of values the templates are generated for: profile/repair/nodeTaint. */}}
+{{- define \"meshgate.combo\" -}}
+{{- printf \"%s/%s/%s\" .Values.profile .Values.repair (include \"meshgate.nodeTaint\" .) -}}
+{{- end -}}
+";
+
+fn validate_template() -> String {
+    let profiles = PROFILES
+        .iter()
+        .map(|p| format!("\"{p}\""))
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!(
+        "{{{{- if not (has .Values.profile (list {profiles})) }}}}
+{{{{- fail (printf \"profile %q: expected one of {}\" .Values.profile) }}}}
+{{{{- end }}}}
+{{{{- if not (has .Values.repair (list \"\" \"label\" \"delete\")) }}}}
+{{{{- fail (printf \"repair %q: expected \\\"\\\", label or delete\" .Values.repair) }}}}
+{{{{- end }}}}
+{{{{- if not (has .Values.nodeTaint (list \"auto\" \"policy\" \"webhook\")) }}}}
+{{{{- fail (printf \"nodeTaint %q: expected auto, policy or webhook\" .Values.nodeTaint) }}}}
+{{{{- end }}}}
+",
+        PROFILES.join(", ")
+    )
+}
+
+/// The install options of one combination.
+pub fn options(profile: &str, repair: Option<RepairAction>, taint: &str) -> InstallOptions {
+    InstallOptions {
+        profile: profile.into(),
+        namespace: NAMESPACE.into(),
+        image: IMAGE.into(),
+        node_taint: if taint == "policy" {
+            NodeTaint::Policy(PolicyApi::V1)
+        } else {
+            NodeTaint::Webhook
+        },
+        repair,
+    }
+}
+
+fn templated(yaml: &str) -> String {
+    yaml.replace(NAMESPACE, "{{ .Release.Namespace }}")
+        .replace(IMAGE, "{{ .Values.image }}")
+}
+
+/// `(path in the chart, content)` of every file.
+pub fn files() -> anyhow::Result<Vec<(String, String)>> {
+    // object key -> variant YAML -> combinations.
+    let mut objects: BTreeMap<String, BTreeMap<String, Vec<String>>> = BTreeMap::new();
+    let mut crds = Vec::new();
+    let mut all = Vec::new();
+    for profile in PROFILES {
+        for (repair_name, repair) in REPAIRS {
+            for taint in TAINTS {
+                let combo = format!("{profile}/{repair_name}/{taint}");
+                all.push(combo.clone());
+                for doc in crate::install::render(&options(profile, repair, taint))? {
+                    let kind = doc["kind"].as_str().unwrap_or_default().to_owned();
+                    let name = doc["metadata"]["name"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned();
+                    if kind == "Namespace" {
+                        continue;
+                    }
+                    if kind == "CustomResourceDefinition" {
+                        if !crds.iter().any(|(n, _)| n == &name) {
+                            crds.push((name, meshgate_api::yaml::to_string(&doc)?));
+                        }
+                        continue;
+                    }
+                    let key = format!("{}-{}", kind.to_lowercase(), name);
+                    objects
+                        .entry(key)
+                        .or_default()
+                        .entry(meshgate_api::yaml::to_string(&doc)?)
+                        .or_default()
+                        .push(combo.clone());
+                }
+            }
+        }
+    }
+    let mut out = vec![
+        ("Chart.yaml".to_owned(), CHART_YAML.to_owned()),
+        ("values.yaml".to_owned(), VALUES_YAML.to_owned()),
+        ("templates/_helpers.tpl".to_owned(), HELPERS.to_owned()),
+        ("templates/validate.yaml".to_owned(), validate_template()),
+    ];
+    for profile in PROFILES {
+        out.push((
+            format!("values-{profile}.yaml"),
+            format!("# meshgate for the {profile} profile: helm install meshgate . -f values-{profile}.yaml\nprofile: {profile}\n"),
+        ));
+    }
+    for (name, yaml) in crds {
+        out.push((format!("crds/{name}.yaml"), yaml));
+    }
+    for (key, variants) in objects {
+        let mut text = String::from(
+            "# Generated by `meshgate chart --write` from `meshgate install`; do not edit.\n",
+        );
+        for (yaml, combos) in variants {
+            if combos.len() == all.len() {
+                text.push_str("---\n");
+                text.push_str(&templated(&yaml));
+            } else {
+                let list = combos
+                    .iter()
+                    .map(|c| format!("\"{c}\""))
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                text.push_str(&format!(
+                    "{{{{- if has (include \"meshgate.combo\" .) (list {list}) }}}}\n---\n{}{{{{- end }}}}\n",
+                    templated(&yaml)
+                ));
+            }
+        }
+        out.push((format!("templates/{key}.yaml"), text));
+    }
+    Ok(out)
+}
+
+/// Writes the chart into `dir` (its generated files replaced).
+pub fn write(dir: &Path) -> anyhow::Result<()> {
+    for sub in ["templates", "crds"] {
+        let d = dir.join(sub);
+        if d.exists() {
+            std::fs::remove_dir_all(&d)?;
+        }
+    }
+    for (path, text) in files()? {
+        let p = dir.join(path);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(p, text)?;
+    }
+    Ok(())
+}
+
+/// Fails, naming the files, when `dir` differs from what `install` generates.
+pub fn check(dir: &Path) -> anyhow::Result<()> {
+    let expected = files()?;
+    let mut stale: Vec<String> = expected
+        .iter()
+        .filter(|(p, t)| std::fs::read_to_string(dir.join(p)).ok().as_deref() != Some(t.as_str()))
+        .map(|(p, _)| p.clone())
+        .collect();
+    for sub in ["templates", "crds"] {
+        for entry in std::fs::read_dir(dir.join(sub))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let rel = format!("{sub}/{}", entry.file_name().to_string_lossy());
+            if !expected.iter().any(|(p, _)| *p == rel) {
+                stale.push(format!("{rel} (not generated)"));
+            }
+        }
+    }
+    if stale.is_empty() {
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "the chart in {} differs from `meshgate install`: {}; run `meshgate chart --write {}`",
+            dir.display(),
+            stale.join(", "),
+            dir.display()
+        )
+    }
+}
