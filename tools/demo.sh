@@ -15,5 +15,5 @@ if [ "$(id -u)" = 0 ] && tools/node/packages.sh && MESHGATE_NODE_BIN=$(tools/nod
 else
   echo "demo.sh: no real node (needs root and the node's packages); the demo uses simulated nodes" >&2
 fi
-cargo build --quiet --locked -p meshgate
+cargo build --quiet --locked -p meshgate --features demo
 exec "$CARGO_TARGET_DIR/debug/meshgate" demo "$@"

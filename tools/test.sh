@@ -55,7 +55,7 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 
 step "cargo clippy --all-targets -- -D warnings"
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
 step "generated CRD manifests are current"
 cargo run --quiet --locked -p meshgate -- crds --check deploy/crds

@@ -3,6 +3,7 @@
 pub mod chart;
 pub mod check;
 pub mod crds;
+#[cfg(feature = "demo")]
 pub mod demo;
 pub mod discovery;
 pub mod install;

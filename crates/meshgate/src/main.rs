@@ -529,7 +529,12 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             );
             Ok(())
         }
+        #[cfg(feature = "demo")]
         Command::Demo { keep } => meshgate::demo::run(meshgate::demo::DemoOptions { keep }).await,
+        #[cfg(not(feature = "demo"))]
+        Command::Demo { keep: _ } => anyhow::bail!(
+            "this meshgate was built without the demo (it is not part of the shipped binary); run tools/demo.sh, or build with `cargo build -p meshgate --features demo`"
+        ),
         Command::Status {
             of: Some(StatusOf::Pod { pod }),
             output,
