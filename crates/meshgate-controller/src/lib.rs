@@ -6,6 +6,8 @@
 //! * [`leader`]: leader election on a Lease; every replica keeps warm caches, only the leader
 //!   writes.
 //! * [`registration`]: the policies webhook's rules follow the kinds the MutationPolicies name.
+//! * [`run`]: the controller process (all of the above, leader election, health and metrics),
+//!   as the webhook crate's `Server` is the webhook's.
 //!
 //! The controllers are thin: they watch, call the pure decisions of `meshgate-core`, and write
 //! the result with optimistic locking.
@@ -13,12 +15,14 @@
 pub mod agents;
 pub mod certs;
 pub mod conditions;
+pub mod discovery;
 pub mod leader;
 pub mod metrics;
 pub mod nodegate;
 pub mod policies;
 pub mod registration;
 pub mod repair;
+pub mod run;
 
 pub use metrics::Metrics;
 

@@ -401,7 +401,8 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 },
                 run::shutdown_signal(),
             )
-            .await
+            .await?;
+            Ok(())
         }
         Command::Crds { check, write } => {
             if let Some(dir) = check {

@@ -1,0 +1,154 @@
+//! The controller process: every controller of this crate on one client, leader-elected, with
+//! its health and metrics endpoint (`/healthz`, `/readyz`, `/metrics`), until a shutdown signal.
+//! `meshgate controller` and the tests run it.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::leader::{self, LeaseSettings};
+
+/// Why the controller could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("repair settings: {0}")]
+    Repair(String),
+    #[error("leader election: {0}")]
+    Lease(#[from] kube_lease_manager::LeaseManagerError),
+    #[error("health endpoint {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Settings of the controller.
+#[derive(Clone, Debug)]
+pub struct ControllerSettings {
+    /// `None`: no leader election (a single replica).
+    pub lease: Option<LeaseSettings>,
+    pub health_addr: Option<SocketAddr>,
+    pub node_gate: crate::nodegate::Settings,
+    /// Manage the webhook's certificates (in a cluster).
+    pub certs: Option<crate::certs::CertSettings>,
+    /// The repair loop (off unless `enabled`).
+    pub repair: meshgate_core::repair::RepairSettings,
+    /// Keep the rules of this `MutatingWebhookConfiguration`'s policies webhook in line with
+    /// the kinds the MutationPolicies name (`None`: leave them as installed).
+    pub policy_webhook: Option<String>,
+    /// Native mode: compile MutationPolicies that a MutatingAdmissionPolicy can express into
+    /// one, when the API server serves that API (`meshgate_core::policy::native`).
+    pub native_policies: bool,
+}
+
+/// Runs the controllers (node gate, and the MutationPolicy backfill of existing workloads)
+/// until `shutdown` resolves.
+pub async fn run_controller(
+    client: kube::Client,
+    s: ControllerSettings,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) -> Result<(), RunError> {
+    let metrics = crate::Metrics::new();
+    let repair_metrics = metrics.repair.clone();
+    s.repair
+        .validate()
+        .map_err(|e| RunError::Repair(e.to_string()))?;
+    let leader = match s.lease {
+        Some(lease) => leader::elect(client.clone(), lease).await?,
+        None => leader::always(),
+    };
+    if let Some(addr) = s.health_addr {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| RunError::Bind { addr, source })?;
+        let app = axum_router(metrics.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+    }
+    let mut policy_settings = crate::policies::Settings::default();
+    if s.native_policies {
+        policy_settings.native = crate::discovery::policy_api(&client).await;
+        match policy_settings.native {
+            Some(api) => tracing::info!(
+                api = api.api_version(),
+                "native policies: expressible MutationPolicies become MutatingAdmissionPolicies"
+            ),
+            None => tracing::warn!(
+                "native policies: the API server serves no MutatingAdmissionPolicy API; every policy stays on the webhook"
+            ),
+        }
+    }
+    // Every controller stops on the same signal.
+    let shutdown = futures::FutureExt::shared(shutdown);
+    if let Some(certs) = s.certs {
+        let (client, leader, stop) = (client.clone(), leader.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = crate::certs::run(client, leader, certs) => {},
+                _ = stop => {},
+            }
+        });
+    }
+    if let Some(configuration) = s.policy_webhook {
+        let (client, leader, stop) = (client.clone(), leader.clone(), shutdown.clone());
+        tokio::spawn(crate::registration::run(
+            client,
+            leader,
+            configuration,
+            Duration::from_secs(60),
+            stop,
+        ));
+    }
+    futures::join!(
+        crate::nodegate::run(
+            client.clone(),
+            leader.clone(),
+            metrics,
+            s.node_gate,
+            shutdown.clone(),
+        ),
+        crate::policies::run_with(
+            client.clone(),
+            leader.clone(),
+            policy_settings,
+            shutdown.clone()
+        ),
+        crate::repair::run(client, leader, s.repair, repair_metrics, shutdown),
+    );
+    Ok(())
+}
+
+fn axum_router(metrics: crate::Metrics) -> axum::Router {
+    use axum::routing::get;
+    let synced = metrics.synced.clone();
+    axum::Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        // Ready once the node gate's caches have their first full list (before that the
+        // controller decides nothing; see crate::nodegate).
+        .route(
+            "/readyz",
+            get(move || {
+                let ready = synced.get() == 1;
+                async move {
+                    if ready {
+                        (axum::http::StatusCode::OK, "ok")
+                    } else {
+                        (
+                            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                            "not ready: caches not synced",
+                        )
+                    }
+                }
+            }),
+        )
+        .route(
+            "/metrics",
+            // One registry: the repair loop's metrics are registered in the controller's.
+            get(move || {
+                let m = metrics.clone();
+                async move { m.encode() }
+            }),
+        )
+}
+
