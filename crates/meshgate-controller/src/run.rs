@@ -151,4 +151,3 @@ fn axum_router(metrics: crate::Metrics) -> axum::Router {
             }),
         )
 }
-

@@ -231,6 +231,23 @@ fn review(response: Value) -> Value {
     json!({"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response})
 }
 
+/// Records the object's name in the review span when the request did not carry one (objects
+/// named by the API server from `generateName`).
+pub(crate) fn record_name(req: &Request<'_>, name: &str) {
+    if req.name.is_empty() && !name.is_empty() {
+        tracing::Span::current().record("name", name);
+    }
+}
+
+/// `request.object` as a `Value`, or the refusal to answer with.
+pub(crate) fn object_value(req: &Request<'_>) -> Result<Value, (u16, String)> {
+    let object = req
+        .object_value()
+        .map_err(|e| (400, format!("request.object: {e}")))?;
+    record_name(req, object_name(&object));
+    Ok(object)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

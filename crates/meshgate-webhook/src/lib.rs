@@ -15,15 +15,18 @@
 //!
 //! Every request that reaches a handler gets a well-formed answer: a review it can read gets an
 //! `AdmissionReview` response (a malformed one: `allowed: false` with code 400 and the reason);
-//! a body that is not a review at all gets HTTP 400, a wrong content type 415, a body over 3 MiB
-//! 413. Nothing on the request path panics or unwraps.
+//! a body that is not a review at all gets HTTP 400, a wrong content type 415, a body over 3.5 MiB
+//! 413, a request over the in-flight limit 429. Nothing on the request path panics or unwraps.
 
 pub mod admission;
+pub mod app;
+pub mod handlers;
 pub mod metrics;
 mod policies;
 pub mod server;
 pub mod sources;
 pub mod tls;
 
-pub use server::{App, Server, ServerOptions};
+pub use app::App;
+pub use server::{Server, ServerOptions};
 pub use sources::Sources;

@@ -12,8 +12,8 @@ use meshgate_core::patch::JsonPatch;
 use meshgate_core::policy::{self, MatchContext};
 
 use crate::admission::{Request, object_name};
+use crate::app::{App, Handled};
 use crate::metrics::MutationLabels;
-use crate::server::{App, Handled};
 
 fn unchanged(outcome: &'static str) -> Handled {
     Handled {
@@ -41,7 +41,7 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
     if policies.is_empty() {
         return Ok(unchanged("unchanged"));
     }
-    let object = crate::server::object_value(&req)?;
+    let object = crate::admission::object_value(&req)?;
     // A cluster-scoped object has no namespace; a Namespace is its own (the API server sets the
     // request's namespace to its name), and may not exist yet.
     let (namespace, labels) = if req.kind == "Namespace" {
