@@ -39,6 +39,9 @@ pub struct ControllerSettings {
     /// Native mode: compile MutationPolicies that a MutatingAdmissionPolicy can express into
     /// one, when the API server serves that API (`meshgate_core::policy::native`).
     pub native_policies: bool,
+    /// Namespaces in which policies never change anything (backfill, native policies): the
+    /// webhook's `excludedNamespaces`. `None`: the configuration's default.
+    pub excluded_namespaces: Option<Vec<String>>,
 }
 
 /// Runs the controllers (node gate, and the MutationPolicy backfill of existing workloads)
@@ -67,6 +70,9 @@ pub async fn run_controller(
         });
     }
     let mut policy_settings = crate::policies::Settings::default();
+    if let Some(excluded) = s.excluded_namespaces {
+        policy_settings.excluded_namespaces = excluded;
+    }
     if s.native_policies {
         policy_settings.native = crate::discovery::policy_api(&client).await;
         match policy_settings.native {

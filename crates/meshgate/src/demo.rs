@@ -162,6 +162,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                 repair: Default::default(),
                 policy_webhook: None,
                 native_policies: false,
+                excluded_namespaces: None,
             },
             async move {
                 let _ = stop_rx.await;

@@ -251,6 +251,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
                 "--policy-webhook-configuration".to_owned(),
                 "meshgate".to_owned(),
                 "--native-policies".to_owned(),
+                "--excluded-namespaces".to_owned(),
+                config.excluded_namespaces.join(","),
                 "--log-json".to_owned(),
             ];
             if let Some(action) = o.repair {

@@ -82,6 +82,11 @@ enum Command {
         /// to serve MutatingAdmissionPolicy (discovery); else every policy stays on the webhook.
         #[arg(long)]
         native_policies: bool,
+        /// Namespaces in which policies never change anything (backfill, native policies),
+        /// comma-separated: the webhook configuration's `excludedNamespaces` (`install` passes
+        /// them). Default: the configuration's default.
+        #[arg(long, value_delimiter = ',')]
+        excluded_namespaces: Option<Vec<String>>,
         /// Repair pods whose gate timed out: label them (or delete them, see --repair-action).
         #[arg(long)]
         repair: bool,
@@ -361,6 +366,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             manage_certs,
             policy_webhook_configuration,
             native_policies,
+            excluded_namespaces,
             repair,
             repair_action,
             repair_dry_run,
@@ -398,6 +404,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     repair,
                     policy_webhook: policy_webhook_configuration,
                     native_policies,
+                    excluded_namespaces,
                 },
                 run::shutdown_signal(),
             )

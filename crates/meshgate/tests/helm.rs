@@ -196,6 +196,7 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
             repair: Default::default(),
             policy_webhook: Some("meshgate".into()),
             native_policies: true,
+            excluded_namespaces: None,
         };
         meshgate::run::run_controller(client, settings, async move {
             let _ = stopped.await;

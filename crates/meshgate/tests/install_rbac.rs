@@ -460,6 +460,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
             },
             policy_webhook: Some("meshgate".into()),
             native_policies: true,
+            excluded_namespaces: None,
         };
         meshgate::run::run_controller(client, settings, async move {
             let _ = stopped.await;

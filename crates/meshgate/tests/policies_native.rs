@@ -318,6 +318,7 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
             repair: Default::default(),
             policy_webhook: None,
             native_policies: true,
+            excluded_namespaces: None,
         };
         meshgate::run::run_controller(client, settings, async move {
             let _ = stopped.await;

@@ -162,6 +162,7 @@ pub async fn serve_policies(cp: &ControlPlane) {
                     repair: Default::default(),
                     policy_webhook: Some(POLICIES_CONFIGURATION.into()),
                     native_policies: false,
+                    excluded_namespaces: None,
                 };
                 if let Err(e) = meshgate::run::run_controller(
                     client,
