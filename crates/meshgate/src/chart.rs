@@ -53,6 +53,47 @@ nodeTaint: auto
 # The controller's repair loop for pods whose gate timed out: \"\" (off), label, delete.
 # As `meshgate install --repair`.
 repair: \"\"
+# Admit connections to the webhook's HTTPS port only from these CIDRs (a NetworkPolicy): the API
+# server's source addresses, which differ per cluster. Empty: no NetworkPolicy.
+# As `meshgate install --webhook-ingress-from`.
+webhookIngressFrom: []
+";
+
+/// The webhook's NetworkPolicy, as `install --webhook-ingress-from` renders it.
+const NETWORK_POLICY: &str = "\
+# Written with `meshgate install --webhook-ingress-from` (crates/meshgate/src/install.rs); the helm
+# test compares the two.
+{{- if .Values.webhookIngressFrom }}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  labels:
+    app.kubernetes.io/component: webhook
+    app.kubernetes.io/managed-by: meshgate
+    app.kubernetes.io/name: meshgate
+  name: meshgate-webhook
+  namespace: {{ .Release.Namespace }}
+spec:
+  ingress:
+  - from:
+{{- range .Values.webhookIngressFrom }}
+    - ipBlock:
+        cidr: {{ . | quote }}
+{{- end }}
+    ports:
+    - port: 8443
+      protocol: TCP
+  - ports:
+    - port: 8080
+      protocol: TCP
+  podSelector:
+    matchLabels:
+      app.kubernetes.io/component: webhook
+      app.kubernetes.io/name: meshgate
+  policyTypes:
+  - Ingress
+{{- end }}
 ";
 
 const HELPERS: &str = "\
@@ -104,6 +145,7 @@ pub fn options(profile: &str, repair: Option<RepairAction>, taint: &str) -> Inst
             NodeTaint::Webhook
         },
         repair,
+        webhook_ingress_from: Vec::new(),
     }
 }
 
@@ -154,6 +196,10 @@ pub fn files() -> anyhow::Result<Vec<(String, String)>> {
         ("values.yaml".to_owned(), VALUES_YAML.to_owned()),
         ("templates/_helpers.tpl".to_owned(), HELPERS.to_owned()),
         ("templates/validate.yaml".to_owned(), validate_template()),
+        (
+            "templates/networkpolicy-meshgate-webhook.yaml".to_owned(),
+            NETWORK_POLICY.to_owned(),
+        ),
     ];
     for profile in PROFILES {
         out.push((

@@ -34,6 +34,10 @@ pub struct InstallOptions {
     /// The repair loop (`None`: off) and what it may do to pods: `label` them, or `delete`
     /// them. The controller's RBAC grants pod writes only for this.
     pub repair: Option<RepairAction>,
+    /// With addresses (CIDRs): a NetworkPolicy that admits connections to the webhook's HTTPS
+    /// port only from them (the API server's source addresses, which differ per cluster), and
+    /// to its health and metrics port from anywhere. Empty: no NetworkPolicy.
+    pub webhook_ingress_from: Vec<String>,
 }
 
 pub use meshgate_core::repair::RepairAction;
@@ -235,6 +239,19 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         json!([{"name": "https", "containerPort": 8443}, {"name": "health", "containerPort": 8080}]),
         json!([{"name": "tls", "mountPath": "/etc/meshgate/tls", "readOnly": true}, {"name": "config", "mountPath": "/etc/meshgate/config", "readOnly": true}]),
         json!([{"name": "tls", "secret": {"secretName": "meshgate-webhook-tls"}}, {"name": "config", "configMap": {"name": "meshgate-config"}}])));
+    if !o.webhook_ingress_from.is_empty() {
+        // Only the API server may call the webhook; health and metrics stay reachable (kubelet
+        // probes, Prometheus).
+        let from: Vec<Value> = o
+            .webhook_ingress_from
+            .iter()
+            .map(|cidr| json!({"ipBlock": {"cidr": cidr}}))
+            .collect();
+        out.push(json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta("meshgate-webhook", Some(ns), "webhook"),
+            "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": from, "ports": [{"protocol": "TCP", "port": 8443}]},
+                                 {"ports": [{"protocol": "TCP", "port": 8080}]}]}}));
+    }
     out.push(json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta("meshgate-webhook", Some(ns), "webhook"),
         "spec": {"minAvailable": 1, "selector": {"matchLabels": selector}}}));
     // The controller.

@@ -168,6 +168,11 @@ enum Command {
         /// writes it needs: `label` (patch) or `delete` (patch and delete). Off by default.
         #[arg(long, value_parser = ["label", "delete"])]
         repair: Option<String>,
+        /// Admit connections to the webhook's HTTPS port only from these addresses (CIDR,
+        /// repeatable): a NetworkPolicy. Give the API server's source addresses (they differ
+        /// per cluster: the control plane's node or VPC range). Off by default.
+        #[arg(long = "webhook-ingress-from")]
+        webhook_ingress_from: Vec<String>,
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
@@ -490,6 +495,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             dry_run,
             node_taint,
             repair,
+            webhook_ingress_from,
             kubeconfig,
         } => {
             let client = if apply {
@@ -516,6 +522,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                         meshgate::install::RepairAction::Label
                     }
                 }),
+                webhook_ingress_from,
             })?;
             let Some(client) = client else {
                 return emit(&render::to_yaml_stream(&docs)?);

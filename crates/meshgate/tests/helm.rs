@@ -147,6 +147,54 @@ fn lint_and_template_equal_install_for_every_combination() {
             }
         }
     }
+    // The webhook's NetworkPolicy: the same from both.
+    let templated = run(
+        &helm,
+        &[
+            "template",
+            "meshgate",
+            chart,
+            "--namespace",
+            NS,
+            "-f",
+            &format!("{chart}/values-istio-sidecar.yaml"),
+            "--set",
+            &format!("image={IMAGE}"),
+            "--set",
+            "nodeTaint=policy",
+            "--set",
+            "webhookIngressFrom={10.0.0.0/8,192.168.1.0/24}",
+        ],
+    );
+    let installed = run(
+        &meshgate_bin(),
+        &[
+            "install",
+            "--profile",
+            "istio-sidecar",
+            "--namespace",
+            NS,
+            "--image",
+            IMAGE,
+            "--node-taint",
+            "policy",
+            "--webhook-ingress-from",
+            "10.0.0.0/8",
+            "--webhook-ingress-from",
+            "192.168.1.0/24",
+        ],
+    );
+    let policy_of = |docs: Vec<Value>| {
+        docs.into_iter()
+            .find(|d| d["kind"] == "NetworkPolicy")
+            .expect("a NetworkPolicy")
+    };
+    let from_helm = policy_of(objects(&templated));
+    assert_eq!(from_helm, policy_of(objects(&installed)));
+    assert_eq!(
+        from_helm["spec"]["ingress"][0]["from"][1]["ipBlock"]["cidr"],
+        "192.168.1.0/24"
+    );
     // A wrong value is refused with the reason.
     let out = Command::new(&helm)
         .args(["template", "meshgate", chart, "--set", "profile=nope"])

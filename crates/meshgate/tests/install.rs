@@ -18,6 +18,7 @@ fn options(profile: &str) -> InstallOptions {
         image: "meshgate/meshgate:0.1.0".into(),
         node_taint: NodeTaint::Policy(PolicyApi::V1),
         repair: None,
+        webhook_ingress_from: Vec::new(),
     }
 }
 

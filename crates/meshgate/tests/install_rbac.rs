@@ -247,6 +247,7 @@ fn every_granted_permission_is_exercised_and_nothing_more() {
         image: "meshgate/meshgate:test".into(),
         node_taint: NodeTaint::Webhook,
         repair: Some(RepairAction::Delete),
+        webhook_ingress_from: Vec::new(),
     })
     .expect("render");
     let granted = granted(&docs);
@@ -289,6 +290,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
         image: "meshgate/meshgate:test".into(),
         node_taint: NodeTaint::Webhook,
         repair: Some(RepairAction::Delete),
+        webhook_ingress_from: Vec::new(),
     })
     .expect("render");
     // Everything but the Deployments (the components run here, as their ServiceAccounts).

@@ -393,6 +393,7 @@ async fn namespaced_policies_stay_in_their_namespace() {
         image: "meshgate/meshgate:0.1.0".into(),
         node_taint: meshgate::install::NodeTaint::Webhook,
         repair: None,
+        webhook_ingress_from: Vec::new(),
     })
     .expect("install renders");
     let role: Vec<Value> = docs

@@ -289,6 +289,7 @@ fn install_manifests_and_crds_read_back_as_meant() {
                 meshgate_core::registration::PolicyApi::V1,
             ),
             repair: Some(meshgate::install::RepairAction::Delete),
+            webhook_ingress_from: Vec::new(),
         })
         .expect("install renders");
         let yaml = meshgate::render::to_yaml_stream(&docs).expect("yaml");

@@ -465,6 +465,7 @@ pub async fn install_identities_with(
         image: "meshgate/meshgate:test".into(),
         node_taint: meshgate::install::NodeTaint::Webhook,
         repair,
+        webhook_ingress_from: Vec::new(),
     })
     .expect("install renders");
     let identities: Vec<serde_json::Value> = docs
