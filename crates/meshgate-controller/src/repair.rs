@@ -4,6 +4,14 @@
 //! The rules are [`meshgate_core::repair`]'s; this module watches, keeps a small summary per
 //! pod, paces the actions and writes them.
 //!
+//! # Waiting gates
+//! With a waiting threshold (`RepairSettings::waiting_threshold`, `install` sets 120 s) the same
+//! watch also reports, even with repair off: every 10 s the pods whose gate has been running
+//! longer than the threshold are counted (`gates_waiting`) and each gets one Warning Event
+//! `GateWaiting` naming its node and `meshgate status pod`; with repair off, a gate that timed
+//! out gets a Warning Event `GateTimedOut` (with repair on, the repair's own Event says it). No
+//! pod is changed unless repair is on.
+//!
 //! # What is watched, and why
 //! * **Pods**, with the configured label selector when there is one, else all pods; terminal
 //!   pods (`Succeeded`/`Failed`) are excluded by a field selector on `status.phase`. The gate's
@@ -70,6 +78,8 @@ const NOT_FINISHED: &str = "status.phase!=Succeeded,status.phase!=Failed";
 const ERROR_BACKOFF: Duration = Duration::from_secs(1);
 /// How often expired window entries are dropped.
 const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
+/// How often pods are checked for gates waiting longer than the threshold.
+const WAITING_INTERVAL: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
@@ -98,6 +108,10 @@ pub struct RepairMetrics {
     pub skipped: Family<ReasonLabels, Counter>,
     pub errors: Family<ActionLabels, Counter>,
     pub pods: Gauge,
+    /// Pods whose gate has run longer than the waiting threshold.
+    pub gates_waiting: Gauge,
+    /// `GateWaiting` Events written.
+    pub gate_waiting_events: Counter,
     registry: Option<Arc<Registry>>,
 }
 
@@ -131,6 +145,8 @@ impl RepairMetrics {
             skipped: Family::default(),
             errors: Family::default(),
             pods: Gauge::default(),
+            gates_waiting: Gauge::default(),
+            gate_waiting_events: Counter::default(),
             registry: None,
         };
         registry.register(
@@ -157,6 +173,16 @@ impl RepairMetrics {
             "pods",
             "Pod summaries kept by the repair loop",
             m.pods.clone(),
+        );
+        registry.register(
+            "gates_waiting",
+            "Pods whose gate has been running longer than the waiting threshold",
+            m.gates_waiting.clone(),
+        );
+        registry.register(
+            "gate_waiting_events",
+            "GateWaiting Events written (one per pod)",
+            m.gate_waiting_events.clone(),
         );
         m
     }
@@ -188,7 +214,7 @@ pub async fn run(
     metrics: RepairMetrics,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
-    if !settings.enabled {
+    if !settings.enabled && settings.waiting_threshold.is_none() {
         shutdown.await;
         return;
     }
@@ -262,6 +288,7 @@ pub async fn run(
         queued: HashSet::new(),
         pods_relist: None,
         nodes_relist: None,
+        waiting_reported: HashSet::new(),
     };
 
     let mut leader_rx = leader;
@@ -269,6 +296,7 @@ pub async fn run(
     let mut leader_open = true;
     let mut wake: Option<Instant> = None;
     let mut prune = tokio::time::interval(PRUNE_INTERVAL);
+    let mut waiting = tokio::time::interval(WAITING_INTERVAL);
     let shutdown = shutdown;
     tokio::pin!(shutdown);
     loop {
@@ -297,6 +325,9 @@ pub async fn run(
             _ = prune.tick() => {
                 let now = state.now();
                 state.limiter.prune(now);
+            }
+            _ = waiting.tick(), if state.settings.waiting_threshold.is_some() => {
+                state.report_waiting().await;
             }
         }
     }
@@ -353,6 +384,8 @@ struct State {
     pods_relist: Option<HashSet<String>>,
     /// Nodes seen since a node watch (re)list started.
     nodes_relist: Option<HashSet<String>>,
+    /// Pods already reported as waiting too long (one Event per pod).
+    waiting_reported: HashSet<String>,
 }
 
 impl State {
@@ -435,6 +468,7 @@ impl State {
             self.unindex(uid, old.node.as_deref());
         }
         self.detected.remove(uid);
+        self.waiting_reported.remove(uid);
         // A queued UID without a summary is dropped when it comes up.
     }
 
@@ -534,6 +568,19 @@ impl State {
                 .inc();
             tracing::info!(namespace = %pod.namespace, pod = %pod.name, reason = reason.as_str(),
                 "repair: pod needs a repair");
+            if !self.settings.enabled && reason == Reason::GateTimedOut {
+                // Repair is off: say so on the pod, once.
+                let note = format!(
+                    "{}; repair is off (meshgate controller --repair), so the pod stays until someone recreates it",
+                    explain(&pod, reason, ready)
+                );
+                self.event(&pod, EventType::Warning, "GateTimedOut", note)
+                    .await;
+            }
+        }
+        // Watching for waiting gates only: repair changes nothing.
+        if !self.settings.enabled {
+            return None;
         }
         let (reason, delete, instead_of_delete) = match decision {
             Decision::Skip(skip) => {
@@ -715,6 +762,45 @@ impl State {
             .actions
             .get_or_create(&ActionLabels { action })
             .inc();
+    }
+
+    /// Pods whose gate has run longer than the threshold: the gauge, and one Warning Event per
+    /// pod (`GateWaiting`), written by the leader.
+    async fn report_waiting(&mut self) {
+        let Some(threshold) = self.settings.waiting_threshold else {
+            return;
+        };
+        let now = crate::now();
+        let waiting: Vec<PodSummary> = self
+            .pods
+            .values()
+            .filter(|p| p.gate_waiting_too_long(now, threshold))
+            .cloned()
+            .collect();
+        self.metrics
+            .gates_waiting
+            .set(i64::try_from(waiting.len()).unwrap_or(i64::MAX));
+        if !*self.leader.borrow() {
+            return;
+        }
+        for pod in waiting {
+            if self.waiting_reported.contains(&pod.uid) {
+                continue;
+            }
+            let since = pod.gate_running_since.unwrap_or(now);
+            let note = format!(
+                "the gate ({}) has been waiting {}s for the mesh agent of node {} to set the pod up; `meshgate status pod {}/{}` says why",
+                meshgate_api::names::GATE_CONTAINER,
+                now - since,
+                pod.node.as_deref().unwrap_or("?"),
+                pod.namespace,
+                pod.name
+            );
+            self.event(&pod, EventType::Warning, "GateWaiting", note)
+                .await;
+            self.metrics.gate_waiting_events.inc();
+            self.waiting_reported.insert(pod.uid.clone());
+        }
     }
 
     async fn event(&self, pod: &PodSummary, type_: EventType, reason: &str, note: String) {

@@ -97,6 +97,9 @@ pub struct RepairSettings {
     /// Label selector of the pods to watch (and, for the started-early rule, the mesh pods
     /// besides those carrying the gate). `None`: every pod is watched.
     pub selector: Option<String>,
+    /// Report (an Event, a gauge) pods whose gate has run longer than this. The pod watch runs
+    /// for it even when repair is off (`enabled: false`); it never changes a pod.
+    pub waiting_threshold: Option<Duration>,
 }
 
 impl Default for RepairSettings {
@@ -110,6 +113,7 @@ impl Default for RepairSettings {
             window: Duration::from_secs(3600),
             detect_started_early: false,
             selector: None,
+            waiting_threshold: None,
         }
     }
 }
@@ -245,6 +249,8 @@ pub struct PodSummary {
     pub gate_last_exit: Option<i32>,
     /// When the gate finished with exit 0 (`state.terminated.finishedAt`), Unix seconds.
     pub gate_passed_at: Option<i64>,
+    /// When the running gate started (`state.running.startedAt`), Unix seconds.
+    pub gate_running_since: Option<i64>,
     /// `status.startTime`, Unix seconds.
     pub started: Option<i64>,
     /// Phase `Succeeded` or `Failed`.
@@ -293,6 +299,11 @@ impl PodSummary {
             selected,
             gate_exit,
             gate_last_exit: last_terminated.map(|t| t.exit_code),
+            gate_running_since: gate_status
+                .and_then(|c| c.state.as_ref())
+                .and_then(|s| s.running.as_ref())
+                .and_then(|r| r.started_at.as_ref())
+                .map(|t| t.0.as_second()),
             gate_passed_at: terminated
                 .filter(|t| t.exit_code == GATE_EXIT_READY)
                 .and_then(|t| t.finished_at.as_ref())
@@ -321,6 +332,16 @@ impl PodSummary {
     /// else the pod's start.
     pub fn effective_start(&self) -> Option<i64> {
         self.gate_passed_at.or(self.started)
+    }
+
+    /// Whether the pod's gate has been running for `threshold` or longer at `now` (a live pod,
+    /// not terminating).
+    pub fn gate_waiting_too_long(&self, now: i64, threshold: Duration) -> bool {
+        !self.finished
+            && !self.terminating
+            && self.gate_running_since.is_some_and(|since| {
+                now.saturating_sub(since) >= i64::try_from(threshold.as_secs()).unwrap_or(i64::MAX)
+            })
     }
 
     /// Whether the gate timed out, now or in its last run.

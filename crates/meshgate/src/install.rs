@@ -268,6 +268,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
                 "--policy-webhook-configuration".to_owned(),
                 "meshgate".to_owned(),
                 "--native-policies".to_owned(),
+                "--gate-wait-threshold".to_owned(),
+                "120s".to_owned(),
                 "--excluded-namespaces".to_owned(),
                 config.excluded_namespaces.join(","),
                 "--log-json".to_owned(),

@@ -87,6 +87,11 @@ enum Command {
         /// them). Default: the configuration's default.
         #[arg(long, value_delimiter = ',')]
         excluded_namespaces: Option<Vec<String>>,
+        /// Report pods whose gate has been running this long (an Event `GateWaiting` per pod, the
+        /// gauge `meshgate_controller_repair_gates_waiting`) and gates that timed out (an Event
+        /// `GateTimedOut` when repair is off), e.g. `120s`; `0` turns it off. Watches pods.
+        #[arg(long, default_value = "0", value_parser = parse_seconds)]
+        gate_wait_threshold: std::time::Duration,
         /// Repair pods whose gate timed out: label them (or delete them, see --repair-action).
         #[arg(long)]
         repair: bool,
@@ -372,6 +377,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             policy_webhook_configuration,
             native_policies,
             excluded_namespaces,
+            gate_wait_threshold,
             repair,
             repair_action,
             repair_dry_run,
@@ -386,6 +392,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 },
                 dry_run: repair_dry_run,
                 detect_started_early: repair_started_early,
+                waiting_threshold: (!gate_wait_threshold.is_zero()).then_some(gate_wait_threshold),
                 ..Default::default()
             };
             let client = kube::Client::try_default().await?;

@@ -75,6 +75,7 @@ fn settings(ns: &str, action: RepairAction) -> RepairSettings {
         window: Duration::from_secs(3600),
         detect_started_early: false,
         selector: Some(format!("{TEST_LABEL}={ns}")),
+        waiting_threshold: None,
     }
 }
 
@@ -611,4 +612,74 @@ async fn a_replica_that_does_not_lead_writes_nothing_until_it_leads() {
         is_labelled(&client, &ns, "bare")
     })
     .await;
+}
+
+/// With repair off and a waiting threshold, the controller only reports: a pod whose gate has
+/// been running longer than the threshold gets one `GateWaiting` Event and counts in the gauge;
+/// a pod whose gate timed out gets a `GateTimedOut` Event; neither pod is changed.
+#[tokio::test]
+async fn waiting_and_timed_out_gates_are_reported_without_repair() {
+    let (client, cp, ns) = setup("gate-waiting").await;
+    let mut s = settings(&ns, RepairAction::Delete);
+    s.enabled = false;
+    s.waiting_threshold = Some(Duration::from_secs(60));
+    let repair = start(&cp, s, meshgate_controller::leader::always()).await;
+
+    create_pod(&client, &ns, "waiting", true, None, Some("node-a")).await;
+    set_status(
+        &client,
+        &ns,
+        "waiting",
+        gate_status(
+            json!({"running": {"startedAt": ts(now() - 600)}}),
+            json!({}),
+        ),
+    )
+    .await;
+    create_pod(&client, &ns, "fresh", true, None, Some("node-a")).await;
+    set_status(
+        &client,
+        &ns,
+        "fresh",
+        gate_status(json!({"running": {"startedAt": ts(now())}}), json!({})),
+    )
+    .await;
+    create_pod(&client, &ns, "timed-out", true, None, Some("node-a")).await;
+    gate_timed_out(&client, &ns, "timed-out").await;
+
+    wait_for(
+        "the GateWaiting and GateTimedOut Events",
+        Duration::from_secs(60),
+        || async {
+            has_event(&client, &ns, "waiting", "GateWaiting").await
+                && has_event(&client, &ns, "timed-out", "GateTimedOut").await
+        },
+    )
+    .await;
+    let note = events(&client, &ns, "waiting")
+        .await
+        .into_iter()
+        .find(|(r, _)| r == "GateWaiting")
+        .map(|(_, n)| n)
+        .unwrap_or_default();
+    assert!(
+        note.contains("node-a") && note.contains(&format!("meshgate status pod {ns}/waiting")),
+        "{note}"
+    );
+    assert_eq!(
+        repair.metrics.gates_waiting.get(),
+        1,
+        "only the pod over the threshold"
+    );
+    assert_eq!(repair.metrics.gate_waiting_events.get(), 1);
+    assert!(
+        !has_event(&client, &ns, "fresh", "GateWaiting").await,
+        "the pod under the threshold (checked after the gauge counted the other one)"
+    );
+    // Nothing was changed.
+    for name in ["waiting", "timed-out"] {
+        let pod = get_pod(&client, &ns, name).await.expect("still there");
+        assert_eq!(repair_label(&pod), None, "{name}");
+    }
+    assert_eq!(repair.action("delete") + repair.action("label"), 0);
 }
