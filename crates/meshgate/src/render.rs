@@ -95,7 +95,13 @@ pub fn policies_of(file: &str, docs: Vec<Value>) -> Result<Policies, InputError>
             .and_then(Value::as_str)
             .unwrap_or_default();
         let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
-        if api_version.starts_with("kyverno.io/") {
+        if meshgate_core::policy::admission::is_admission_policy(&doc)
+            || (api_version.starts_with("admissionregistration.k8s.io/")
+                && kind == "MutatingAdmissionPolicyBinding")
+        {
+            // Applied by `render` itself (CEL; see `meshgate_core::policy::admission`);
+            // bindings are not read.
+        } else if api_version.starts_with("kyverno.io/") {
             let imported = meshgate_core::kyverno::import(&doc).map_err(|e| err(e.to_string()))?;
             let at = |n: String| format!("{file}: document {index}: {n}");
             report.partial.extend(imported.notes.into_iter().map(at));
@@ -168,10 +174,22 @@ pub fn render(
     patches: bool,
 ) -> anyhow::Result<(String, Report)> {
     let (mut policies, mut report) = builtin;
+    let mut admission_policies: Vec<(String, Value)> = Vec::new();
     for p in policy_files {
         let (ps, r) = read_policies(p)?;
         policies.extend(ps);
         report.extend(r);
+        for doc in read_documents(p)? {
+            if meshgate_core::policy::admission::is_admission_policy(&doc) {
+                let name = doc
+                    .pointer("/metadata/name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned();
+                report.origins.insert(name.clone(), p.display().to_string());
+                admission_policies.push((name, doc));
+            }
+        }
     }
     let mut inputs = Vec::new();
     for m in manifests {
@@ -216,6 +234,36 @@ pub fn render(
     let mut out = Vec::new();
     for (m, docs) in inputs {
         let originals = docs.clone();
+        // MutatingAdmissionPolicies first: the API server runs them before mutating webhooks.
+        let mut docs = docs;
+        if !admission_policies.is_empty() {
+            for (index, doc) in docs.iter_mut().enumerate() {
+                if !doc.is_object() {
+                    continue;
+                }
+                let (namespace, labels) = meshgate_core::policy::document_namespace(doc, &|ns| {
+                    namespaces
+                        .get(ns)
+                        .map(|m| m.labels.clone())
+                        .unwrap_or_default()
+                });
+                let request = meshgate_core::policy::admission::AdmissionRequest {
+                    operation: "CREATE",
+                    namespace: &namespace,
+                    namespace_labels: &labels,
+                };
+                let admitted =
+                    meshgate_core::policy::admission::apply(&admission_policies, doc, &request)
+                        .map_err(|e| anyhow::anyhow!("{}: document {index}: {e}", m.display()))?;
+                for e in &admitted.ignored {
+                    report.partial.push(format!(
+                        "{}: document {index}: {e} (skipped: failurePolicy Ignore)",
+                        m.display()
+                    ));
+                }
+                *doc = admitted.object;
+            }
+        }
         let rendered = meshgate_core::policy::render(docs, &policies, &|ns| {
             namespaces
                 .get(ns)
@@ -244,7 +292,11 @@ pub fn render(
                 ));
             }
             let mut object = r.object;
-            let mut patch = r.patch;
+            // From the document as given (admission policies included).
+            let mut patch = match originals.get(r.index) {
+                Some(original) => meshgate_core::patch::JsonPatch::diff(original, &object),
+                None => r.patch,
+            };
             let mut verdict = None;
             if let Some(planner) = &planner
                 && let Some(planned) = planner.plan_object(

@@ -323,3 +323,64 @@ fn namespaced_policies_render_in_their_namespace_only() {
         "{err}"
     );
 }
+
+/// `render --policy` applies MutatingAdmissionPolicy and Kyverno MutatingPolicy documents offline
+/// (CEL), before MutationPolicies, as the API server runs admission policies before webhooks.
+#[test]
+fn admission_policies_and_kyverno_mutating_policies_render_offline() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = write(&dir, "m.yaml", MANIFESTS);
+    let p = write(
+        &dir,
+        "cel.yaml",
+        r#"
+apiVersion: admissionregistration.k8s.io/v1
+kind: MutatingAdmissionPolicy
+metadata: {name: team-label}
+spec:
+  matchConstraints:
+    resourceRules:
+    - {apiGroups: [""], apiVersions: [v1], operations: [CREATE], resources: [pods]}
+  matchConditions:
+  - {name: in-kf, expression: "request.namespace == 'kf'"}
+  failurePolicy: Fail
+  reinvocationPolicy: Never
+  mutations:
+  - patchType: ApplyConfiguration
+    applyConfiguration:
+      expression: "Object{metadata: Object.metadata{labels: {'team': 'mesh'}}}"
+---
+apiVersion: policies.kyverno.io/v1
+kind: MutatingPolicy
+metadata: {name: pull-always}
+spec:
+  matchConstraints:
+    resourceRules:
+    - {apiGroups: [apps], apiVersions: [v1], operations: [CREATE], resources: [deployments]}
+  mutations:
+  - patchType: JSONPatch
+    jsonPatch:
+      expression: "[JSONPatch{op: 'add', path: '/spec/template/spec/containers/0/imagePullPolicy', value: 'Always'}]"
+"#,
+    );
+    let (out, report) = meshgate::render::render(
+        &[m],
+        &[p],
+        &BTreeMap::new(),
+        None,
+        Default::default(),
+        false,
+    )
+    .expect("renders");
+    assert!(report.partial.is_empty(), "{:?}", report.partial);
+    let docs = meshgate_api::yaml::documents(&out).expect("yaml");
+    assert_eq!(docs[0]["metadata"]["labels"]["team"], "mesh");
+    assert!(
+        docs[1]["metadata"].get("labels").is_none(),
+        "a Service: not matched"
+    );
+    assert_eq!(
+        docs[2]["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"],
+        "Always"
+    );
+}

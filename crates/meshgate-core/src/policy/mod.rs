@@ -123,6 +123,7 @@
 //! (`spec.mutations[2].jsonPatch[0].path: must start with '/'`). [`render`] applies policies to
 //! documents offline, each as a CREATE of that object, with the patch the webhook would return.
 
+pub mod admission;
 pub mod json6902;
 mod matching;
 pub mod native;
@@ -143,7 +144,7 @@ pub use matching::{
     pod_template_path, policy_matches, policy_target,
 };
 pub use pattern::wildcard_match;
-pub use render::{RenderError, RenderedDoc, render};
+pub use render::{RenderError, RenderedDoc, document_namespace, render};
 pub use validate::validate;
 
 /// A mutation that cannot be applied.

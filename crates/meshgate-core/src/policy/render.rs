@@ -36,6 +36,36 @@ pub enum RenderError {
     Document { index: usize, message: String },
 }
 
+/// The namespace a document is created in offline, and its labels: `metadata.namespace`
+/// (`"default"` when unset) with labels from `namespace_labels`; none for the cluster-scoped
+/// kinds of [`super::matching::CLUSTER_SCOPED_KINDS`]; a Namespace is its own, with its own
+/// labels.
+pub fn document_namespace(
+    doc: &Value,
+    namespace_labels: &dyn Fn(&str) -> BTreeMap<String, String>,
+) -> (String, BTreeMap<String, String>) {
+    let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
+    if kind == "Namespace" {
+        let name = doc
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        (name, super::object_labels(doc))
+    } else if super::matching::CLUSTER_SCOPED_KINDS.contains(&kind) {
+        (String::new(), BTreeMap::new())
+    } else {
+        let namespace = doc
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            .unwrap_or("default")
+            .to_owned();
+        let labels = namespace_labels(&namespace);
+        (namespace, labels)
+    }
+}
+
 /// Applies `policies` to each document as the webhook would to a CREATE of it: the namespace is
 /// `metadata.namespace` (`"default"` when unset; none for the cluster-scoped kinds of
 /// [`super::matching::CLUSTER_SCOPED_KINDS`], a Namespace being its own), its labels come from
@@ -72,26 +102,7 @@ pub fn render(
                 message: "not a Kubernetes object (expected a mapping)".to_owned(),
             });
         }
-        let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
-        let (namespace, labels) = if kind == "Namespace" {
-            let name = doc
-                .pointer("/metadata/name")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned();
-            (name, super::object_labels(&doc))
-        } else if super::matching::CLUSTER_SCOPED_KINDS.contains(&kind) {
-            (String::new(), BTreeMap::new())
-        } else {
-            let namespace = doc
-                .pointer("/metadata/namespace")
-                .and_then(Value::as_str)
-                .filter(|n| !n.is_empty())
-                .unwrap_or("default")
-                .to_owned();
-            let labels = namespace_labels(&namespace);
-            (namespace, labels)
-        };
+        let (namespace, labels) = document_namespace(&doc, namespace_labels);
         let ctx = MatchContext {
             operation: Operation::Create,
             namespace: &namespace,
