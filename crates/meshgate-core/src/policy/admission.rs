@@ -522,7 +522,12 @@ mod tests {
             ]),
             "Fail",
         );
-        let out = apply(&[p.clone()], &pod(json!({"app": "web"})), &req()).expect("applies");
+        let out = apply(
+            std::slice::from_ref(&p),
+            &pod(json!({"app": "web"})),
+            &req(),
+        )
+        .expect("applies");
         assert_eq!(out.applied, ["p"]);
         assert_eq!(
             out.object["spec"]["containers"][0]["imagePullPolicy"],
