@@ -427,7 +427,7 @@ impl Settings {
             connections: var("MESHGATE_BENCH_CONNECTIONS", 16, 4),
             requests: var("MESHGATE_BENCH_REQUESTS", 50_000, 200),
             seconds: var("MESHGATE_BENCH_SECONDS", 5, 2) as u64,
-            rounds: var("MESHGATE_BENCH_ROUNDS", 3, 1),
+            rounds: var("MESHGATE_BENCH_ROUNDS", 5, 1),
             warmup: var("MESHGATE_BENCH_WARMUP", 2_000, 40),
             client_threads: var("MESHGATE_BENCH_CLIENT_THREADS", 1, 1),
         }
@@ -778,7 +778,12 @@ fn run(settings: &Settings) -> Result<(), String> {
     let p50 = |r: &Run| r.quantile(0.5).as_secs_f64() * 1e6;
     let p99 = |r: &Run| r.quantile(0.99).as_secs_f64() * 1e6;
     let cpu = |r: &Run| r.server_cpu_per_request().as_secs_f64() * 1e6;
-    let ratio = median(results.iter().map(|(b, w)| w.rate() / b.rate()).collect());
+    let per_round: Vec<f64> = results.iter().map(|(b, w)| w.rate() / b.rate()).collect();
+    let ratio = median(per_round.clone());
+    let spread = (
+        per_round.iter().copied().fold(f64::INFINITY, f64::min),
+        per_round.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    );
     // CPU time has 10 ms resolution: a round too short to register any is left out.
     let cpu_ratios: Vec<f64> = results
         .iter()
@@ -820,6 +825,12 @@ fn run(settings: &Settings) -> Result<(), String> {
         baseline_idle_rss as f64 / MIB,
         baseline_rss as f64 / MIB,
         baseline_hwm as f64 / MIB,
+    );
+    println!(
+        "  ratio spread over {} rounds: {:.2}-{:.2}",
+        per_round.len(),
+        spread.0,
+        spread.1
     );
     // Headline figures, one per line, for tools (issue #17's format).
     println!("RATIO webhook/baseline: {ratio:.2}");

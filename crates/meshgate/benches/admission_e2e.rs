@@ -91,7 +91,7 @@ impl Settings {
             pods: var("MESHGATE_BENCH_PODS", 2000)?,
             concurrency: var("MESHGATE_BENCH_CONCURRENCY", 32)?.max(1),
             seconds: var("MESHGATE_BENCH_SECONDS", 60)? as u64,
-            rounds: var("MESHGATE_BENCH_ROUNDS", 3)?.max(1),
+            rounds: var("MESHGATE_BENCH_ROUNDS", 5)?.max(1),
             policies: match std::env::var("MESHGATE_BENCH_WEBHOOKS").as_deref() {
                 Err(_) | Ok("gate,policies") => true,
                 Ok("gate") => false,
@@ -529,6 +529,13 @@ async fn run() -> Result<(), String> {
             median(rates[mode].clone())
         );
     }
+    let spread = |v: &Vec<f64>| {
+        (
+            v.iter().copied().fold(f64::INFINITY, f64::min),
+            v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        )
+    };
+    let spreads = [spread(&ratios[0]), spread(&ratios[1]), spread(&ratios[2])];
     let [with, minimal_ratio, against_minimal] = ratios.map(median);
     println!(
         "  ratio meshgate/none:    {with:.2}x (target >= 0.95x: {})",
@@ -538,6 +545,10 @@ async fn run() -> Result<(), String> {
         "  ratio minimal/none:     {minimal_ratio:.2}x (what any webhook gating these pods costs here)"
     );
     println!("  ratio meshgate/minimal: {against_minimal:.2}x (meshgate's own share)");
+    println!(
+        "  spread over rounds (min-max): meshgate/none {:.2}-{:.2}, minimal/none {:.2}-{:.2}, meshgate/minimal {:.2}-{:.2}",
+        spreads[0].0, spreads[0].1, spreads[1].0, spreads[1].1, spreads[2].0, spreads[2].1
+    );
     if let Some(counts) = review_counts(server.health_addr).await {
         println!("  webhook reviews answered: {counts}");
     }
