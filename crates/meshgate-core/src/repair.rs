@@ -265,16 +265,8 @@ impl PodSummary {
     /// Summarizes a pod. `selected`: the pod matches the configured mesh pod selector.
     pub fn from_pod(pod: &Pod, selected: bool) -> Self {
         let meta = &pod.metadata;
-        let gate = names::GATE_CONTAINER;
-        let has_gate = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.init_containers.as_ref())
-            .is_some_and(|cs| cs.iter().any(|c| c.name == gate));
         let status = pod.status.as_ref();
-        let gate_status: Option<&ContainerStatus> = status
-            .and_then(|s| s.init_container_statuses.as_ref())
-            .and_then(|cs| cs.iter().find(|c| c.name == gate));
+        let (has_gate, gate_status) = gate_container(pod);
         let terminated = gate_status
             .and_then(|c| c.state.as_ref())
             .and_then(|s| s.terminated.as_ref());
@@ -1009,23 +1001,29 @@ pub enum GateProgress {
     Failed { exit: i32 },
 }
 
-/// Reads the gate container's status of a pod.
-pub fn gate_progress(pod: &Pod) -> GateProgress {
+/// Whether the pod carries meshgate's gate init container, and that container's status.
+fn gate_container(pod: &Pod) -> (bool, Option<&ContainerStatus>) {
     let gate = names::GATE_CONTAINER;
     let has_gate = pod
         .spec
         .as_ref()
         .and_then(|s| s.init_containers.as_ref())
         .is_some_and(|cs| cs.iter().any(|c| c.name == gate));
-    if !has_gate {
-        return GateProgress::NotGated;
-    }
-    let Some(status) = pod
+    let status = pod
         .status
         .as_ref()
         .and_then(|s| s.init_container_statuses.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.name == gate))
-    else {
+        .and_then(|cs| cs.iter().find(|c| c.name == gate));
+    (has_gate, status)
+}
+
+/// Reads the gate container's status of a pod.
+pub fn gate_progress(pod: &Pod) -> GateProgress {
+    let (has_gate, status) = gate_container(pod);
+    if !has_gate {
+        return GateProgress::NotGated;
+    }
+    let Some(status) = status else {
         return GateProgress::NotStarted { reason: None };
     };
     let state = status.state.as_ref();

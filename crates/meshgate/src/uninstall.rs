@@ -88,17 +88,10 @@ const CLUSTER: &[(&str, &str, &str, &str)] = &[
 ];
 
 fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
-    ApiResource {
-        group: group.into(),
-        version: version.into(),
-        api_version: if group.is_empty() {
-            version.into()
-        } else {
-            format!("{group}/{version}")
-        },
-        kind: kind.into(),
-        plural: plural.into(),
-    }
+    ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk(group, version, kind),
+        plural,
+    )
 }
 
 /// Deletes every object `api` lists with meshgate's label; returns how many.

@@ -21,11 +21,7 @@ const NS: &str = "meshgate-system";
 
 /// Runs `meshgate check -o json`; returns success and the checks by name (failures first).
 fn check(cp: &meshgate_testenv::ControlPlane) -> (bool, Vec<Value>) {
-    let out = std::process::Command::new(meshgate_bin())
-        .args(["check", "--namespace", NS, "-o", "json", "--kubeconfig"])
-        .arg(&cp.kubeconfig_path)
-        .output()
-        .expect("meshgate runs");
+    let out = meshgate_on(cp, &["check", "--namespace", NS, "-o", "json"]);
     let checks: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
             "check output: {e}: {}{}",
@@ -83,24 +79,7 @@ async fn certificates(client: &kube::Client, serving: &meshgate_pki::CertifiedKe
 async fn check_names_each_failure_with_its_hint() {
     let cp = control_plane(false).await;
     let client = cp.client().await.expect("client");
-    let out = std::process::Command::new(meshgate_bin())
-        .args([
-            "install",
-            "--profile",
-            "istio-ambient",
-            "--namespace",
-            NS,
-            "--apply",
-            "--kubeconfig",
-        ])
-        .arg(&cp.kubeconfig_path)
-        .output()
-        .expect("meshgate runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    install_applied(&cp, "istio-ambient", NS);
 
     // Right after install: no certificate yet (the controller makes it), no agents.
     let (ok, checks) = check(&cp);

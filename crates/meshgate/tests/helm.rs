@@ -232,11 +232,10 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
         ],
     );
     // The controller, as the ServiceAccount the chart made: it creates the CA and the caBundle.
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let path = cp.kubeconfig_path.clone();
-    let controller = background().spawn(async move {
-        let client = client_as_service_account(&path, NS, "meshgate-controller").await;
-        let settings = meshgate::run::ControllerSettings {
+    let controller = ControllerTask::start(
+        &cp,
+        NS,
+        meshgate::run::ControllerSettings {
             lease: None,
             health_addr: None,
             node_gate: Default::default(),
@@ -245,12 +244,8 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
             policy_webhook: Some("meshgate".into()),
             native_policies: true,
             excluded_namespaces: None,
-        };
-        meshgate::run::run_controller(client, settings, async move {
-            let _ = stopped.await;
-        })
-        .await
-    });
+        },
+    );
     let secrets: Api<Secret> = Api::namespaced(client.clone(), NS);
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
     let state = || async {
@@ -345,6 +340,5 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
             .any(|k| k == "node.meshgate.dev/agent-not-ready"),
         "tainted at CREATE: {keys:?}"
     );
-    let _ = stop.send(());
-    let _ = controller.await;
+    controller.finish().await;
 }

@@ -441,10 +441,10 @@ async fn the_components_do_everything_under_their_installed_identities() {
     .await;
 
     // The controller, as its ServiceAccount, with every feature.
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let controller = background().spawn(async move {
-        let client = client_as_service_account(&kubeconfig, NS, "meshgate-controller").await;
-        let settings = meshgate::run::ControllerSettings {
+    let controller = ControllerTask::start(
+        &cp,
+        NS,
+        meshgate::run::ControllerSettings {
             lease: Some(meshgate_controller::leader::LeaseSettings {
                 namespace: NS.into(),
                 name: "meshgate-controller".into(),
@@ -463,12 +463,8 @@ async fn the_components_do_everything_under_their_installed_identities() {
             policy_webhook: Some("meshgate".into()),
             native_policies: true,
             excluded_namespaces: None,
-        };
-        meshgate::run::run_controller(client, settings, async move {
-            let _ = stopped.await;
-        })
-        .await
-    });
+        },
+    );
 
     let leases: Api<Lease> = Api::namespaced(admin.clone(), NS);
     wait_for(
@@ -728,8 +724,6 @@ async fn the_components_do_everything_under_their_installed_identities() {
     )
     .await;
 
-    let _ = stop.send(());
-    let result = controller.await.expect("controller task");
-    assert!(result.is_ok(), "controller: {result:?}");
+    controller.finish().await;
     drop(webhook);
 }

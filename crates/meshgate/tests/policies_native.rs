@@ -67,17 +67,10 @@ fn resource(kind: &str) -> ApiResource {
         "CronJob" => ("batch", "v1", "cronjobs"),
         other => panic!("no resource for kind {other} in this test"),
     };
-    ApiResource {
-        group: group.into(),
-        version: version.into(),
-        api_version: if group.is_empty() {
-            version.into()
-        } else {
-            format!("{group}/{version}")
-        },
-        kind: kind.into(),
-        plural: plural.into(),
-    }
+    ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk(group, version, kind),
+        plural,
+    )
 }
 
 /// One object of a case as created on one path: in `namespace`, a Namespace renamed with `tag`.
@@ -231,6 +224,69 @@ fn native_condition(p: &MutationPolicy) -> Option<(String, String, String)> {
         .map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
 }
 
+/// `meshgate render` of `objects` with `policies` (any kinds `render --policy` reads), the
+/// namespace `ns` labelled as the test's namespaces are; the rendered documents.
+fn render_offline(objects: &[Value], policies: &[Value], ns: &str) -> Vec<Value> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let to_yaml = |docs: &[Value]| {
+        docs.iter()
+            .map(|d| meshgate_api::yaml::to_string(d).expect("yaml"))
+            .collect::<Vec<_>>()
+            .join("---\n")
+    };
+    let (pfile, ofile) = (dir.path().join("p.yaml"), dir.path().join("o.yaml"));
+    std::fs::write(&pfile, to_yaml(policies)).expect("write");
+    std::fs::write(&ofile, to_yaml(objects)).expect("write");
+    let out = std::process::Command::new(meshgate_bin())
+        .arg("render")
+        .arg("-f")
+        .arg(&ofile)
+        .arg("--policy")
+        .arg(&pfile)
+        .arg("--namespace-label")
+        .arg(format!("{ns}=native-tier=mesh"))
+        .output()
+        .expect("meshgate render runs");
+    assert!(
+        out.status.success(),
+        "render: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    meshgate_api::yaml::documents(&String::from_utf8_lossy(&out.stdout)).expect("output")
+}
+
+/// Every object of the corpus (only the native cases' when `only_native`) as rendered equals,
+/// in what a policy can change, the object the API server stored.
+fn compare_rendered(
+    corpus: &Corpus,
+    rendered: &[Value],
+    ns: &str,
+    tag: &str,
+    only_native: bool,
+    stored: &BTreeMap<String, BTreeMap<String, Value>>,
+    what: &str,
+) {
+    for case in corpus.cases.iter().filter(|c| !only_native || c.native()) {
+        for object in &case.objects {
+            let name = object["metadata"]["name"].as_str().expect("name");
+            let (prepared, _) = prepare(object, ns, tag);
+            let offline = rendered
+                .iter()
+                .find(|d| {
+                    d["kind"] == prepared["kind"]
+                        && d["metadata"]["name"] == prepared["metadata"]["name"]
+                })
+                .unwrap_or_else(|| panic!("{name} rendered"));
+            assert_eq!(
+                observed(offline),
+                observed(&stored[&case.name][name]),
+                "{}: {name}: {what}",
+                case.name
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn compiled_policies_store_what_the_webhook_and_render_give() {
     let _ = tracing_subscriber::fmt()
@@ -304,13 +360,10 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
         .await
         .expect("webhook registration deleted");
     install_identities(&client, "istio-sidecar", CONTROLLER_NAMESPACE).await;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let kubeconfig = cp.kubeconfig_path.clone();
-    let controller = background().spawn(async move {
-        let client =
-            client_as_service_account(&kubeconfig, CONTROLLER_NAMESPACE, "meshgate-controller")
-                .await;
-        let settings = meshgate::run::ControllerSettings {
+    let controller = ControllerTask::start(
+        &cp,
+        CONTROLLER_NAMESPACE,
+        meshgate::run::ControllerSettings {
             lease: None,
             health_addr: None,
             node_gate: Default::default(),
@@ -319,12 +372,8 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
             policy_webhook: None,
             native_policies: true,
             excluded_namespaces: None,
-        };
-        meshgate::run::run_controller(client, settings, async move {
-            let _ = stopped.await;
-        })
-        .await
-    });
+        },
+    );
     for case in &corpus.cases {
         wait_for(
             &format!("the Native condition of {}", case.name),
@@ -408,7 +457,6 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
 
     // 2b. Offline: the compiled MutatingAdmissionPolicies as the cluster holds them, applied
     //     by `meshgate render` (its CEL evaluator), give what the API server stored.
-    let dir = tempfile::tempdir().expect("tempdir");
     let mut map_docs = Vec::new();
     let raw_maps: Api<DynamicObject> = Api::all_with(
         client.clone(),
@@ -436,51 +484,16 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
         .filter(|c| c.native())
         .flat_map(|c| c.objects.iter().map(|o| prepare(o, &native_ns, "n").0))
         .collect();
-    let to_yaml = |docs: &[Value]| {
-        docs.iter()
-            .map(|d| meshgate_api::yaml::to_string(d).expect("yaml"))
-            .collect::<Vec<_>>()
-            .join("---\n")
-    };
-    let (mfile, nfile) = (dir.path().join("maps.yaml"), dir.path().join("n.yaml"));
-    std::fs::write(&mfile, to_yaml(&map_docs)).expect("write");
-    std::fs::write(&nfile, to_yaml(&native_objects)).expect("write");
-    let out = std::process::Command::new(meshgate_bin())
-        .arg("render")
-        .arg("-f")
-        .arg(&nfile)
-        .arg("--policy")
-        .arg(&mfile)
-        .arg("--namespace-label")
-        .arg(format!("{native_ns}=native-tier=mesh"))
-        .output()
-        .expect("meshgate render runs");
-    assert!(
-        out.status.success(),
-        "render of the admission policies: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let rendered = render_offline(&native_objects, &map_docs, &native_ns);
+    compare_rendered(
+        &corpus,
+        &rendered,
+        &native_ns,
+        "n",
+        true,
+        &through_native,
+        "the compiled admission policy applied offline gives what the API server stored",
     );
-    let rendered =
-        meshgate_api::yaml::documents(&String::from_utf8_lossy(&out.stdout)).expect("output");
-    for case in corpus.cases.iter().filter(|c| c.native()) {
-        for object in &case.objects {
-            let name = object["metadata"]["name"].as_str().expect("name");
-            let (prepared, _) = prepare(object, &native_ns, "n");
-            let offline = rendered
-                .iter()
-                .find(|d| {
-                    d["kind"] == prepared["kind"]
-                        && d["metadata"]["name"] == prepared["metadata"]["name"]
-                })
-                .unwrap_or_else(|| panic!("{name} rendered"));
-            assert_eq!(
-                observed(offline),
-                observed(&through_native[&case.name][name]),
-                "{}: {name}: the compiled admission policy applied offline gives what the API server stored",
-                case.name
-            );
-        }
-    }
 
     // 3. Offline: `meshgate render` of the same policies and objects prints what the API
     //    server stored through the webhook.
@@ -495,46 +508,17 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
             object_docs.push(prepare(object, &webhook_ns, "w").0);
         }
     }
-    let (pfile, ofile) = (dir.path().join("p.yaml"), dir.path().join("o.yaml"));
-    std::fs::write(&pfile, to_yaml(&policy_docs)).expect("write");
-    std::fs::write(&ofile, to_yaml(&object_docs)).expect("write");
-    let out = std::process::Command::new(meshgate_bin())
-        .arg("render")
-        .arg("-f")
-        .arg(&ofile)
-        .arg("--policy")
-        .arg(&pfile)
-        .arg("--namespace-label")
-        .arg(format!("{webhook_ns}=native-tier=mesh"))
-        .output()
-        .expect("meshgate render runs");
-    assert!(
-        out.status.success(),
-        "render: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rendered =
-        meshgate_api::yaml::documents(&String::from_utf8_lossy(&out.stdout)).expect("output");
+    let rendered = render_offline(&object_docs, &policy_docs, &webhook_ns);
     assert_eq!(rendered.len(), object_docs.len());
-    for case in &corpus.cases {
-        for object in &case.objects {
-            let name = object["metadata"]["name"].as_str().expect("name");
-            let (prepared, _) = prepare(object, &webhook_ns, "w");
-            let offline = rendered
-                .iter()
-                .find(|d| {
-                    d["kind"] == prepared["kind"]
-                        && d["metadata"]["name"] == prepared["metadata"]["name"]
-                })
-                .unwrap_or_else(|| panic!("{name} rendered"));
-            assert_eq!(
-                observed(offline),
-                observed(&through_webhook[&case.name][name]),
-                "{}: {name}: render prints what the API server stores",
-                case.name
-            );
-        }
-    }
+    compare_rendered(
+        &corpus,
+        &rendered,
+        &webhook_ns,
+        "w",
+        false,
+        &through_webhook,
+        "render prints what the API server stores",
+    );
 
     // 4. A policy changed so that it no longer compiles goes back to the webhook: its
     //    MutatingAdmissionPolicy and binding are deleted and its condition says why.
@@ -565,8 +549,6 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
     )
     .await;
 
-    let _ = stop.send(());
-    let result = controller.await.expect("controller task");
-    assert!(result.is_ok(), "controller: {result:?}");
+    controller.finish().await;
     drop(webhook);
 }

@@ -13,11 +13,7 @@ use meshgate_api::NodeGate;
 use serde_json::{Value, json};
 
 fn status_pod(cp: &meshgate_testenv::ControlPlane, pod: &str) -> Value {
-    let out = std::process::Command::new(meshgate_bin())
-        .args(["status", "pod", pod, "-o", "json", "--kubeconfig"])
-        .arg(&cp.kubeconfig_path)
-        .output()
-        .expect("meshgate runs");
+    let out = meshgate_on(cp, &["status", "pod", pod, "-o", "json"]);
     assert!(
         out.status.success(),
         "status pod {pod}: {}",
@@ -56,22 +52,7 @@ async fn pod_with_gate(client: &kube::Client, ns: &str, name: &str, state: Value
 async fn status_pod_says_why_a_pod_waits() {
     let cp = control_plane(false).await;
     let client = cp.client().await.expect("client");
-    let out = std::process::Command::new(meshgate_bin())
-        .args([
-            "install",
-            "--profile",
-            "istio-ambient",
-            "--apply",
-            "--kubeconfig",
-        ])
-        .arg(&cp.kubeconfig_path)
-        .output()
-        .expect("meshgate runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    install_applied(&cp, "istio-ambient", "meshgate-system");
     let gate = Api::<NodeGate>::all(client.clone())
         .list(&ListParams::default())
         .await
@@ -145,11 +126,7 @@ async fn status_pod_says_why_a_pod_waits() {
         "{r:#}"
     );
 
-    let out = std::process::Command::new(meshgate_bin())
-        .args(["status", "pod", "no-slash", "--kubeconfig"])
-        .arg(&cp.kubeconfig_path)
-        .output()
-        .expect("meshgate runs");
+    let out = meshgate_on(&cp, &["status", "pod", "no-slash"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("expected NAMESPACE/NAME"));
 }

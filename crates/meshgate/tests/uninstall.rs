@@ -20,12 +20,7 @@ use meshgate_api::NodeGate;
 use serde_json::json;
 
 fn meshgate_cli(cp: &meshgate_testenv::ControlPlane, args: &[&str]) -> (bool, String) {
-    let out = std::process::Command::new(meshgate_bin())
-        .args(args)
-        .arg("--kubeconfig")
-        .arg(&cp.kubeconfig_path)
-        .output()
-        .expect("meshgate runs");
+    let out = meshgate_on(cp, args);
     (
         out.status.success(),
         format!(
@@ -37,17 +32,10 @@ fn meshgate_cli(cp: &meshgate_testenv::ControlPlane, args: &[&str]) -> (bool, St
 }
 
 fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
-    ApiResource {
-        group: group.into(),
-        version: version.into(),
-        api_version: if group.is_empty() {
-            version.into()
-        } else {
-            format!("{group}/{version}")
-        },
-        kind: kind.into(),
-        plural: plural.into(),
-    }
+    ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk(group, version, kind),
+        plural,
+    )
 }
 
 /// Every object of meshgate's (by its label) in the kinds `install` writes, as `Kind/name`.

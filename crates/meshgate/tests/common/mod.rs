@@ -247,6 +247,38 @@ pub fn meshgate_bin() -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_BIN_EXE_meshgate"))
 }
 
+/// Runs the `meshgate` CLI against the control plane (`--kubeconfig` appended).
+pub fn meshgate_on(cp: &ControlPlane, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(meshgate_bin())
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(&cp.kubeconfig_path)
+        .output()
+        .expect("meshgate runs")
+}
+
+/// `meshgate install --profile PROFILE --namespace NS --apply` against the control plane;
+/// panics with its output when it fails.
+pub fn install_applied(cp: &ControlPlane, profile: &str, namespace: &str) {
+    let out = meshgate_on(
+        cp,
+        &[
+            "install",
+            "--profile",
+            profile,
+            "--namespace",
+            namespace,
+            "--apply",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "install: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A child process of a test (e.g. `meshgate webhook`), its stdout and stderr in a log file.
 ///
 /// It cannot outlive the test: it is started through `setpriv --pdeathsig KILL` (when present)
@@ -545,5 +577,56 @@ impl Replica {
 impl Drop for Replica {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// meshgate's whole controller (`meshgate::run::run_controller`) on the background runtime, as
+/// the ServiceAccount `meshgate-controller` of `namespace` (impersonated: the RBAC `install`
+/// renders applies), until [`ControllerTask::finish`].
+pub struct ControllerTask {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    handle: Option<tokio::task::JoinHandle<Result<(), meshgate_controller::run::RunError>>>,
+}
+
+impl ControllerTask {
+    pub fn start(
+        cp: &ControlPlane,
+        namespace: &str,
+        settings: meshgate::run::ControllerSettings,
+    ) -> Self {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let kubeconfig = cp.kubeconfig_path.clone();
+        let namespace = namespace.to_owned();
+        let handle = background().spawn(async move {
+            let client =
+                client_as_service_account(&kubeconfig, &namespace, "meshgate-controller").await;
+            meshgate::run::run_controller(client, settings, async move {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        Self {
+            stop: Some(stop),
+            handle: Some(handle),
+        }
+    }
+
+    /// Stops the controller; it must have run without error.
+    pub async fn finish(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(handle) = self.handle.take() {
+            let result = handle.await.expect("controller task");
+            assert!(result.is_ok(), "controller: {result:?}");
+        }
+    }
+}
+
+impl Drop for ControllerTask {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
     }
 }
