@@ -110,9 +110,10 @@
 //! * A conditional anchor's value is only ever a condition: it is never written, and anchors
 //!   inside it are rejected by [`validate`] (Kyverno: "nested conditional anchor tags are not
 //!   supported").
-//! * Merge keys are the Pod schema's, by field name, in every kind (a Service's `ports` would
-//!   need `containerPort`: Kubernetes merges them by `port`); lists of fields outside the Pod
-//!   schema merge by `name` or are replaced.
+//! * Merge keys are the Pod schema's, by field name, in every kind, except a Service's
+//!   `spec.ports` (merged by `port`, as Kubernetes does); lists of fields outside the Pod
+//!   schema merge by `name` or are replaced (an Ingress's rules, for example, whose Kubernetes
+//!   merge is atomic).
 //! * Kyverno's numeric operators (`>`, `<`, `>=`, `<=`) and ranges in anchor values are not
 //!   supported ([`validate`] rejects the operators; ranges compare as text), nor the strategic
 //!   merge directives (`$patch`, `$retainKeys`, ...; rejected by [`validate`]). Scalar lists are

@@ -77,9 +77,14 @@ pub fn parse_key(key: &str) -> Result<Key<'_>, String> {
     Ok(Key::Plain(key))
 }
 
-/// The merge key of a list field of a Pod (the Kubernetes `patchMergeKey`), when the field is one
-/// of the associative lists of the Pod schema.
-pub fn known_merge_key(field: &str) -> Option<&'static str> {
+/// The merge key of a list field (the Kubernetes `patchMergeKey`), when the field is one of the
+/// associative lists of the Pod schema, or a Service's `spec.ports` (`path`, relative to the
+/// patch, is `.spec.ports`; a Pod has no `spec.ports`, its containers' ports are deeper), which
+/// Kubernetes merges by `port`.
+pub fn known_merge_key(field: &str, path: &str) -> Option<&'static str> {
+    if field == "ports" && path == ".spec.ports" {
+        return Some("port");
+    }
     Some(match field {
         "containers"
         | "initContainers"
@@ -259,7 +264,7 @@ fn resolve_list(
     field: Option<&str>,
     path: &mut String,
 ) -> Result<Resolved, Stop> {
-    let known_key = field.and_then(known_merge_key);
+    let known_key = field.and_then(|f| known_merge_key(f, path));
     if pattern.is_empty() {
         // `[]` empties a list; for an associative list it adds nothing.
         return Ok(match known_key {

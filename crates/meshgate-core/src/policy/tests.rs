@@ -1221,3 +1221,38 @@ mutations:
         "{message}"
     );
 }
+
+#[test]
+fn a_services_ports_merge_by_port() {
+    let policy = spec(
+        "
+match: {kinds: [Service]}
+mutations:
+- strategicMerge:
+    spec:
+      ports:
+      - {port: 443, targetPort: 8443}
+      - {port: 15021, name: status}
+",
+    );
+    let svc = yaml(
+        "
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  ports:
+  - {port: 80, targetPort: 8080}
+  - {port: 443, targetPort: 443, name: https}
+",
+    );
+    let out = run(&[("ports", &policy)], &svc).object;
+    assert_eq!(
+        out["spec"]["ports"],
+        serde_json::json!([
+            {"port": 443, "targetPort": 8443, "name": "https"},
+            {"port": 15021, "name": "status"},
+            {"port": 80, "targetPort": 8080},
+        ])
+    );
+}

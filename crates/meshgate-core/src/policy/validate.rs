@@ -330,7 +330,8 @@ fn strategic(
                     "{path}: mixes objects and other values; a list of objects is merged by key, any other list is replaced"
                 ));
             }
-            let merge_key = field.and_then(known_merge_key);
+            let relative = path.split_once("strategicMerge").map_or("", |(_, r)| r);
+            let merge_key = field.and_then(|f| known_merge_key(f, relative));
             let plain_have_name = items
                 .iter()
                 .filter(|e| e.is_object() && !has_condition(e) && !has_global(e))
