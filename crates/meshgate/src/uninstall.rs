@@ -27,7 +27,6 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
-use kube::discovery::Discovery;
 use kube::{Resource, ResourceExt};
 use meshgate_api::{NodeGate, names};
 use meshgate_core::nodegate::{taints_of, uninstall_patches};
@@ -179,17 +178,15 @@ pub async fn uninstall(
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     // 3. Nodes, then the gates' finalizers.
-    let discovery = Discovery::new(client.clone()).run().await?;
-    let gates_served = discovery
-        .groups()
-        .any(|g| g.name() == meshgate_api::DOMAIN && g.recommended_kind("NodeGate").is_some());
-    let gates: Vec<NodeGate> = if gates_served {
-        Api::<NodeGate>::all(client.clone())
-            .list(&ListParams::default())
-            .await?
-            .items
-    } else {
-        Vec::new()
+    // Not served (CRDs never installed, or just deleted: discovery can still list the group for
+    // a moment, whose endpoint then answers 404): no gates.
+    let gates: Vec<NodeGate> = match Api::<NodeGate>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+    {
+        Ok(list) => list.items,
+        Err(kube::Error::Api(e)) if e.code == 404 => Vec::new(),
+        Err(e) => return Err(e.into()),
     };
     let specs: Vec<&meshgate_api::NodeGateSpec> = gates.iter().map(|g| &g.spec).collect();
     let nodes: Api<Node> = Api::all(client.clone());
