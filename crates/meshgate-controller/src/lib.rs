@@ -6,6 +6,7 @@
 //! * [`leader`]: leader election on a Lease; every replica keeps warm caches, only the leader
 //!   writes.
 //! * [`registration`]: the policies webhook's rules follow the kinds the MutationPolicies name.
+//! * [`native_gate`]: the native gate's routing (namespaces with LimitRanges to the webhook).
 //! * [`run`]: the controller process (all of the above, leader election, health and metrics),
 //!   as the webhook crate's `Server` is the webhook's.
 //!
@@ -18,6 +19,7 @@ pub mod conditions;
 pub mod discovery;
 pub mod leader;
 pub mod metrics;
+pub mod native_gate;
 pub mod nodegate;
 pub mod policies;
 pub mod registration;

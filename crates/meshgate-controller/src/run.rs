@@ -39,6 +39,10 @@ pub struct ControllerSettings {
     /// Native mode: compile MutationPolicies that a MutatingAdmissionPolicy can express into
     /// one, when the API server serves that API (`meshgate_core::policy::native`).
     pub native_policies: bool,
+    /// The native gate (`meshgate_core::native_gate`): keep its routes in the policy and in this
+    /// `MutatingWebhookConfiguration`'s gate entries, when the API server serves the policy API.
+    /// The configuration is the webhook's.
+    pub native_gate: Option<(meshgate_api::GateConfig, String)>,
     /// Namespaces in which policies never change anything (backfill, native policies): the
     /// webhook's `excludedNamespaces`. `None`: the configuration's default.
     pub excluded_namespaces: Option<Vec<String>>,
@@ -95,6 +99,28 @@ pub async fn run_controller(
                 _ = stop => {},
             }
         });
+    }
+    if let Some((config, configuration)) = s.native_gate {
+        match crate::discovery::policy_api(&client).await {
+            Some(api) => {
+                let (client, leader, stop) = (client.clone(), leader.clone(), shutdown.clone());
+                let settings = crate::native_gate::Settings {
+                    config,
+                    configuration,
+                    api,
+                };
+                tokio::spawn(crate::native_gate::run(
+                    client,
+                    leader,
+                    settings,
+                    Duration::from_secs(60),
+                    stop,
+                ));
+            }
+            None => tracing::warn!(
+                "native gate: the API server serves no MutatingAdmissionPolicy API; the webhook gates every pod"
+            ),
+        }
     }
     if let Some(configuration) = s.policy_webhook {
         let (client, leader, stop) = (client.clone(), leader.clone(), shutdown.clone());

@@ -197,25 +197,12 @@ impl Planner {
         }
         // Every clause that selects the pod gives a verdict; the first gate wins, else the
         // first reason.
-        let options = Options {
-            checks: &config.init_gate.checks,
-            primary_family: config.init_gate.primary_ip_family,
-        };
         let mut chosen: Option<(&str, Verdict)> = None;
         for (clause, profile) in &self.clauses {
             if !clause_matches(clause, namespace_meta, &meta) {
                 continue;
             }
-            let verdict = match profile {
-                Some(p) => crate::mesh::verdict(p.record(), spec, &meta, namespace_meta, options),
-                None if spec.os() == Some("windows") => Err(NoGate::Windows),
-                None => Ok(GatePlan {
-                    checks: config.checks(),
-                    targets: Vec::new(),
-                    avoid_uids: Vec::new(),
-                    avoid_gids: Vec::new(),
-                }),
-            };
+            let verdict = clause_verdict(config, *profile, spec, &meta, namespace_meta);
             let gated = verdict.is_ok();
             if chosen.as_ref().is_none_or(|(_, v)| v.is_err() && gated) {
                 chosen = Some((clause.name.as_str(), verdict));
@@ -267,7 +254,7 @@ impl Planner {
     }
 
     /// The gate container for a pod.
-    fn gate_container(
+    pub(crate) fn gate_container(
         &self,
         spec: &PodSpecView<'_>,
         plan: &GatePlan,
@@ -287,6 +274,32 @@ impl Planner {
             user,
             group,
         }
+    }
+}
+
+/// The verdict of one selecting clause: its profile's rule, or for a clause of the
+/// configuration's own `selectors` (no profile) a gate with the configured checks on every
+/// Linux pod.
+pub(crate) fn clause_verdict(
+    config: &GateConfig,
+    profile: Option<Profile>,
+    spec: &PodSpecView<'_>,
+    meta: &Meta,
+    namespace_meta: &Meta,
+) -> Verdict {
+    let options = Options {
+        checks: &config.init_gate.checks,
+        primary_family: config.init_gate.primary_ip_family,
+    };
+    match profile {
+        Some(p) => crate::mesh::verdict(p.record(), spec, meta, namespace_meta, options),
+        None if spec.os() == Some("windows") => Err(NoGate::Windows),
+        None => Ok(GatePlan {
+            checks: config.checks(),
+            targets: Vec::new(),
+            avoid_uids: Vec::new(),
+            avoid_gids: Vec::new(),
+        }),
     }
 }
 
@@ -376,7 +389,7 @@ fn gate_user(spec: &PodSpecView<'_>, plan: &GatePlan, default: i64) -> (i64, Opt
 
 /// The gate container meshgate wants in a pod.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct DesiredGate {
+pub(crate) struct DesiredGate {
     image: String,
     image_pull_policy: String,
     command: String,
@@ -387,7 +400,7 @@ struct DesiredGate {
 }
 
 impl DesiredGate {
-    fn to_json(&self) -> Value {
+    pub(crate) fn to_json(&self) -> Value {
         let mut sc = json!({
             "runAsNonRoot": true,
             "runAsUser": self.user,

@@ -8,6 +8,7 @@ pub mod capture;
 pub mod gate;
 pub mod kyverno;
 pub mod mesh;
+pub mod native_gate;
 pub mod nodegate;
 pub mod patch;
 pub mod policy;

@@ -48,6 +48,9 @@ pub struct Registration<'a> {
     pub policies: bool,
     /// Register the node-taint path (when admission policies are not used for it).
     pub node_taint: bool,
+    /// The native gate is installed (`crate::native_gate`): the webhook entries of the native
+    /// clauses are called only for these namespaces.
+    pub native_gate: Option<&'a crate::native_gate::Routes>,
 }
 
 /// The webhook's client configuration; no `caBundle` when `ca_bundle_pem` is empty (the
@@ -162,13 +165,17 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
         "resources": ["pods"], "scope": "Namespaced",
     }]);
     if c.init_gate.enabled || c.resource_gate.enabled {
+        let native = match r.native_gate {
+            Some(_) => crate::native_gate::native_clauses(c),
+            None => Vec::new(),
+        };
         for clause in c.clauses() {
             let object = clause.object_selector.clone().with(
                 names::OPT_OUT,
                 SelectorOperator::NotIn,
                 &["false"],
             );
-            webhooks.push(json!({
+            let mut hook = json!({
                 "name": format!("{}.gate.{}", clause.name, meshgate_api::DOMAIN),
                 "admissionReviewVersions": ["v1"],
                 "clientConfig": client_config(r, paths::POD_GATE),
@@ -180,7 +187,13 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
                 "reinvocationPolicy": "IfNeeded",
                 "sideEffects": "None",
                 "matchPolicy": "Equivalent",
-            }));
+            });
+            if let Some(routes) = r.native_gate
+                && native.contains(&clause.name)
+            {
+                hook["matchConditions"] = gate_route_conditions(routes);
+            }
+            webhooks.push(hook);
         }
     }
     if r.policies {
@@ -219,6 +232,12 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
         "metadata": {"name": r.name, "labels": {names::MANAGED_BY: "meshgate"}},
         "webhooks": webhooks,
     })
+}
+
+/// The `matchConditions` of a native clause's webhook entry: only the routed namespaces
+/// (`crate::native_gate`).
+pub fn gate_route_conditions(routes: &crate::native_gate::Routes) -> Value {
+    json!([{"name": crate::native_gate::ROUTE_CONDITION, "expression": routes.cel()}])
 }
 
 /// The admission-policy API versions an API server may serve.
@@ -321,6 +340,7 @@ mod tests {
             ca_bundle_pem: "PEM",
             policies: true,
             node_taint: true,
+            native_gate: None,
         }
     }
 

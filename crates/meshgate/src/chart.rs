@@ -19,7 +19,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::install::{InstallOptions, NodeTaint, PROFILES, RepairAction};
+use crate::install::{InstallOptions, NodeTaint, PROFILES, PodGate, RepairAction};
 use meshgate_core::registration::PolicyApi;
 
 const NAMESPACE: &str = "helm-release-namespace-placeholder";
@@ -144,6 +144,9 @@ pub fn options(profile: &str, repair: Option<RepairAction>, taint: &str) -> Inst
         } else {
             NodeTaint::Webhook
         },
+        // The chart's templates cannot list LimitRanges or run discovery at render time; the
+        // native gate is `meshgate install`'s.
+        pod_gate: PodGate::Webhook,
         repair,
         webhook_ingress_from: Vec::new(),
     }

@@ -134,6 +134,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         // Nodes are tainted at registration by an admission policy the API server runs itself
         // (what `meshgate install` picks where it is served), not by this webhook.
         node_taint: false,
+        native_gate: None,
     });
     let mwc: k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration =
         serde_json::from_value(mwc)?;
@@ -162,6 +163,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                 repair: Default::default(),
                 policy_webhook: None,
                 native_policies: false,
+                native_gate: None,
                 excluded_namespaces: None,
             },
             async move {

@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use meshgate_api::config::GateConfig;
 use meshgate_api::{NodeGate, Profile, names};
+use meshgate_core::native_gate::Routes;
 use meshgate_core::registration::{
     PolicyApi, Registration, WebhookTarget, node_taint_policy, webhook_configuration,
 };
@@ -31,6 +32,8 @@ pub struct InstallOptions {
     pub image: String,
     /// How new nodes get the startup taint at registration.
     pub node_taint: NodeTaint,
+    /// Where the init gate is decided (`--pod-gate`).
+    pub pod_gate: PodGate,
     /// The repair loop (`None`: off) and what it may do to pods: `label` them, or `delete`
     /// them. The controller's RBAC grants pod writes only for this.
     pub repair: Option<RepairAction>,
@@ -72,6 +75,50 @@ impl NodeTaint {
         match self {
             NodeTaint::Policy(api) => format!("MutatingAdmissionPolicy ({})", api.api_version()),
             NodeTaint::Webhook => "webhook (/mutate/node-taint)".into(),
+        }
+    }
+}
+
+/// Where the init gate is decided (`--pod-gate`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodGate {
+    /// The native gate (`meshgate_core::native_gate`): a `MutatingAdmissionPolicy` for the
+    /// clauses CEL can decide (Istio ambient), the webhook for the rest and for namespaces with
+    /// LimitRanges (the controller keeps those routes; until its first full list, every pod goes
+    /// to the webhook).
+    Native(PolicyApi),
+    /// meshgate's webhook for every pod.
+    Webhook,
+}
+
+impl PodGate {
+    /// `--pod-gate native|webhook|auto`: `auto` picks the native gate where the API server
+    /// serves `MutatingAdmissionPolicy` (`served`, from discovery) and the profile has clauses
+    /// CEL can decide, else the webhook.
+    pub fn choose(flag: &str, served: Option<PolicyApi>, profile: &str) -> anyhow::Result<Self> {
+        let expressible =
+            meshgate_core::native_gate::expressible(&gate_config(profile, "meshgate-system", "x")?);
+        Ok(match (flag, served, expressible) {
+            ("webhook", _, _) => PodGate::Webhook,
+            ("native" | "auto", Some(api), Ok(())) => PodGate::Native(api),
+            ("auto", _, _) => PodGate::Webhook,
+            ("native", None, _) => anyhow::bail!(
+                "--pod-gate native: the API server serves no MutatingAdmissionPolicy API (admissionregistration.k8s.io/v1 or v1beta1); use --pod-gate webhook"
+            ),
+            ("native", _, Err(e)) => anyhow::bail!("--pod-gate native: profile {profile}: {e}"),
+            (other, _, _) => {
+                anyhow::bail!("--pod-gate {other:?}: expected native, webhook or auto")
+            }
+        })
+    }
+
+    pub fn describe(self) -> String {
+        match self {
+            PodGate::Native(api) => format!(
+                "native: MutatingAdmissionPolicy ({}), the webhook for namespaces with LimitRanges",
+                api.api_version()
+            ),
+            PodGate::Webhook => "webhook (/mutate/pod-gate)".into(),
         }
     }
 }
@@ -177,6 +224,14 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingadmissionpolicies", "mutatingadmissionpolicybindings"], "verbs": ["create", "patch", "delete"]},
     ]);
     let mut controller_rules = controller_rules;
+    if let PodGate::Native(_) = o.pod_gate
+        && let Some(rules) = controller_rules.as_array_mut()
+    {
+        // The native gate's routes: namespaces with LimitRanges stay on the webhook.
+        rules.push(
+            json!({"apiGroups": [""], "resources": ["limitranges"], "verbs": ["list", "watch"]}),
+        );
+    }
     if let Some(action) = o.repair {
         // Only with the repair loop: label, or delete, pods whose gate timed out.
         // (`delete` deletes pods a controller recreates and labels the others.)
@@ -274,6 +329,10 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
                 config.excluded_namespaces.join(","),
                 "--log-json".to_owned(),
             ];
+            if let PodGate::Native(_) = o.pod_gate {
+                args.push("--native-gate-config".into());
+                args.push("/etc/meshgate/config/config.yaml".into());
+            }
             if let Some(action) = o.repair {
                 args.push("--repair".into());
                 args.push("--repair-action".into());
@@ -288,8 +347,16 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
             json!(args)
         },
         json!([{"name": "health", "containerPort": 8080}]),
-        json!([]),
-        json!([]),
+        if let PodGate::Native(_) = o.pod_gate {
+            json!([{"name": "config", "mountPath": "/etc/meshgate/config", "readOnly": true}])
+        } else {
+            json!([])
+        },
+        if let PodGate::Native(_) = o.pod_gate {
+            json!([{"name": "config", "configMap": {"name": "meshgate-config"}}])
+        } else {
+            json!([])
+        },
     ));
     // Registration.
     let mut mwc = webhook_configuration(&Registration {
@@ -303,6 +370,10 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         ca_bundle_pem: "",
         policies: true,
         node_taint: o.node_taint == NodeTaint::Webhook,
+        native_gate: match o.pod_gate {
+            PodGate::Native(_) => Some(&Routes::All),
+            PodGate::Webhook => None,
+        },
     });
     mwc["metadata"]["labels"] = labels("webhook");
     out.push(mwc);
@@ -314,6 +385,13 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     if let NodeTaint::Policy(api) = o.node_taint {
         let name = gate.metadata.name.clone().unwrap_or_default();
         out.extend(node_taint_policy(&name, &gate.spec, api));
+    }
+    if let PodGate::Native(api) = o.pod_gate {
+        // Every pod on the webhook until the controller has listed the LimitRanges.
+        out.extend(
+            meshgate_core::native_gate::policy(&config, api, &Routes::All)
+                .map_err(|e| anyhow::anyhow!("native gate: {e}"))?,
+        );
     }
     out.extend(profile_policies(&o.profile)?);
     Ok(out)

@@ -82,6 +82,12 @@ enum Command {
         /// to serve MutatingAdmissionPolicy (discovery); else every policy stays on the webhook.
         #[arg(long)]
         native_policies: bool,
+        /// The native gate: keep the init gate's MutatingAdmissionPolicy and the routes of the
+        /// webhook's gate entries (namespaces with LimitRanges stay on the webhook) for the
+        /// webhook configuration in this file (`install` passes the webhook's). Needs
+        /// `--policy-webhook-configuration` (the entries' configuration).
+        #[arg(long, requires = "policy_webhook_configuration")]
+        native_gate_config: Option<std::path::PathBuf>,
         /// Namespaces in which policies never change anything (backfill, native policies),
         /// comma-separated: the webhook configuration's `excludedNamespaces` (`install` passes
         /// them). Default: the configuration's default.
@@ -169,6 +175,12 @@ enum Command {
         /// where the API server serves it; without --apply: the policy, v1).
         #[arg(long, default_value = "auto", value_parser = ["policy", "webhook", "auto"])]
         node_taint: String,
+        /// Where the init gate is decided: `native` (a MutatingAdmissionPolicy the API server
+        /// evaluates for the clauses CEL can decide, Istio ambient; the webhook for the others
+        /// and for namespaces with LimitRanges), `webhook`, or `auto` (native where the API
+        /// server serves the policy API and the profile has such clauses; without --apply: v1).
+        #[arg(long, default_value = "auto", value_parser = ["native", "webhook", "auto"])]
+        pod_gate: String,
         /// Run the controller's repair loop for pods whose gate timed out, and grant it the pod
         /// writes it needs: `label` (patch) or `delete` (patch and delete). Off by default.
         #[arg(long, value_parser = ["label", "delete"])]
@@ -376,6 +388,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             manage_certs,
             policy_webhook_configuration,
             native_policies,
+            native_gate_config,
             excluded_namespaces,
             gate_wait_threshold,
             repair,
@@ -394,6 +407,15 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 detect_started_early: repair_started_early,
                 waiting_threshold: (!gate_wait_threshold.is_zero()).then_some(gate_wait_threshold),
                 ..Default::default()
+            };
+            let native_gate = match (native_gate_config, &policy_webhook_configuration) {
+                (Some(path), Some(configuration)) => {
+                    let text = std::fs::read_to_string(&path)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                    let config = GateConfig::from_yaml(&path.display().to_string(), &text)?;
+                    Some((config, configuration.clone()))
+                }
+                _ => None,
             };
             let client = kube::Client::try_default().await?;
             let lease_namespace_for_certs = lease_namespace.clone();
@@ -416,6 +438,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     repair,
                     policy_webhook: policy_webhook_configuration,
                     native_policies,
+                    native_gate,
                     excluded_namespaces,
                 },
                 run::shutdown_signal(),
@@ -501,6 +524,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             apply,
             dry_run,
             node_taint,
+            pod_gate,
             repair,
             webhook_ingress_from,
             kubeconfig,
@@ -517,11 +541,14 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             };
             let node_taint = meshgate::install::NodeTaint::choose(&node_taint, served)?;
             eprintln!("node taint at registration: {}", node_taint.describe());
+            let pod_gate = meshgate::install::PodGate::choose(&pod_gate, served, &profile)?;
+            eprintln!("pod gate: {}", pod_gate.describe());
             let docs = meshgate::install::render(&meshgate::install::InstallOptions {
                 profile,
                 namespace,
                 image,
                 node_taint,
+                pod_gate,
                 repair: repair.map(|r| {
                     if r == "delete" {
                         meshgate::install::RepairAction::Delete

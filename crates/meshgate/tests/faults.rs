@@ -527,6 +527,7 @@ impl WebhookProcess {
             ca_bundle_pem: &self.ca.certificate().cert_pem,
             policies: false,
             node_taint: false,
+            native_gate: None,
         });
         assert_eq!(mwc["webhooks"][0]["failurePolicy"], "Fail", "{mwc}");
         register(client, &mwc).await;

@@ -243,6 +243,7 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
             repair: Default::default(),
             policy_webhook: Some("meshgate".into()),
             native_policies: true,
+            native_gate: None,
             excluded_namespaces: None,
         },
     );

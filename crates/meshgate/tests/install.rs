@@ -17,6 +17,7 @@ fn options(profile: &str) -> InstallOptions {
         namespace: "meshgate-system".into(),
         image: "meshgate/meshgate:0.1.0".into(),
         node_taint: NodeTaint::Policy(PolicyApi::V1),
+        pod_gate: meshgate::install::PodGate::Webhook,
         repair: None,
         webhook_ingress_from: Vec::new(),
     }
@@ -131,6 +132,7 @@ async fn node_taint_auto_picks_the_admission_policy_on_this_api_server() {
     assert_eq!(chosen, NodeTaint::Policy(PolicyApi::V1));
     let docs = render(&InstallOptions {
         node_taint: chosen,
+        pod_gate: meshgate::install::PodGate::Webhook,
         ..options("linkerd")
     })
     .unwrap();

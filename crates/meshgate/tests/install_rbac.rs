@@ -47,6 +47,8 @@ const EXERCISED: &[(&str, &str)] = &[
         "controller delete /pods",
         "repair: a ReplicaSet's pod is deleted",
     ),
+    ("controller list /limitranges", "native gate: its routes"),
+    ("controller watch /limitranges", "native gate: its routes"),
     ("controller list /namespaces", "policies: namespace labels"),
     ("controller watch /namespaces", "policies: namespace labels"),
     (
@@ -246,6 +248,7 @@ fn every_granted_permission_is_exercised_and_nothing_more() {
         namespace: NS.into(),
         image: "meshgate/meshgate:test".into(),
         node_taint: NodeTaint::Webhook,
+        pod_gate: meshgate::install::PodGate::Native(meshgate_core::registration::PolicyApi::V1),
         repair: Some(RepairAction::Delete),
         webhook_ingress_from: Vec::new(),
     })
@@ -289,6 +292,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
         namespace: NS.into(),
         image: "meshgate/meshgate:test".into(),
         node_taint: NodeTaint::Webhook,
+        pod_gate: meshgate::install::PodGate::Native(meshgate_core::registration::PolicyApi::V1),
         repair: Some(RepairAction::Delete),
         webhook_ingress_from: Vec::new(),
     })
@@ -462,6 +466,11 @@ async fn the_components_do_everything_under_their_installed_identities() {
             },
             policy_webhook: Some("meshgate".into()),
             native_policies: true,
+            native_gate: Some((
+                meshgate::install::gate_config("istio-ambient", NS, "meshgate/meshgate:test")
+                    .expect("config"),
+                "meshgate".into(),
+            )),
             excluded_namespaces: None,
         },
     );
@@ -484,6 +493,52 @@ async fn the_components_do_everything_under_their_installed_identities() {
     .await;
     let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(admin.clone());
+
+    // The native gate: install routed every namespace to the webhook; the controller, once it
+    // has listed the LimitRanges, routes only those with one (none yet), then this one.
+    let maps: Api<MutatingAdmissionPolicy> = Api::all(admin.clone());
+    let routes_are = |want: String| {
+        let (maps, mwcs) = (maps.clone(), mwcs.clone());
+        async move {
+            let policy = maps.get_opt("meshgate-pod-gate").await.ok().flatten();
+            let condition = policy
+                .and_then(|p| p.spec?.match_conditions?.into_iter().next())
+                .map(|c| c.expression);
+            let hooks = mwcs.get_opt("meshgate").await.ok().flatten();
+            let ambient: Vec<String> = hooks
+                .into_iter()
+                .flat_map(|m| m.webhooks.unwrap_or_default())
+                .filter(|h| h.name.starts_with("istio-ambient"))
+                .filter_map(|h| Some(h.match_conditions?.first()?.expression.clone()))
+                .collect();
+            condition.as_deref() == Some(&format!("!({want})"))
+                && ambient.len() == 2
+                && ambient.iter().all(|e| *e == want)
+        }
+    };
+    wait_for(
+        "the native gate's routes: none",
+        Duration::from_secs(60),
+        || routes_are("false".into()),
+    )
+    .await;
+    let ranges: Api<k8s_openapi::api::core::v1::LimitRange> =
+        Api::namespaced(admin.clone(), &app_ns);
+    ranges
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "limits"},
+                "spec": {"limits": [{"type": "Container", "min": {"memory": "32Mi"}}]}}))
+            .expect("limit range"),
+        )
+        .await
+        .expect("limit range created");
+    wait_for(
+        "the native gate's routes: the namespace with a LimitRange",
+        Duration::from_secs(60),
+        || routes_are(format!("request.namespace in [\"{app_ns}\"]")),
+    )
+    .await;
     wait_for(
         "the certificates and caBundle",
         Duration::from_secs(60),

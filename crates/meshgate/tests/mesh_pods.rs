@@ -5,7 +5,9 @@
 //! resources), keeps its QoS class, and is admitted. Shapes marked `injectWith` are created
 //! un-injected and a test webhook injects them the way the mesh's injector does, registered
 //! once before and once after meshgate's: the verdict is the same either way. `meshgate render
-//! --profile` gives the same verdict as the webhook for every shape.
+//! --profile` gives the same verdict as the webhook for every shape. Then, on the same API
+//! server, with the native gate installed (the MutatingAdmissionPolicy of the ambient clauses,
+//! the webhook routed): every shape is admitted exactly as through the webhook alone.
 //!
 //! Run: `cargo test -p meshgate --test mesh_pods`.
 
@@ -280,6 +282,7 @@ async fn start_injector(client: &kube::Client) {
 
 struct Env {
     client: kube::Client,
+    webhook: Webhook,
 }
 
 async fn setup() -> &'static Env {
@@ -295,7 +298,6 @@ async fn setup() -> &'static Env {
             &webhook.registration("meshgate", &config, true, false),
         )
         .await;
-        std::mem::forget(webhook);
         let policies: Api<MutationPolicy> = Api::all(client.clone());
         for text in POLICIES {
             let p: MutationPolicy = serde_saphyr::from_str(text).expect("policy");
@@ -344,7 +346,7 @@ async fn setup() -> &'static Env {
             },
         )
         .await;
-        Env { client }
+        Env { client, webhook }
     })
     .await
 }
@@ -489,6 +491,7 @@ async fn every_mesh_pod_shape_gets_its_verdict_and_is_admitted() {
     assert!(cases.len() >= 30, "{} shapes", cases.len());
     let mut failures = Vec::new();
     let mut verdicts = BTreeMap::new();
+    let mut admitted_pods = BTreeMap::new();
     for case in &cases {
         let ns = create_namespace(client, &format!("mp-{}", case.name), &case.namespace).await;
         // The same pod, opted out of meshgate, in the same namespace: its QoS class as the API
@@ -527,6 +530,10 @@ async fn every_mesh_pod_shape_gets_its_verdict_and_is_admitted() {
                 Ok(admitted) => match check(case, &admitted, reference_qos.as_deref()) {
                     Err(e) => failures.push(format!("{what}: {e}")),
                     Ok(v) => {
+                        admitted_pods.insert(
+                            format!("{}{order}", case.name),
+                            serde_json::to_value(&admitted).unwrap_or_default(),
+                        );
                         // For the render comparison: the pod as admitted (injected), or as given.
                         let input = if case.inject_with.is_some() {
                             let mut a = serde_json::to_value(&admitted).unwrap_or_default();
@@ -615,4 +622,180 @@ async fn every_mesh_pod_shape_gets_its_verdict_and_is_admitted() {
         "render disagrees with the webhook:\n{}",
         differ.join("\n")
     );
+
+    native_gate_agrees(env, &cases, &admitted_pods).await;
+}
+
+/// The native gate (`meshgate_core::native_gate`) installed next to the webhook, on the same
+/// API server: every shape is created again, in fresh namespaces, and must be admitted exactly
+/// as through the webhook alone (the gate annotation, every init container as stored, the QoS
+/// class) and meet the case. The ambient shapes in namespaces without a LimitRange must be
+/// gated by the policy: the webhook, where it is called at all, changes nothing.
+async fn native_gate_agrees(env: &Env, cases: &[Case], webhook: &BTreeMap<String, Value>) {
+    use kube::api::DynamicObject;
+    use meshgate_core::native_gate::{Routes, policy, routed_namespace};
+    use meshgate_core::resources::ContainerLimits;
+    let client = &env.client;
+    let config = config();
+    let mut routed: Vec<String> = cases
+        .iter()
+        .filter(|c| {
+            c.namespace.limit_range.as_ref().is_some_and(|limits| {
+                let lr: LimitRange =
+                    serde_json::from_value(json!({"spec": {"limits": limits}})).expect("lr");
+                routed_namespace(&ContainerLimits::of(&lr))
+            })
+        })
+        .map(|c| format!("mn-{}", c.name))
+        .collect();
+    routed.sort();
+    let routes = Routes::Namespaces(routed);
+    let api = meshgate::discovery::policy_api(client)
+        .await
+        .expect("the API server serves MutatingAdmissionPolicies");
+    for mut doc in policy(&config, api, &routes).expect("the native gate compiles") {
+        // Fail, not the installed Ignore: an expression that errors on a shape refuses it here
+        // instead of silently leaving it to the webhook.
+        if doc["kind"] == "MutatingAdmissionPolicy" {
+            doc["spec"]["failurePolicy"] = json!("Fail");
+        }
+        let obj: DynamicObject = serde_json::from_value(doc).expect("object");
+        let gvk =
+            kube::api::GroupVersionKind::try_from(obj.types.as_ref().expect("types")).expect("gvk");
+        let ar = kube::api::ApiResource::from_gvk(&gvk);
+        let name = obj.metadata.name.clone().expect("name");
+        kube::Api::<DynamicObject>::all_with(client.clone(), &ar)
+            .patch(
+                &name,
+                &kube::api::PatchParams::apply("meshgate-test").force(),
+                &kube::api::Patch::Apply(&obj),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    register(
+        client,
+        &env.webhook
+            .registration_native("meshgate", &config, &routes),
+    )
+    .await;
+    // Both take effect asynchronously: wait until an ambient pod is gated without a review.
+    let ns = create_namespace(
+        client,
+        "mn-warmup",
+        &NamespaceSpec {
+            labels: [("istio.io/dataplane-mode".into(), "ambient".into())].into(),
+            ..NamespaceSpec::default()
+        },
+    )
+    .await;
+    let mut n = 0;
+    wait_for(
+        "the native gate active, the webhook routed",
+        Duration::from_secs(60),
+        || {
+            n += 1;
+            let probe = pod(&format!("probe-{n}"));
+            let ns = ns.clone();
+            async move {
+                let before = env.webhook.pod_gate_reviews(Some("mutated")).await;
+                let Ok(p) = dry_run(&env.client, &ns, &probe).await else {
+                    return false;
+                };
+                let gated = p
+                    .metadata
+                    .annotations
+                    .unwrap_or_default()
+                    .get(VERDICT)
+                    .is_some_and(|v| v.starts_with("gated: --tcp-listening"));
+                gated && env.webhook.pod_gate_reviews(Some("mutated")).await == before
+            }
+        },
+    )
+    .await;
+
+    let mut failures = Vec::new();
+    let (mut unreviewed, mut expected_native) = (0, 0);
+    for case in cases {
+        let ns = create_namespace(client, &format!("mn-{}", case.name), &case.namespace).await;
+        let orders: &[&str] = if case.inject_with.is_some() {
+            &["before", "after"]
+        } else {
+            &[""]
+        };
+        for order in orders {
+            let key = format!("{}{order}", case.name);
+            let mut pod = case.pod.clone();
+            if let Some(mode) = &case.inject_with {
+                pod = label(
+                    &label(&pod, "mesh-test/inject", mode),
+                    "mesh-test/order",
+                    order,
+                );
+            }
+            let reference = webhook.get(&key);
+            let reference_qos = reference.and_then(|p| p["status"]["qosClass"].as_str());
+            let before = env.webhook.pod_gate_reviews(None).await;
+            let mutated_before = env.webhook.pod_gate_reviews(Some("mutated")).await;
+            let admitted = match dry_run(client, &ns, &pod).await {
+                Ok(p) => p,
+                Err(e) => {
+                    failures.push(format!("{key}: refused by the API server: {e}"));
+                    continue;
+                }
+            };
+            let reviewed = env.webhook.pod_gate_reviews(None).await - before;
+            let mutated = env.webhook.pod_gate_reviews(Some("mutated")).await - mutated_before;
+            let ambient_only = case.expect["verdict"]
+                .as_str()
+                .is_some_and(|v| v.starts_with("gated: --tcp-listening"))
+                && case.namespace.limit_range.is_none();
+            if ambient_only {
+                expected_native += 1;
+                if mutated > 0 {
+                    failures.push(format!(
+                        "{key}: the webhook added the gate ({mutated} reviews)"
+                    ));
+                }
+            }
+            if reviewed == 0 {
+                unreviewed += 1;
+            }
+            if let Err(e) = check(case, &admitted, reference_qos) {
+                failures.push(format!("{key}: {e}"));
+            }
+            let got = serde_json::to_value(&admitted).unwrap_or_default();
+            let Some(want) = reference else {
+                failures.push(format!("{key}: no webhook result to compare"));
+                continue;
+            };
+            for pointer in [
+                "/metadata/annotations/meshgate.dev~1gate",
+                "/spec/initContainers",
+                "/spec/containers",
+                "/status/qosClass",
+            ] {
+                if got.pointer(pointer) != want.pointer(pointer) {
+                    failures.push(format!(
+                        "{key}: {pointer} differs\n  native:  {}\n  webhook: {}",
+                        got.pointer(pointer).unwrap_or(&Value::Null),
+                        want.pointer(pointer).unwrap_or(&Value::Null)
+                    ));
+                }
+            }
+        }
+    }
+    // With the Linkerd profile configured, its namespace clauses (selected by a namespace
+    // annotation, which no webhook selector can see) still call the webhook for every pod; it
+    // then finds the gate in place.
+    println!(
+        "native gate: {expected_native} ambient shapes gated by the policy, {unreviewed} shapes admitted without any pod-gate review"
+    );
+    assert!(
+        failures.is_empty(),
+        "the native gate disagrees with the webhook on {} shapes:\n{}",
+        failures.len(),
+        failures.join("\n\n")
+    );
+    assert!(expected_native >= 6, "{expected_native} ambient shapes");
 }

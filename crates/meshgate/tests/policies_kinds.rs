@@ -392,6 +392,7 @@ async fn namespaced_policies_stay_in_their_namespace() {
         namespace: "meshgate-system".into(),
         image: "meshgate/meshgate:0.1.0".into(),
         node_taint: meshgate::install::NodeTaint::Webhook,
+        pod_gate: meshgate::install::PodGate::Webhook,
         repair: None,
         webhook_ingress_from: Vec::new(),
     })

@@ -371,6 +371,7 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
             repair: Default::default(),
             policy_webhook: None,
             native_policies: true,
+            native_gate: None,
             excluded_namespaces: None,
         },
     );

@@ -288,6 +288,13 @@ fn install_manifests_and_crds_read_back_as_meant() {
             node_taint: meshgate::install::NodeTaint::Policy(
                 meshgate_core::registration::PolicyApi::V1,
             ),
+            // The native gate's policy (long CEL) where the profile has one.
+            pod_gate: meshgate::install::PodGate::choose(
+                "auto",
+                Some(meshgate_core::registration::PolicyApi::V1),
+                profile,
+            )
+            .expect("pod gate"),
             repair: Some(meshgate::install::RepairAction::Delete),
             webhook_ingress_from: Vec::new(),
         })

@@ -570,7 +570,7 @@ fn pattern_cel(text: &str, pattern: &str) -> String {
 }
 
 /// `meta.labels[key] == value`, false when absent.
-fn has_value(meta: &str, field: &str, key: &str) -> String {
+pub(crate) fn has_value(meta: &str, field: &str, key: &str) -> String {
     format!(
         "(has({meta}.{field}) && {k} in {meta}.{field})",
         k = cel_string(key)
@@ -578,7 +578,7 @@ fn has_value(meta: &str, field: &str, key: &str) -> String {
 }
 
 /// A label selector over `meta.labels`, with the API server's semantics.
-fn selector_cel(meta: &str, selector: &LabelSelector) -> String {
+pub(crate) fn selector_cel(meta: &str, selector: &LabelSelector) -> String {
     let mut terms = Vec::new();
     let value = |key: &str| format!("{meta}.labels[{}]", cel_string(key));
     for (k, v) in &selector.match_labels {
@@ -614,7 +614,7 @@ fn selector_cel(meta: &str, selector: &LabelSelector) -> String {
 }
 
 /// The opt-out (`meshgate.dev/inject: "false"` as a label or an annotation) on `meta`.
-fn opted_out(meta: &str) -> String {
+pub(crate) fn opted_out(meta: &str) -> String {
     let key = cel_string(names::OPT_OUT);
     format!(
         "(({l} && {meta}.labels[{key}] == \"false\") || ({a} && {meta}.annotations[{key}] == \"false\"))",
@@ -680,7 +680,7 @@ fn write_cel(write: &Write, path: &[&str]) -> String {
     }
 }
 
-fn cel_list<S: AsRef<str>>(items: &[S]) -> String {
+pub(crate) fn cel_list<S: AsRef<str>>(items: &[S]) -> String {
     let items: Vec<String> = items.iter().map(|s| cel_string(s.as_ref())).collect();
     format!("[{}]", items.join(", "))
 }

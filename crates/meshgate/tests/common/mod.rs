@@ -74,7 +74,42 @@ impl Webhook {
             ca_bundle_pem: &self.ca.certificate().cert_pem,
             policies,
             node_taint,
+            native_gate: None,
         })
+    }
+
+    /// The registration with the native gate installed: the native clauses' webhook entries are
+    /// called for the `routes` namespaces only.
+    #[allow(dead_code)]
+    pub fn registration_native<'a>(
+        &'a self,
+        name: &'a str,
+        config: &'a GateConfig,
+        routes: &'a meshgate_core::native_gate::Routes,
+    ) -> serde_json::Value {
+        webhook_configuration(&Registration {
+            name,
+            config,
+            target: WebhookTarget::Url(self.url.clone()),
+            ca_bundle_pem: &self.ca.certificate().cert_pem,
+            policies: true,
+            node_taint: false,
+            native_gate: Some(routes),
+        })
+    }
+
+    /// Pod-gate reviews the webhook answered so far (its `/metrics`), with this outcome
+    /// (`mutated`, ...) or all.
+    #[allow(dead_code)]
+    pub async fn pod_gate_reviews(&self, outcome: Option<&str>) -> u64 {
+        let addr = self.health.parse().expect("health address");
+        let (_, body) = http_get(addr, "/metrics").await.expect("metrics");
+        let outcome = outcome.map(|o| format!("outcome=\"{o}\""));
+        body.lines()
+            .filter(|l| l.starts_with("meshgate_webhook_reviews_total{") && l.contains("pod-gate"))
+            .filter(|l| outcome.as_ref().is_none_or(|o| l.contains(o.as_str())))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
     }
 }
 
@@ -162,6 +197,7 @@ pub async fn serve_policies(cp: &ControlPlane) {
                     repair: Default::default(),
                     policy_webhook: Some(POLICIES_CONFIGURATION.into()),
                     native_policies: false,
+                    native_gate: None,
                     excluded_namespaces: None,
                 };
                 if let Err(e) = meshgate::run::run_controller(
@@ -496,6 +532,7 @@ pub async fn install_identities_with(
         namespace: namespace.into(),
         image: "meshgate/meshgate:test".into(),
         node_taint: meshgate::install::NodeTaint::Webhook,
+        pod_gate: meshgate::install::PodGate::Webhook,
         repair,
         webhook_ingress_from: Vec::new(),
     })
