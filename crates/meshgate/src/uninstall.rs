@@ -140,18 +140,7 @@ pub async fn uninstall(
         &mut progress,
     )
     .await?;
-    for version in ["v1", "v1beta1"] {
-        for (kind, plural) in [
-            (
-                "MutatingAdmissionPolicyBinding",
-                "mutatingadmissionpolicybindings",
-            ),
-            ("MutatingAdmissionPolicy", "mutatingadmissionpolicies"),
-        ] {
-            let ar = resource("admissionregistration.k8s.io", version, kind, plural);
-            delete_labelled(&Api::all_with(client.clone(), &ar), kind, &mut progress).await?;
-        }
-    }
+    delete_admission_policies(client, &mut progress).await?;
     // 2. The components, and the controller's pods gone.
     let deployments = resource("apps", "v1", "Deployment", "deployments");
     delete_labelled(
@@ -177,6 +166,9 @@ pub async fn uninstall(
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // The controller writes the native gate's policy (its routes) until it is gone: whatever
+    // it wrote after step 1 goes now.
+    delete_admission_policies(client, &mut progress).await?;
     // 3. Nodes, then the gates' finalizers.
     // Not served (CRDs never installed, or just deleted: discovery can still list the group for
     // a moment, whose endpoint then answers 404): no gates.
@@ -284,6 +276,27 @@ pub async fn uninstall(
                 crds.delete(&name, &DeleteParams::background()).await?;
                 progress(&format!("deleted CustomResourceDefinition {name}"));
             }
+        }
+    }
+    Ok(())
+}
+
+/// Deletes meshgate's MutatingAdmissionPolicies and bindings (node taint, native gate, native
+/// policies), in every version the API server may serve.
+async fn delete_admission_policies(
+    client: &kube::Client,
+    progress: &mut impl FnMut(&str),
+) -> anyhow::Result<()> {
+    for version in ["v1", "v1beta1"] {
+        for (kind, plural) in [
+            (
+                "MutatingAdmissionPolicyBinding",
+                "mutatingadmissionpolicybindings",
+            ),
+            ("MutatingAdmissionPolicy", "mutatingadmissionpolicies"),
+        ] {
+            let ar = resource("admissionregistration.k8s.io", version, kind, plural);
+            delete_labelled(&Api::all_with(client.clone(), &ar), kind, progress).await?;
         }
     }
     Ok(())

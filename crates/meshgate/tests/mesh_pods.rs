@@ -396,6 +396,25 @@ fn label(pod: &Value, key: &str, value: &str) -> Value {
     p
 }
 
+/// The pods of a case: the pod as given, or, for a case injected by the test injector, the
+/// plain pod labelled for the injector registered before meshgate's and after it.
+fn case_pods(case: &Case) -> Vec<(&'static str, Value)> {
+    match &case.inject_with {
+        None => vec![("", case.pod.clone())],
+        Some(mode) => ["before", "after"]
+            .into_iter()
+            .map(|order| {
+                let pod = label(
+                    &label(&case.pod, "mesh-test/inject", mode),
+                    "mesh-test/order",
+                    order,
+                );
+                (order, pod)
+            })
+            .collect(),
+    }
+}
+
 /// Checks one admitted pod against the case; returns the verdict annotation.
 fn check(
     case: &Case,
@@ -496,20 +515,7 @@ async fn every_mesh_pod_shape_gets_its_verdict_and_is_admitted() {
         let ns = create_namespace(client, &format!("mp-{}", case.name), &case.namespace).await;
         // The same pod, opted out of meshgate, in the same namespace: its QoS class as the API
         // server computes it without the gate.
-        let orders: &[&str] = if case.inject_with.is_some() {
-            &["before", "after"]
-        } else {
-            &[""]
-        };
-        for order in orders {
-            let mut pod = case.pod.clone();
-            if let Some(mode) = &case.inject_with {
-                pod = label(
-                    &label(&pod, "mesh-test/inject", mode),
-                    "mesh-test/order",
-                    order,
-                );
-            }
+        for (order, pod) in case_pods(case) {
             let reference =
                 dry_run(client, &ns, &label(&pod, "meshgate.dev/inject", "false")).await;
             let reference_qos = reference
@@ -718,21 +724,8 @@ async fn native_gate_agrees(env: &Env, cases: &[Case], webhook: &BTreeMap<String
     let (mut unreviewed, mut expected_native) = (0, 0);
     for case in cases {
         let ns = create_namespace(client, &format!("mn-{}", case.name), &case.namespace).await;
-        let orders: &[&str] = if case.inject_with.is_some() {
-            &["before", "after"]
-        } else {
-            &[""]
-        };
-        for order in orders {
+        for (order, pod) in case_pods(case) {
             let key = format!("{}{order}", case.name);
-            let mut pod = case.pod.clone();
-            if let Some(mode) = &case.inject_with {
-                pod = label(
-                    &label(&pod, "mesh-test/inject", mode),
-                    "mesh-test/order",
-                    order,
-                );
-            }
             let reference = webhook.get(&key);
             let reference_qos = reference.and_then(|p| p["status"]["qosClass"].as_str());
             let before = env.webhook.pod_gate_reviews(None).await;

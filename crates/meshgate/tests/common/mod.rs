@@ -67,15 +67,7 @@ impl Webhook {
         policies: bool,
         node_taint: bool,
     ) -> serde_json::Value {
-        webhook_configuration(&Registration {
-            name,
-            config,
-            target: WebhookTarget::Url(self.url.clone()),
-            ca_bundle_pem: &self.ca.certificate().cert_pem,
-            policies,
-            node_taint,
-            native_gate: None,
-        })
+        self.registration_with(name, config, policies, node_taint, None)
     }
 
     /// The registration with the native gate installed: the native clauses' webhook entries are
@@ -87,14 +79,25 @@ impl Webhook {
         config: &'a GateConfig,
         routes: &'a meshgate_core::native_gate::Routes,
     ) -> serde_json::Value {
+        self.registration_with(name, config, true, false, Some(routes))
+    }
+
+    fn registration_with<'a>(
+        &'a self,
+        name: &'a str,
+        config: &'a GateConfig,
+        policies: bool,
+        node_taint: bool,
+        native_gate: Option<&'a meshgate_core::native_gate::Routes>,
+    ) -> serde_json::Value {
         webhook_configuration(&Registration {
             name,
             config,
             target: WebhookTarget::Url(self.url.clone()),
             ca_bundle_pem: &self.ca.certificate().cert_pem,
-            policies: true,
-            node_taint: false,
-            native_gate: Some(routes),
+            policies,
+            node_taint,
+            native_gate,
         })
     }
 
