@@ -17,16 +17,26 @@
 //! and answers a fixed response: for the pod gate the very patch meshgate computes for this pod,
 //! for the policies path no patch. It is the ceiling for any webhook that gates these pods.
 //!
-//! Rounds rotate through the three (none, minimal, meshgate; the order shifts every round). Each
+//! A fourth configuration is the **native gate** (`meshgate_core::native_gate`): the
+//! MutatingAdmissionPolicy `install` writes for the ambient clauses, with the webhook registered
+//! as `install` registers it next to the policy (its gate entries routed to no namespace); the
+//! round fails if the webhook answers a single pod-gate review, or if a pod is not gated.
+//!
+//! A fifth, **minimal policy**, is to the native gate what the minimal webhook is to the webhook:
+//! a MutatingAdmissionPolicy with one constant JSON patch (a label), no condition, no variable;
+//! the API server's price for any mutating admission policy on pod CREATE.
+//!
+//! Rounds rotate through the five (none, minimal, meshgate, native, min-policy; the order shifts every round). Each
 //! round creates `MESHGATE_BENCH_PODS` (2000) pods from `tools/bench/pod.json` with
 //! `MESHGATE_BENCH_CONCURRENCY` (32) creates in flight, bounded by `MESHGATE_BENCH_SECONDS` (60);
 //! then deletes them. Reported per round: creates per second, p50/p99 create latency, CPU time per
 //! create of kube-apiserver, etcd and this process (the client and the webhook), and how many
 //! stored pods carry the gate (all with a webhook registered, none without, or the run fails).
-//! Ratios are medians over `MESHGATE_BENCH_ROUNDS` (3) of the per-round ratios.
+//! Ratios are medians over `MESHGATE_BENCH_ROUNDS` (5) of the per-round ratios.
 //!
-//! `MESHGATE_BENCH_WEBHOOKS=gate` registers the pod gate alone (one call per pod), to see what
-//! the policies webhook's call costs.
+//! By default only the pod gate is registered (one webhook call per pod, or none with the
+//! native gate); `MESHGATE_BENCH_WEBHOOKS=gate,policies` adds the policies webhook (a second
+//! call per pod in every configuration but none).
 //!
 //! Run: `MESHGATE_CONTROLPLANE_BIN=$(tools/controlplane/build.sh) cargo bench -p meshgate --bench
 //! admission_e2e`. Without `--bench` (as `cargo test --benches` runs it) it does nothing.
@@ -75,7 +85,8 @@ struct Settings {
     concurrency: usize,
     seconds: u64,
     rounds: usize,
-    /// Register the policies webhook too (`MESHGATE_BENCH_WEBHOOKS=gate` leaves it out).
+    /// Register the policies webhook too (`MESHGATE_BENCH_WEBHOOKS=gate,policies`; default
+    /// `gate`: the pod gate alone, what the native gate replaces).
     policies: bool,
 }
 
@@ -93,8 +104,8 @@ impl Settings {
             seconds: var("MESHGATE_BENCH_SECONDS", 60)? as u64,
             rounds: var("MESHGATE_BENCH_ROUNDS", 5)?.max(1),
             policies: match std::env::var("MESHGATE_BENCH_WEBHOOKS").as_deref() {
-                Err(_) | Ok("gate,policies") => true,
-                Ok("gate") => false,
+                Ok("gate,policies") => true,
+                Err(_) | Ok("gate") => false,
                 Ok(other) => {
                     return Err(format!(
                         "MESHGATE_BENCH_WEBHOOKS={other:?}: expected gate or gate,policies"
@@ -127,6 +138,32 @@ impl Round {
 
 fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1e3)
+}
+
+/// The label the minimal policy adds.
+const MINIMAL_POLICY_LABEL: &str = "bench.meshgate.dev/minimal-policy";
+
+/// What admission did to a pod: the gate, or the minimal policy's label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Effect {
+    None,
+    Gate,
+    Label,
+}
+
+fn effect(pod: &Pod) -> Effect {
+    if has_gate(pod) {
+        Effect::Gate
+    } else if pod
+        .metadata
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(MINIMAL_POLICY_LABEL))
+    {
+        Effect::Label
+    } else {
+        Effect::None
+    }
 }
 
 fn has_gate(pod: &Pod) -> bool {
@@ -247,7 +284,7 @@ async fn start_minimal(
 }
 
 /// Whether a dry-run create of the pod comes back gated: the registration is in effect.
-async fn gated_now(pods: &Api<Pod>, pod: &Pod) -> Result<bool, String> {
+async fn effect_now(pods: &Api<Pod>, pod: &Pod) -> Result<Effect, String> {
     let created = pods
         .create(
             &PostParams {
@@ -258,16 +295,16 @@ async fn gated_now(pods: &Api<Pod>, pod: &Pod) -> Result<bool, String> {
         )
         .await
         .map_err(|e| format!("dry-run create: {e}"))?;
-    Ok(has_gate(&created))
+    Ok(effect(&created))
 }
 
 /// Waits until the API server applies (or no longer applies) the registration.
-async fn settle(pods: &Api<Pod>, pod: &Pod, want: bool) -> Result<(), String> {
+async fn settle(pods: &Api<Pod>, pod: &Pod, want: Effect) -> Result<(), String> {
     let deadline = Instant::now() + SETTLE_LIMIT;
     let mut in_a_row = 0;
     while Instant::now() < deadline {
         // Three answers in a row: every API server watch cache of webhook configurations agrees.
-        if gated_now(pods, pod).await? == want {
+        if effect_now(pods, pod).await? == want {
             in_a_row += 1;
             if in_a_row == 3 {
                 return Ok(());
@@ -279,7 +316,11 @@ async fn settle(pods: &Api<Pod>, pod: &Pod, want: bool) -> Result<(), String> {
     }
     Err(format!(
         "the webhook registration did not {} within {SETTLE_LIMIT:?}",
-        if want { "take effect" } else { "go away" }
+        if want == Effect::None {
+            "go away"
+        } else {
+            "take effect"
+        }
     ))
 }
 
@@ -380,23 +421,50 @@ async fn run() -> Result<(), String> {
     )
     .await
     .map_err(|e| format!("webhook: {e}"))?;
-    let registration = |url: String| -> Result<MutatingWebhookConfiguration, String> {
-        let mut r = webhook_configuration(&Registration {
-            name: REGISTRATION,
-            config: &config,
-            target: WebhookTarget::Url(url),
-            ca_bundle_pem: &ca.certificate().cert_pem,
-            policies: settings.policies,
-            node_taint: false,
-        });
-        // A failed call must show as a failed create, not as an unmutated pod.
-        if let Some(hooks) = r["webhooks"].as_array_mut() {
-            for hook in hooks {
-                hook["failurePolicy"] = Value::from("Fail");
+    let routes = meshgate_core::native_gate::Routes::Namespaces(Vec::new());
+    let registration =
+        |url: String, native: bool| -> Result<MutatingWebhookConfiguration, String> {
+            let mut r = webhook_configuration(&Registration {
+                name: REGISTRATION,
+                config: &config,
+                target: WebhookTarget::Url(url),
+                ca_bundle_pem: &ca.certificate().cert_pem,
+                policies: settings.policies,
+                node_taint: false,
+                native_gate: native.then_some(&routes),
+            });
+            // A failed call must show as a failed create, not as an unmutated pod.
+            if let Some(hooks) = r["webhooks"].as_array_mut() {
+                for hook in hooks {
+                    hook["failurePolicy"] = Value::from("Fail");
+                }
             }
-        }
-        serde_json::from_value(r).map_err(|e| format!("registration: {e}"))
-    };
+            serde_json::from_value(r).map_err(|e| format!("registration: {e}"))
+        };
+    // The native gate as `install` writes it once the controller has listed the LimitRanges
+    // (none here): the MutatingAdmissionPolicy decides, the webhook's gate entries are not called.
+    let api = meshgate::discovery::policy_api(&client)
+        .await
+        .ok_or("the API server serves no MutatingAdmissionPolicy API")?;
+    let native_docs: Vec<(kube::api::ApiResource, kube::api::DynamicObject)> =
+        meshgate_core::native_gate::policy(&config, api, &routes)
+            .map_err(|e| format!("native gate: {e}"))?
+            .into_iter()
+            .map(|mut doc| {
+                if doc["kind"] == "MutatingAdmissionPolicy" {
+                    doc["spec"]["failurePolicy"] = Value::from("Fail");
+                }
+                let obj: kube::api::DynamicObject =
+                    serde_json::from_value(doc).map_err(|e| e.to_string())?;
+                let gvk = obj
+                    .types
+                    .as_ref()
+                    .ok_or("no type")
+                    .and_then(|t| kube::api::GroupVersionKind::try_from(t).map_err(|_| "type"))
+                    .map_err(str::to_owned)?;
+                Ok((kube::api::ApiResource::from_gvk(&gvk), obj))
+            })
+            .collect::<Result<_, String>>()?;
     let configs = Api::<MutatingWebhookConfiguration>::all(client.clone());
     let pods = Api::<Pod>::namespaced(client.clone(), &namespace);
     let pod = pod_template(&namespace)?;
@@ -406,14 +474,45 @@ async fn run() -> Result<(), String> {
         canned(&config, &pod, &namespace)?,
     )
     .await?;
+    let meshgate_url = format!("https://127.0.0.1:{}", server.addr.port());
     let registrations = [
         None,
-        Some(registration(format!("https://{minimal}"))?),
-        Some(registration(format!(
-            "https://127.0.0.1:{}",
-            server.addr.port()
-        ))?),
+        Some(registration(format!("https://{minimal}"), false)?),
+        Some(registration(meshgate_url.clone(), false)?),
+        Some(registration(meshgate_url, true)?),
+        None,
     ];
+    // The minimal policy: one constant JSON patch that adds a label, no match condition, no
+    // variable: the API server's price for any mutating admission policy on pod CREATE.
+    let minimal_docs: Vec<(kube::api::ApiResource, kube::api::DynamicObject)> = {
+        let api_version = api.api_version();
+        let docs = [
+            serde_json::json!({"apiVersion": api_version, "kind": "MutatingAdmissionPolicy",
+                "metadata": {"name": "meshgate-bench-minimal-policy"},
+                "spec": {"matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
+                            "operations": ["CREATE"], "resources": ["pods"]}]},
+                         "failurePolicy": "Fail", "reinvocationPolicy": "IfNeeded",
+                         "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression":
+                            format!("[JSONPatch{{op: \"add\", path: \"/metadata/labels/{}\", value: \"true\"}}]",
+                                    meshgate_core::patch::escape(MINIMAL_POLICY_LABEL))}}]}}),
+            serde_json::json!({"apiVersion": api_version, "kind": "MutatingAdmissionPolicyBinding",
+                "metadata": {"name": "meshgate-bench-minimal-policy"},
+                "spec": {"policyName": "meshgate-bench-minimal-policy"}}),
+        ];
+        docs.into_iter()
+            .map(|doc| {
+                let obj: kube::api::DynamicObject =
+                    serde_json::from_value(doc).map_err(|e| e.to_string())?;
+                let gvk = obj
+                    .types
+                    .as_ref()
+                    .ok_or("no type")
+                    .and_then(|t| kube::api::GroupVersionKind::try_from(t).map_err(|_| "type"))
+                    .map_err(str::to_owned)?;
+                Ok((kube::api::ApiResource::from_gvk(&gvk), obj))
+            })
+            .collect::<Result<_, String>>()?
+    };
     let pids = {
         let cp_pids = cp.pids();
         let (etcd, apiserver) = (cp_pids[0], cp_pids[1]);
@@ -448,13 +547,14 @@ async fn run() -> Result<(), String> {
         "client+webhook"
     );
 
-    const MODES: [&str; 3] = ["none", "minimal", "meshgate"];
-    let mut rates: [Vec<f64>; 3] = Default::default();
-    let mut ratios: [Vec<f64>; 3] = Default::default();
+    const MODES: [&str; 5] = ["none", "minimal", "meshgate", "native", "min-policy"];
+    const NATIVE: usize = 3;
+    const MINIMAL_POLICY: usize = 4;
+    let mut rates: [Vec<f64>; 5] = Default::default();
     for r in 0..settings.rounds {
-        let mut round_rates = [0.0; 3];
-        for step in 0..3 {
-            let mode = (r + step) % 3;
+        let mut round_rates = [0.0; 5];
+        for step in 0..MODES.len() {
+            let mode = (r + step) % MODES.len();
             // Always through "no registration": two registrations gate alike, so only its
             // absence shows that the API server has dropped the previous one.
             if configs
@@ -468,7 +568,21 @@ async fn run() -> Result<(), String> {
                     .await
                     .map_err(|e| format!("deregister: {e}"))?;
             }
-            settle(&pods, &pod, false).await?;
+            for (ar, obj) in native_docs.iter().chain(&minimal_docs) {
+                let api = Api::<kube::api::DynamicObject>::all_with(client.clone(), ar);
+                let name = obj.metadata.name.clone().unwrap_or_default();
+                if api
+                    .get_opt(&name)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .is_some()
+                {
+                    api.delete(&name, &DeleteParams::default())
+                        .await
+                        .map_err(|e| format!("native gate off: {e}"))?;
+                }
+            }
+            settle(&pods, &pod, Effect::None).await?;
             if let Some(registration) = &registrations[mode] {
                 configs
                     .patch(
@@ -479,10 +593,38 @@ async fn run() -> Result<(), String> {
                     .await
                     .map_err(|e| format!("register: {e}"))?;
             }
+            let policies: &[_] = match mode {
+                NATIVE => &native_docs,
+                MINIMAL_POLICY => &minimal_docs,
+                _ => &[],
+            };
+            {
+                for (ar, obj) in policies {
+                    let name = obj.metadata.name.clone().unwrap_or_default();
+                    Api::<kube::api::DynamicObject>::all_with(client.clone(), ar)
+                        .patch(
+                            &name,
+                            &PatchParams::apply("meshgate-bench").force(),
+                            &Patch::Apply(obj),
+                        )
+                        .await
+                        .map_err(|e| format!("native gate on: {e}"))?;
+                }
+            }
             let registered = registrations[mode].is_some();
-            settle(&pods, &pod, registered).await?;
+            let want = match mode {
+                MINIMAL_POLICY => Effect::Label,
+                _ if registered => Effect::Gate,
+                _ => Effect::None,
+            };
+            settle(&pods, &pod, want).await?;
+            let reviews_before = pod_gate_reviews(server.health_addr).await;
             let figures = round(&pods, &pod, &settings, &pids).await?;
-            let want_gated = if registered { figures.created } else { 0 };
+            let want_gated = if want == Effect::Gate {
+                figures.created
+            } else {
+                0
+            };
             if figures.gated != want_gated {
                 return Err(format!(
                     "round {}, {}: {} of {} pods gated, expected {want_gated}",
@@ -491,6 +633,15 @@ async fn run() -> Result<(), String> {
                     figures.gated,
                     figures.created
                 ));
+            }
+            if mode == NATIVE {
+                let reviewed = pod_gate_reviews(server.health_addr).await - reviews_before;
+                if reviewed != 0 {
+                    return Err(format!(
+                        "round {}, native: the webhook answered {reviewed} pod-gate reviews",
+                        r + 1
+                    ));
+                }
             }
             let per_create = |d: Duration| {
                 format!(
@@ -514,15 +665,24 @@ async fn run() -> Result<(), String> {
             );
             round_rates[mode] = figures.rate();
         }
-        for mode in 0..3 {
+        for mode in 0..MODES.len() {
             rates[mode].push(round_rates[mode]);
         }
-        ratios[0].push(round_rates[2] / round_rates[0]);
-        ratios[1].push(round_rates[1] / round_rates[0]);
-        ratios[2].push(round_rates[2] / round_rates[1]);
     }
+    // Per-round ratios: meshgate/none, minimal/none, meshgate/minimal, native/none.
+    let per_round = |a: usize, b: usize| -> Vec<f64> {
+        rates[a].iter().zip(&rates[b]).map(|(x, y)| x / y).collect()
+    };
+    let ratios = [
+        per_round(2, 0),
+        per_round(1, 0),
+        per_round(2, 1),
+        per_round(NATIVE, 0),
+        per_round(MINIMAL_POLICY, 0),
+        per_round(NATIVE, MINIMAL_POLICY),
+    ];
     println!("\nsummary (medians over rounds)");
-    for mode in 0..3 {
+    for mode in 0..MODES.len() {
         println!(
             "  {:<17} {:>8.0} creates/s",
             MODES[mode],
@@ -535,32 +695,69 @@ async fn run() -> Result<(), String> {
             v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
         )
     };
-    let spreads = [spread(&ratios[0]), spread(&ratios[1]), spread(&ratios[2])];
-    let [with, minimal_ratio, against_minimal] = ratios.map(median);
+    let spreads = ratios.each_ref().map(spread);
+    let [
+        with,
+        minimal_ratio,
+        against_minimal,
+        native,
+        minimal_policy,
+        native_share,
+    ] = ratios.map(median);
     println!(
-        "  ratio meshgate/none:    {with:.2}x (target >= 0.95x: {})",
-        if with >= 0.95 { "met" } else { "MISSED" }
+        "  ratio native/none:      {native:.2}x (target >= 0.95x: {}; the gate in the API server, no webhook call)",
+        if native >= 0.95 { "met" } else { "MISSED" }
     );
+    println!("  ratio meshgate/none:    {with:.2}x (the gate through meshgate's webhook)");
     println!(
         "  ratio minimal/none:     {minimal_ratio:.2}x (what any webhook gating these pods costs here)"
     );
     println!("  ratio meshgate/minimal: {against_minimal:.2}x (meshgate's own share)");
     println!(
-        "  spread over rounds (min-max): meshgate/none {:.2}-{:.2}, minimal/none {:.2}-{:.2}, meshgate/minimal {:.2}-{:.2}",
-        spreads[0].0, spreads[0].1, spreads[1].0, spreads[1].1, spreads[2].0, spreads[2].1
+        "  ratio min-policy/none:  {minimal_policy:.2}x (what any mutating admission policy costs here)"
+    );
+    println!("  ratio native/min-policy: {native_share:.2}x (the native gate's own share)");
+    println!(
+        "  spread over rounds (min-max): min-policy/none {:.2}-{:.2}, native/min-policy {:.2}-{:.2}",
+        spreads[4].0, spreads[4].1, spreads[5].0, spreads[5].1
+    );
+    println!(
+        "  spread over rounds (min-max): native/none {:.2}-{:.2}, meshgate/none {:.2}-{:.2}, minimal/none {:.2}-{:.2}, meshgate/minimal {:.2}-{:.2}",
+        spreads[3].0,
+        spreads[3].1,
+        spreads[0].0,
+        spreads[0].1,
+        spreads[1].0,
+        spreads[1].1,
+        spreads[2].0,
+        spreads[2].1
     );
     if let Some(counts) = review_counts(server.health_addr).await {
         println!("  webhook reviews answered: {counts}");
     }
     // Headline figures, one per line, for tools (issue #17's format).
+    println!("RATIO native-gate/none: {native:.2}");
     println!("RATIO webhook-gate/none: {with:.2}");
     println!("RATIO minimal-webhook/none: {minimal_ratio:.2}");
     println!("RATIO webhook-gate/minimal-webhook: {against_minimal:.2}");
+    println!("RATIO minimal-policy/none: {minimal_policy:.2}");
+    println!("RATIO native-gate/minimal-policy: {native_share:.2}");
     server
         .shutdown(Duration::from_secs(5))
         .await
         .map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// Pod-gate reviews the webhook answered so far.
+async fn pod_gate_reviews(addr: std::net::SocketAddr) -> u64 {
+    review_counts(addr)
+        .await
+        .unwrap_or_default()
+        .split("; ")
+        .filter(|c| c.contains("pod-gate"))
+        .filter_map(|c| c.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
 
 /// The webhook's review counts from its `/metrics` (plain HTTP on loopback).

@@ -4,19 +4,34 @@
 //! For each size N (`MESHGATE_BENCH_NODES`, default `1000,5000`):
 //! 1. N Nodes labelled `pool=scale<N>`, each registered with the gate's startup taint (as the
 //!    webhook puts it at creation), and 2 agent pods per node (`cni`, `node-proxy`) bound to it,
-//!    not Ready; a NodeGate for the pool.
+//!    not Ready; a NodeGate for the pool, continuous mode with no grace period and a re-taint
+//!    budget of 100% (agents made unready put the taint back on every node at once, so that
+//!    every round starts from N tainted nodes).
 //! 2. The controller (`meshgate_controller::nodegate::run`, leader from the start) runs in a
 //!    child process (this binary re-executed with `MESHGATE_BENCH_ROLE=controller`), so that its
 //!    RSS is its own, with the default settings; the bench waits until the gate's status counts
 //!    N held nodes.
-//! 3. Burst: every agent pod is marked Ready (status patches, 64 in flight). A node's "ready"
-//!    time is when the patch of its second agent returned; its "untaint" time is when a watch
-//!    on the pool's nodes (started before the burst) first shows it without the taint.
+//! 3. Rounds (`MESHGATE_BENCH_ROUNDS`, 5, for N <= 1000; one round above), each two
+//!    measurements in alternating order:
+//!    * **burst**: every agent pod is marked Ready (status patches, 64 in flight). A node's
+//!      "ready" time is when the patch of its second agent returned; its "untaint" time is when
+//!      a watch on the pool's nodes (started before) first shows it without the taint; the
+//!      release time is from the first patch to the last node seen released. Then the agents
+//!      are made unready and the bench waits until every node is tainted again.
+//!    * **bare patches**, the physical limit: a minimal client adds a taint the controller does
+//!      not own to every node (not timed), then removes it from every node with one JSON patch
+//!      each (test the key, remove it; 64 in flight), timed.
 //!
-//! Reported: per-node ready→untaint latency (p50, p99, max), the burst's length, the time
-//! until the last node is released, untaints per second, reconciles per second (the
-//! controller's `reconciles` counter over the burst) and the controller's `VmRSS`/`VmHWM`.
-//! Every wait is bounded; the nodes and pods are deleted after each size.
+//!    The ratio release / bare is per round; the median and spread are reported.
+//! 4. **Steady arrivals**: with every node tainted again, `MESHGATE_BENCH_STEADY` (200) nodes
+//!    become ready one at a time, 10 per second (both agents of a node patched together); the
+//!    latency from each node's last agent patch to its taint gone (p50, p99, max).
+//!
+//! Reported: per-node ready->untaint latency of the last burst (p50, p99, max), the burst's
+//! length, the time until the last node is released, untaints and reconciles per second (the
+//! controller's `reconciles` counter over the burst), the controller's `VmRSS`/`VmHWM` after
+//! the rounds, the release/bare ratios and the steady-arrival latencies. Every wait is bounded;
+//! the nodes and pods are deleted after each size.
 //!
 //! Run: `MESHGATE_CONTROLPLANE_BIN=... cargo bench -p meshgate --bench controller_scale`.
 //! Without `--bench` (as `cargo test --benches` runs it) it does nothing.
@@ -43,6 +58,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const ROLE_ENV: &str = "MESHGATE_BENCH_ROLE";
 const KUBECONFIG_ENV: &str = "MESHGATE_BENCH_KUBECONFIG";
 const TAINT: &str = "node.meshgate.dev/agent-not-ready";
+/// The baseline's taint: a key the controller does not own.
+const BARE_TAINT: &str = "bench.meshgate.dev/bare";
 /// Requests in flight while creating and patching.
 const CONCURRENCY: usize = 64;
 /// Upper bound for each phase (create, sync, release).
@@ -289,11 +306,12 @@ async fn run() -> Result<(), String> {
         let figures = scale(&cp, &client, &agents_ns, n).await?;
         headlines.push((n, figures));
     }
-    // Headline figures, one per line, for tools (issue #17's format). Absolute values: no
-    // baseline of bare taint patches is measured yet.
+    // Headline figures, one per line, for tools (issue #17's format).
     for (n, f) in headlines {
+        println!("RATIO burst-release/bare-patches-{n}: {:.2}", f.ratio);
         println!("VALUE controller-rss-{n}-mib: {:.1}", f.rss_mib);
-        println!("VALUE untaint-burst-p99-{n}-ms: {}", f.p99_ms);
+        println!("VALUE untaint-burst-p99-{n}-ms: {:.0}", f.p99_ms);
+        println!("VALUE untaint-steady-p99-{n}-ms: {:.0}", f.steady_p99_ms);
     }
     Ok(())
 }
@@ -301,7 +319,11 @@ async fn run() -> Result<(), String> {
 /// One size's headline figures.
 struct Headline {
     rss_mib: f64,
-    p99_ms: u128,
+    /// Median over rounds of the burst's per-node p99.
+    p99_ms: f64,
+    /// Median over rounds of release time / bare patch time.
+    ratio: f64,
+    steady_p99_ms: f64,
 }
 
 async fn scale(
@@ -367,6 +389,12 @@ async fn scale(
              "selector": {"matchLabels": {"app": "node-proxy", "pool": pool}}},
         ],
         "nodeSelector": {"matchLabels": {"pool": pool}},
+        // Continuous, no grace: agents made unready put the taint back at once, so that the
+        // release can be measured again in the next round.
+        // Every node may be re-tainted at once (the default budget is 10%).
+        "mode": "Continuous",
+        "gracePeriodSeconds": 0,
+        "maxRetainted": "100%",
     }))
     .map_err(|e| e.to_string())?;
     let gates: Api<NodeGate> = Api::all(client.clone());
@@ -397,11 +425,12 @@ async fn scale(
     }
     let synced = t_sync.elapsed();
 
-    // Watch the pool's nodes: the first time each is seen without the taint.
-    let untainted: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    // Watch the pool's nodes: whether each carries the gate's taint, and (per measurement) the
+    // first time each is seen without it.
+    let state: Arc<Mutex<Seen>> = Arc::default();
     let (watch_ready_tx, watch_ready_rx) = tokio::sync::oneshot::channel::<()>();
     let watch = {
-        let untainted = untainted.clone();
+        let state = state.clone();
         let config = watcher::Config::default().labels(&format!("pool={pool}"));
         let stream = watcher(nodes.clone(), config);
         tokio::spawn(async move {
@@ -415,12 +444,15 @@ async fn scale(
                             let _ = tx.send(());
                         }
                     }
-                    Ok(watcher::Event::Apply(node) | watcher::Event::InitApply(node))
-                        if !tainted(&node) =>
-                    {
-                        let name = node.metadata.name.unwrap_or_default();
-                        let mut map = untainted.lock().expect("lock");
-                        map.entry(name).or_insert(now);
+                    Ok(watcher::Event::Apply(node) | watcher::Event::InitApply(node)) => {
+                        let name = node.metadata.name.clone().unwrap_or_default();
+                        let mut seen = state.lock().expect("lock");
+                        if tainted(&node) {
+                            seen.tainted.insert(name);
+                        } else {
+                            seen.tainted.remove(&name);
+                            seen.released.entry(name).or_insert(now);
+                        }
                     }
                     _ => {}
                 }
@@ -432,66 +464,102 @@ async fn scale(
         .map_err(|_| "node watch did not sync".to_owned())?
         .map_err(|_| "node watch ended".to_owned())?;
 
-    // The burst: every agent Ready.
-    let reconciles_before = controller.reconciles()?;
-    let ready_at: Arc<Mutex<HashMap<String, (u8, Instant)>>> = Arc::default();
-    let burst_start = Instant::now();
-    each(agents, |(name, _, node)| {
-        let (pods, ready_at) = (pods.clone(), ready_at.clone());
-        async move {
-            let now = k8s_openapi::jiff::Timestamp::now().to_string();
-            let status = json!({"status": {"phase": "Running", "conditions": [
-                {"type": "Ready", "status": "True", "lastTransitionTime": now},
-            ]}});
-            pods.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
-                .await
-                .map_err(|e| format!("pod {name} status: {e}"))?;
-            let done = Instant::now();
-            let mut map = ready_at.lock().expect("lock");
-            let entry = map.entry(node).or_insert((0, done));
-            entry.0 += 1;
-            entry.1 = entry.1.max(done);
-            Ok(())
+    // Rounds, alternating which goes first: the controller releases every node after a burst
+    // of agent readiness; a minimal client removes a bare taint (a key the controller does not
+    // own) from every node, as fast as the API server takes it (the physical limit).
+    let rounds = if n <= 1000 { settings_rounds() } else { 1 };
+    let mut release = Vec::new();
+    let mut bare = Vec::new();
+    let mut burst_p99 = Vec::new();
+    let mut last: Option<(Vec<Duration>, Duration, Duration, u64)> = None;
+    for r in 0..rounds {
+        for step in 0..2 {
+            if (r + step) % 2 == 0 {
+                eprintln!("{n} nodes, round {}: burst", r + 1);
+                if r > 0 || step > 0 {
+                    // Agents unready: the controller taints every node again.
+                    set_ready(&pods, &agents, false).await?;
+                    wait_until(&state, PHASE_LIMIT, |s| s.tainted.len() == n, "re-tainted").await?;
+                }
+                let reconciles_before = controller.reconciles()?;
+                state.lock().expect("lock").released.clear();
+                let burst_start = Instant::now();
+                let ready_at = set_ready(&pods, &agents, true).await?;
+                let burst = burst_start.elapsed();
+                wait_until(&state, PHASE_LIMIT, |s| s.released.len() == n, "released").await?;
+                let last_out = burst_start.elapsed();
+                let reconciles = controller.reconciles()?.saturating_sub(reconciles_before);
+                let released = state.lock().expect("lock").released.clone();
+                let mut latencies: Vec<Duration> = names
+                    .iter()
+                    .filter_map(|node| {
+                        let (count, ready) = ready_at.get(node)?;
+                        let out = released.get(node)?;
+                        (*count == 2).then(|| out.saturating_duration_since(*ready))
+                    })
+                    .collect();
+                latencies.sort_unstable();
+                if latencies.len() != n {
+                    return Err(format!("{} of {n} nodes have both times", latencies.len()));
+                }
+                release.push(last_out.as_secs_f64());
+                burst_p99.push(quantile(&latencies, 0.99).as_secs_f64() * 1e3);
+                last = Some((latencies, burst, last_out, reconciles));
+            } else {
+                eprintln!("{n} nodes, round {}: bare patches", r + 1);
+                bare.push(bare_patches(&nodes, &names).await?.as_secs_f64());
+            }
         }
-    })
-    .await?;
-    let burst = burst_start.elapsed();
-
-    let deadline = Instant::now() + PHASE_LIMIT;
-    while untainted.lock().expect("lock").len() < n {
-        if Instant::now() > deadline {
-            return Err(format!(
-                "only {} of {n} nodes released in time",
-                untainted.lock().expect("lock").len()
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let last_out = burst_start.elapsed();
-    let reconciles = controller.reconciles()?.saturating_sub(reconciles_before);
+    let (latencies, burst, last_out, reconciles) = last.ok_or("no round")?;
     let (hwm, rss) = controller.memory()?;
+
+    // Steady arrivals: nodes become ready one at a time at a fixed rate (their agents unready
+    // first, the taint back on every node); the latency from each node's last agent Ready to its
+    // taint gone.
+    let steady_n = settings_steady().min(n);
+    set_ready(&pods, &agents, false).await?;
+    wait_until(&state, PHASE_LIMIT, |s| s.tainted.len() == n, "re-tainted").await?;
+    state.lock().expect("lock").released.clear();
+    let interval = Duration::from_secs_f64(1.0 / STEADY_RATE);
+    let mut ticker = tokio::time::interval(interval);
+    let mut steady_ready: HashMap<String, Instant> = HashMap::new();
+    for node in names.iter().take(steady_n) {
+        ticker.tick().await;
+        let mine: Vec<(String, &str, String)> =
+            agents.iter().filter(|a| &a.2 == node).cloned().collect();
+        let at = set_ready(&pods, &mine, true).await?;
+        if let Some((2, t)) = at.get(node) {
+            steady_ready.insert(node.clone(), *t);
+        }
+    }
+    wait_until(
+        &state,
+        PHASE_LIMIT,
+        |s| {
+            names
+                .iter()
+                .take(steady_n)
+                .all(|node| s.released.contains_key(node))
+        },
+        "steady nodes released",
+    )
+    .await?;
+    let released = state.lock().expect("lock").released.clone();
+    let mut steady: Vec<Duration> = steady_ready
+        .iter()
+        .filter_map(|(node, ready)| Some(released.get(node)?.saturating_duration_since(*ready)))
+        .collect();
+    steady.sort_unstable();
     watch.abort();
     controller.stop();
 
-    let ready_at = ready_at.lock().expect("lock").clone();
-    let untainted = untainted.lock().expect("lock").clone();
-    let mut latencies: Vec<Duration> = names
-        .iter()
-        .filter_map(|node| {
-            let (count, ready) = ready_at.get(node)?;
-            let out = untainted.get(node)?;
-            (*count == 2).then(|| out.saturating_duration_since(*ready))
-        })
-        .collect();
-    latencies.sort_unstable();
-    if latencies.len() != n {
-        return Err(format!("{} of {n} nodes have both times", latencies.len()));
-    }
-    // Released before their second agent's patch returned: the watch beat the patch response.
-    let early = names
-        .iter()
-        .filter(|node| untainted[*node] < ready_at[*node].1)
-        .count();
+    let ratios: Vec<f64> = release.iter().zip(&bare).map(|(a, b)| a / b).collect();
+    let ratio = measure::median(ratios.clone());
+    let spread = (
+        ratios.iter().copied().fold(f64::INFINITY, f64::min),
+        ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    );
     println!(
         "{:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>11.0} {:>11.0} {:>12} {:>6.1} MiB {:>6.1} MiB",
         n,
@@ -508,10 +576,32 @@ async fn scale(
     );
     println!(
         "       (setup: {n} nodes and {} agent pods created in {:.1} s; controller synced in \
-         {:.1} s; {early} nodes released before their last agent patch returned, counted 0 ms)",
+         {:.1} s; the row is the last of {rounds} rounds)",
         2 * n,
         created.as_secs_f64(),
         synced.as_secs_f64(),
+    );
+    println!(
+        "       release of all {n} after the burst: {} s per round; {n} bare taint patches: {} s per round; \
+         ratio release/bare median {ratio:.2} (spread {:.2}-{:.2}, {rounds} rounds)",
+        release
+            .iter()
+            .map(|v| format!("{v:.2}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        bare.iter()
+            .map(|v| format!("{v:.2}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        spread.0,
+        spread.1,
+    );
+    println!(
+        "       steady arrivals: {} nodes ready at {STEADY_RATE} per s: ready -> untaint p50 {}, p99 {}, max {}",
+        steady.len(),
+        ms(quantile(&steady, 0.5)),
+        ms(quantile(&steady, 0.99)),
+        ms(quantile(&steady, 1.0)),
     );
 
     // Clean up (bounded): the next size starts from the same cluster.
@@ -529,6 +619,123 @@ async fn scale(
     .await;
     Ok(Headline {
         rss_mib: rss as f64 / MIB,
-        p99_ms: quantile(&latencies, 0.99).as_millis(),
+        p99_ms: measure::median(burst_p99),
+        ratio,
+        steady_p99_ms: quantile(&steady, 0.99).as_secs_f64() * 1e3,
     })
+}
+
+/// What the node watch has seen.
+#[derive(Default)]
+struct Seen {
+    /// Nodes that carry the gate's taint now.
+    tainted: std::collections::HashSet<String>,
+    /// The first time each node was seen without it, since the last clear.
+    released: HashMap<String, Instant>,
+}
+
+/// Nodes made ready per second in the steady phase.
+const STEADY_RATE: f64 = 10.0;
+
+fn settings_rounds() -> usize {
+    std::env::var("MESHGATE_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(5)
+        .max(1)
+}
+
+fn settings_steady() -> usize {
+    std::env::var("MESHGATE_BENCH_STEADY")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(200)
+}
+
+async fn wait_until(
+    state: &Arc<Mutex<Seen>>,
+    limit: Duration,
+    done: impl Fn(&Seen) -> bool,
+    what: &str,
+) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if done(&state.lock().expect("lock")) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("not {what} within {limit:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Marks the agent pods Ready (or not): status patches, 64 in flight. Returns, per node, how
+/// many of its agents were patched and when the last patch returned.
+async fn set_ready(
+    pods: &Api<Pod>,
+    agents: &[(String, &str, String)],
+    ready: bool,
+) -> Result<HashMap<String, (u8, Instant)>, String> {
+    let ready_at: Arc<Mutex<HashMap<String, (u8, Instant)>>> = Arc::default();
+    each(agents.to_vec(), |(name, _, node)| {
+        let (pods, ready_at) = (pods.clone(), ready_at.clone());
+        async move {
+            let now = k8s_openapi::jiff::Timestamp::now().to_string();
+            let status = json!({"status": {"phase": "Running", "conditions": [
+                {"type": "Ready", "status": if ready { "True" } else { "False" }, "lastTransitionTime": now},
+            ]}});
+            pods.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+                .await
+                .map_err(|e| format!("pod {name} status: {e}"))?;
+            let done = Instant::now();
+            let mut map = ready_at.lock().expect("lock");
+            let entry = map.entry(node).or_insert((0, done));
+            entry.0 += 1;
+            entry.1 = entry.1.max(done);
+            Ok(())
+        }
+    })
+    .await?;
+    let map = ready_at.lock().expect("lock").clone();
+    Ok(map)
+}
+
+/// The baseline: a bare taint (a key the controller does not own) added to every node (not
+/// timed), then removed from every node by a minimal client, 64 JSON patches in flight (test
+/// the key, remove it), as the controller's own untaint patch does; the time of the removals.
+async fn bare_patches(nodes: &Api<Node>, names: &[String]) -> Result<Duration, String> {
+    each(names.to_vec(), |name| {
+        let nodes = nodes.clone();
+        async move {
+            let patch: json_patch::Patch = serde_json::from_value(json!([
+                {"op": "add", "path": "/spec/taints", "value": [{"key": BARE_TAINT, "effect": "NoSchedule"}]},
+            ]))
+            .map_err(|e| e.to_string())?;
+            nodes
+                .patch(&name, &PatchParams::default(), &Patch::<()>::Json(patch))
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("bare taint on {name}: {e}"))
+        }
+    })
+    .await?;
+    let start = Instant::now();
+    each(names.to_vec(), |name| {
+        let nodes = nodes.clone();
+        async move {
+            let patch: json_patch::Patch = serde_json::from_value(json!([
+                {"op": "test", "path": "/spec/taints/0/key", "value": BARE_TAINT},
+                {"op": "remove", "path": "/spec/taints/0"},
+            ]))
+            .map_err(|e| e.to_string())?;
+            nodes
+                .patch(&name, &PatchParams::default(), &Patch::<()>::Json(patch))
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("bare untaint of {name}: {e}"))
+        }
+    })
+    .await?;
+    Ok(start.elapsed())
 }
