@@ -454,15 +454,7 @@ async fn run() -> Result<(), String> {
                 if doc["kind"] == "MutatingAdmissionPolicy" {
                     doc["spec"]["failurePolicy"] = Value::from("Fail");
                 }
-                let obj: kube::api::DynamicObject =
-                    serde_json::from_value(doc).map_err(|e| e.to_string())?;
-                let gvk = obj
-                    .types
-                    .as_ref()
-                    .ok_or("no type")
-                    .and_then(|t| kube::api::GroupVersionKind::try_from(t).map_err(|_| "type"))
-                    .map_err(str::to_owned)?;
-                Ok((kube::api::ApiResource::from_gvk(&gvk), obj))
+                dynamic(doc)
             })
             .collect::<Result<_, String>>()?;
     let configs = Api::<MutatingWebhookConfiguration>::all(client.clone());
@@ -500,17 +492,7 @@ async fn run() -> Result<(), String> {
                 "spec": {"policyName": "meshgate-bench-minimal-policy"}}),
         ];
         docs.into_iter()
-            .map(|doc| {
-                let obj: kube::api::DynamicObject =
-                    serde_json::from_value(doc).map_err(|e| e.to_string())?;
-                let gvk = obj
-                    .types
-                    .as_ref()
-                    .ok_or("no type")
-                    .and_then(|t| kube::api::GroupVersionKind::try_from(t).map_err(|_| "type"))
-                    .map_err(str::to_owned)?;
-                Ok((kube::api::ApiResource::from_gvk(&gvk), obj))
-            })
+            .map(dynamic)
             .collect::<Result<_, String>>()?
     };
     let pids = {
@@ -747,6 +729,18 @@ async fn run() -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// An object to apply, with the resource it is served as.
+fn dynamic(doc: Value) -> Result<(kube::api::ApiResource, kube::api::DynamicObject), String> {
+    let obj: kube::api::DynamicObject = serde_json::from_value(doc).map_err(|e| e.to_string())?;
+    let gvk = obj
+        .types
+        .as_ref()
+        .ok_or("no type")
+        .and_then(|t| kube::api::GroupVersionKind::try_from(t).map_err(|_| "type"))
+        .map_err(str::to_owned)?;
+    Ok((kube::api::ApiResource::from_gvk(&gvk), obj))
 }
 
 /// Pod-gate reviews the webhook answered so far.

@@ -120,6 +120,9 @@ fn lint_and_template_equal_install_for_every_combination() {
                     IMAGE,
                     "--node-taint",
                     taint,
+                    // The chart decides the init gate with the webhook (crate::chart).
+                    "--pod-gate",
+                    "webhook",
                 ];
                 if !repair.is_empty() {
                     args.extend(["--repair", repair]);
