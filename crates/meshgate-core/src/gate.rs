@@ -141,15 +141,9 @@ pub struct Planner {
 
 impl Planner {
     pub fn new(config: &GateConfig) -> Self {
-        let clauses = config
-            .profiles
-            .iter()
-            .flat_map(|p| p.clauses().into_iter().map(|c| (c, Some(*p))))
-            .chain(config.selectors.iter().cloned().map(|c| (c, None)))
-            .collect();
         Self {
             config: config.clone(),
-            clauses,
+            clauses: profile_clauses(config),
         }
     }
 
@@ -275,6 +269,17 @@ impl Planner {
             group,
         }
     }
+}
+
+/// Every selection clause of a configuration with the profile it belongs to (`None`: one of
+/// the configuration's own `selectors`), in the order the planner tries them.
+pub(crate) fn profile_clauses(config: &GateConfig) -> Vec<(SelectorClause, Option<Profile>)> {
+    config
+        .profiles
+        .iter()
+        .flat_map(|p| p.clauses().into_iter().map(|c| (c, Some(*p))))
+        .chain(config.selectors.iter().cloned().map(|c| (c, None)))
+        .collect()
 }
 
 /// The verdict of one selecting clause: its profile's rule, or for a clause of the

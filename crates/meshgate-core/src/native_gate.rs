@@ -94,19 +94,10 @@ pub fn native_profile(profile: Profile) -> bool {
 
 /// The names of the clauses that go native, in the configuration's order.
 pub fn native_clauses(config: &GateConfig) -> Vec<String> {
-    clauses(config)
+    crate::gate::profile_clauses(config)
         .into_iter()
         .filter(|(_, p)| p.is_none_or(native_profile))
         .map(|(c, _)| c.name)
-        .collect()
-}
-
-fn clauses(config: &GateConfig) -> Vec<(meshgate_api::config::SelectorClause, Option<Profile>)> {
-    config
-        .profiles
-        .iter()
-        .flat_map(|p| p.clauses().into_iter().map(|c| (c, Some(*p))))
-        .chain(config.selectors.iter().cloned().map(|c| (c, None)))
         .collect()
 }
 
@@ -319,7 +310,7 @@ pub fn policy(
     ));
 
     // Per clause: selected, and its verdict by the pod's shape.
-    let all = clauses(config);
+    let all = crate::gate::profile_clauses(config);
     let mut webhook_selected = Vec::new();
     let mut verdicts = Vec::new();
     let mut args_lists = Vec::new();
@@ -493,29 +484,17 @@ pub fn policy(
         opted_out("object.metadata")
     );
 
-    let mut namespace_selector = meshgate_api::LabelSelector::default();
-    if !config.excluded_namespaces.is_empty() {
-        let values: Vec<&str> = config
-            .excluded_namespaces
-            .iter()
-            .map(String::as_str)
-            .collect();
-        namespace_selector = namespace_selector.with(
-            "kubernetes.io/metadata.name",
-            SelectorOperator::NotIn,
-            &values,
-        );
-    }
+    let namespace_selector = crate::registration::with_exclusions(
+        meshgate_api::LabelSelector::default(),
+        &config.excluded_namespaces,
+    );
     let object_selector = meshgate_api::LabelSelector::default().with(
         names::OPT_OUT,
         SelectorOperator::NotIn,
         &["false"],
     );
     let labels = json!({names::MANAGED_BY: "meshgate"});
-    let failure = match config.failure_policy {
-        meshgate_api::config::FailurePolicy::Ignore => "Ignore",
-        meshgate_api::config::FailurePolicy::Fail => "Fail",
-    };
+    let failure = crate::registration::failure_policy(config.failure_policy);
     let policy = json!({
         "apiVersion": api.api_version(),
         "kind": "MutatingAdmissionPolicy",

@@ -74,7 +74,7 @@ fn client_config(r: &Registration<'_>, path: &str) -> Value {
     config
 }
 
-fn with_exclusions(mut ns: LabelSelector, excluded: &[String]) -> LabelSelector {
+pub(crate) fn with_exclusions(mut ns: LabelSelector, excluded: &[String]) -> LabelSelector {
     if !excluded.is_empty() {
         let values: Vec<&str> = excluded.iter().map(String::as_str).collect();
         ns = ns.with(
@@ -86,7 +86,7 @@ fn with_exclusions(mut ns: LabelSelector, excluded: &[String]) -> LabelSelector 
     ns
 }
 
-fn failure_policy(p: FailurePolicy) -> &'static str {
+pub(crate) fn failure_policy(p: FailurePolicy) -> &'static str {
     match p {
         FailurePolicy::Ignore => "Ignore",
         FailurePolicy::Fail => "Fail",
