@@ -3,21 +3,25 @@
 //! metrics routes. The decisions are `meshgate-core`'s; the server that runs these routes is
 //! [`crate::server`].
 
+use std::convert::Infallible;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode, header};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::routing::get;
 use bytes::Bytes;
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use meshgate_core::gate::PodPlan;
 use meshgate_core::patch::JsonPatch;
 use meshgate_core::registration::paths;
 use meshgate_core::view::read_pod;
-use serde_json::Value;
 use tracing::Instrument;
 
 use crate::admission::{self, Request, ReviewError};
@@ -35,46 +39,126 @@ pub const MAX_BODY: usize = 3 * 1024 * 1024 + 512 * 1024;
 /// case, a few MiB for real pods); `install` sizes the container's memory limit for it.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 32;
 
-/// The admission routes (served over TLS). At most `max_in_flight` requests are handled at
-/// once, body reading included; one more gets `429 Too Many Requests` at once (no queue: the API
-/// server's timeout would expire in a queue, and a fast refusal lets it apply the failure
-/// policy right away).
-pub fn router(app: App, request_timeout: Duration, max_in_flight: usize) -> Router {
-    let permits = Arc::new(tokio::sync::Semaphore::new(max_in_flight.max(1)));
-    let overloaded = app.metrics.overloaded.clone();
-    Router::new()
-        .route(paths::POD_GATE, post(pod_gate))
-        .route(paths::POLICIES, post(policies))
-        .route(paths::NODE_TAINT, post(node_taint))
-        .layer(DefaultBodyLimit::max(MAX_BODY))
-        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-            StatusCode::SERVICE_UNAVAILABLE,
+/// An answer of the admission port.
+pub type Reply = http::Response<Full<Bytes>>;
+
+/// The admission routes (served over TLS), as one service: no router, no per-request layers
+/// (they cost more than the review itself; see BENCHMARKS.md). Per request, in this order:
+/// the path (404) and method (405), the in-flight limit (at most `max_in_flight` requests at
+/// once, body reading included; one more gets `429 Too Many Requests` at once: no queue, the API
+/// server's timeout would expire in a queue, and a fast refusal lets it apply the failure policy
+/// right away), then within `request_timeout` (else 503) the body (over [`MAX_BODY`]: 413) and
+/// the review; a handler that panics gets 500 and the server goes on.
+#[derive(Clone)]
+pub struct Admission(Arc<AdmissionInner>);
+
+struct AdmissionInner {
+    app: App,
+    permits: tokio::sync::Semaphore,
+    request_timeout: Duration,
+}
+
+#[derive(Clone, Copy)]
+enum Route {
+    PodGate,
+    Policies,
+    NodeTaint,
+}
+
+impl Admission {
+    pub fn new(app: App, request_timeout: Duration, max_in_flight: usize) -> Self {
+        Self(Arc::new(AdmissionInner {
+            app,
+            permits: tokio::sync::Semaphore::new(max_in_flight.max(1)),
             request_timeout,
-        ))
-        .layer(axum::middleware::from_fn(
-            move |request: axum::extract::Request, next: axum::middleware::Next| {
-                let permits = permits.clone();
-                let overloaded = overloaded.clone();
-                async move {
-                    match permits.try_acquire_owned() {
-                        Ok(permit) => {
-                            let response = next.run(request).await;
-                            drop(permit);
-                            response
-                        }
-                        Err(_) => {
-                            overloaded.inc();
-                            plain(
-                                StatusCode::TOO_MANY_REQUESTS,
-                                "overloaded: too many reviews in flight\n".to_owned(),
-                            )
-                        }
-                    }
-                }
-            },
-        ))
-        .layer(tower_http::catch_panic::CatchPanicLayer::new())
-        .with_state(app)
+        }))
+    }
+
+    async fn handle(self, request: http::Request<hyper::body::Incoming>) -> Reply {
+        let route = match request.uri().path() {
+            paths::POD_GATE => Route::PodGate,
+            paths::POLICIES => Route::Policies,
+            paths::NODE_TAINT => Route::NodeTaint,
+            _ => return empty(StatusCode::NOT_FOUND),
+        };
+        if request.method() != Method::POST {
+            let mut reply = empty(StatusCode::METHOD_NOT_ALLOWED);
+            reply
+                .headers_mut()
+                .insert(header::ALLOW, http::HeaderValue::from_static("POST"));
+            return reply;
+        }
+        let this = &*self.0;
+        let Ok(permit) = this.permits.try_acquire() else {
+            this.app.metrics.overloaded.inc();
+            return plain(
+                StatusCode::TOO_MANY_REQUESTS,
+                "overloaded: too many reviews in flight\n".to_owned(),
+            );
+        };
+        let work = AssertUnwindSafe(this.answer(route, request)).catch_unwind();
+        let reply = match tokio::time::timeout(this.request_timeout, work).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(_)) => plain(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the review handler failed\n".to_owned(),
+            ),
+            Err(_) => empty(StatusCode::SERVICE_UNAVAILABLE),
+        };
+        drop(permit);
+        reply
+    }
+}
+
+impl AdmissionInner {
+    async fn answer(&self, route: Route, request: http::Request<hyper::body::Incoming>) -> Reply {
+        let (parts, body) = request.into_parts();
+        let too_long = || {
+            plain(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body over the length limit of {MAX_BODY} bytes\n"),
+            )
+        };
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > MAX_BODY as u64) {
+            return too_long();
+        }
+        let body = match Limited::new(body, MAX_BODY).collect().await {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return too_long(),
+            Err(e) => {
+                return plain(
+                    StatusCode::BAD_REQUEST,
+                    format!("reading the request body: {e}\n"),
+                );
+            }
+        };
+        let app = &self.app;
+        let headers = &parts.headers;
+        match route {
+            Route::PodGate => pod_gate(app, headers, &body).await,
+            Route::Policies => policies(app, headers, &body).await,
+            Route::NodeTaint => node_taint(app, headers, &body).await,
+        }
+    }
+}
+
+impl tower::Service<http::Request<hyper::body::Incoming>> for Admission {
+    type Response = Reply;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Reply, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<hyper::body::Incoming>) -> Self::Future {
+        Box::pin(self.clone().handle(request).map(Ok))
+    }
 }
 
 /// `/healthz`, `/readyz`, `/metrics` (plain HTTP).
@@ -106,29 +190,37 @@ pub fn health_router(app: App) -> Router {
         .with_state(app)
 }
 
-fn plain(status: StatusCode, message: String) -> Response {
-    (
-        status,
-        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
-        message,
-    )
-        .into_response()
+fn reply(status: StatusCode, content_type: Option<&'static str>, body: Bytes) -> Reply {
+    let mut reply = http::Response::new(Full::new(body));
+    *reply.status_mut() = status;
+    if let Some(t) = content_type {
+        reply
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, http::HeaderValue::from_static(t));
+    }
+    reply
 }
 
-fn json_response(v: &Value) -> Response {
+fn empty(status: StatusCode) -> Reply {
+    reply(status, None, Bytes::new())
+}
+
+fn plain(status: StatusCode, message: String) -> Reply {
+    reply(
+        status,
+        Some("text/plain; charset=utf-8"),
+        Bytes::from(message),
+    )
+}
+
+fn json_response(v: &serde_json::Value) -> Reply {
     let body = serde_json::to_vec(v).unwrap_or_default();
-    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+    reply(StatusCode::OK, Some("application/json"), Bytes::from(body))
 }
 
 /// Reads the body as a review, handles it with `f`, and records metrics. `f` returns the patch,
 /// warnings, the outcome word for metrics and the mutation kinds applied.
-async fn serve<F>(
-    app: &App,
-    path: &'static str,
-    headers: &HeaderMap,
-    body: &Bytes,
-    f: F,
-) -> Response
+async fn serve<F>(app: &App, path: &'static str, headers: &HeaderMap, body: &Bytes, f: F) -> Reply
 where
     F: AsyncFnOnce(Request<'_>) -> Result<Handled, (u16, String)>,
 {
@@ -147,7 +239,7 @@ where
     response
 }
 
-async fn review<F>(headers: &HeaderMap, body: &Bytes, f: F) -> (Response, &'static str)
+async fn review<F>(headers: &HeaderMap, body: &Bytes, f: F) -> (Reply, &'static str)
 where
     F: AsyncFnOnce(Request<'_>) -> Result<Handled, (u16, String)>,
 {
@@ -222,9 +314,8 @@ where
     }
 }
 
-async fn pod_gate(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    let a = app.clone();
-    serve(&app, paths::POD_GATE, &headers, &body, async |req| {
+async fn pod_gate(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
+    serve(app, paths::POD_GATE, headers, body, async |req| {
         if req.kind != "Pod" {
             return Ok(Handled {
                 patch: JsonPatch::default(),
@@ -232,16 +323,16 @@ async fn pod_gate(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Re
                 outcome: "not-a-pod",
             });
         }
-        let ns = a
+        let ns = app
             .sources
             .namespace(&req.namespace)
             .await
             .map_err(|e| (500, e.to_string()))?;
-        let limits = a.sources.limit_ranges(&req.namespace);
+        let limits = app.sources.limit_ranges(&req.namespace);
         // The pod is read as a lean view of the object's text: no `Value` of the whole pod.
         let plan = read_pod(req.object.get(), |pod| {
             admission::record_name(&req, pod.name());
-            a.planner
+            app.planner
                 .plan_view(req.operation, &req.namespace, &ns, &limits, pod)
         })
         .map_err(|e| (400, format!("request.object: {e}")))?;
@@ -252,7 +343,7 @@ async fn pod_gate(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Re
         };
         // A pod the gate leaves alone may still get its verdict annotation: only gates count.
         if gated && !patch.is_empty() && !req.dry_run {
-            a.metrics
+            app.metrics
                 .mutations
                 .get_or_create(&MutationLabels {
                     mutation: "init-gate",
@@ -268,9 +359,8 @@ async fn pod_gate(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Re
     .await
 }
 
-async fn node_taint(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    let a = app.clone();
-    serve(&app, paths::NODE_TAINT, &headers, &body, async |req| {
+async fn node_taint(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
+    serve(app, paths::NODE_TAINT, headers, body, async |req| {
         if req.kind != "Node" || req.operation != "CREATE" {
             return Ok(Handled {
                 patch: JsonPatch::default(),
@@ -279,7 +369,7 @@ async fn node_taint(State(app): State<App>, headers: HeaderMap, body: Bytes) -> 
             });
         }
         let object = admission::object_value(&req)?;
-        let gates = a.sources.node_gates();
+        let gates = app.sources.node_gates();
         let patch = meshgate_core::nodegate::taints_on_create(gates.iter(), &object);
         let outcome = if patch.is_empty() {
             "unchanged"
@@ -287,7 +377,7 @@ async fn node_taint(State(app): State<App>, headers: HeaderMap, body: Bytes) -> 
             "mutated"
         };
         if !patch.is_empty() && !req.dry_run {
-            a.metrics
+            app.metrics
                 .mutations
                 .get_or_create(&MutationLabels {
                     mutation: "node-taint",
@@ -303,10 +393,9 @@ async fn node_taint(State(app): State<App>, headers: HeaderMap, body: Bytes) -> 
     .await
 }
 
-async fn policies(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
-    let a = app.clone();
-    serve(&app, paths::POLICIES, &headers, &body, async |req| {
-        crate::policies::handle(&a, req).await
+async fn policies(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
+    serve(app, paths::POLICIES, headers, body, async |req| {
+        crate::policies::handle(app, req).await
     })
     .await
 }

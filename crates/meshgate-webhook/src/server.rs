@@ -13,8 +13,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use crate::tls::{self, CertFiles};
 
 pub use crate::app::App;
+use crate::handlers::{Admission, health_router};
 pub use crate::handlers::{DEFAULT_MAX_IN_FLIGHT, MAX_BODY};
-use crate::handlers::{health_router, router};
 
 /// How to run the server.
 #[derive(Clone, Debug)]
@@ -268,10 +268,11 @@ impl Server {
                 fresh: fresh.clone(),
             })
             .handle(handle.clone())
-            .serve(
-                router(app.clone(), options.request_timeout, options.max_in_flight)
-                    .into_make_service(),
-            );
+            .serve(tower::make::Shared::new(Admission::new(
+                app.clone(),
+                options.request_timeout,
+                options.max_in_flight,
+            )));
         let health_router = health_router(app.clone());
         let task = tokio::spawn(async move {
             // The health port stays up until the review port has drained.
