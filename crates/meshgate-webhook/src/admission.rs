@@ -20,8 +20,8 @@ use std::borrow::Cow;
 use meshgate_core::patch::JsonPatch;
 use meshgate_core::view::{Bool, Obj, Str};
 use serde::Deserialize;
+use serde_json::Value;
 use serde_json::value::RawValue;
-use serde_json::{Value, json};
 
 pub const API_VERSION: &str = "admission.k8s.io/v1";
 
@@ -205,30 +205,59 @@ fn check(envelope: Obj<Envelope<'_>>) -> Result<Request<'_>, ReviewError> {
     })
 }
 
-/// An allowing response, with the patch when it is not empty.
-pub fn allow(uid: &str, patch: &JsonPatch, warnings: &[String]) -> Value {
-    let mut response = json!({"uid": uid, "allowed": true});
-    if !patch.is_empty() {
-        response["patchType"] = json!("JSONPatch");
-        response["patch"] = json!(k8s_openapi::ByteString(patch.to_bytes()));
+/// An allowing response (the AdmissionReview's JSON), with the patch when it is not empty.
+///
+/// Written straight into bytes, not through a `Value`: the keys in the order a `Value` would
+/// write them, strings escaped by serde_json, the patch in standard base64 as Go's
+/// `[]byte` is.
+pub fn allow(uid: &str, patch: &JsonPatch, warnings: &[String]) -> Vec<u8> {
+    use base64::Engine as _;
+    let patch = (!patch.is_empty()).then(|| patch.to_bytes());
+    let encoded = patch.as_ref().map_or(0, |p| p.len().div_ceil(3) * 4);
+    let mut out = Vec::with_capacity(160 + uid.len() + encoded);
+    out.extend_from_slice(HEAD);
+    out.extend_from_slice(br#""allowed":true"#);
+    if let Some(patch) = patch {
+        out.extend_from_slice(br#","patch":""#);
+        let start = out.len();
+        out.resize(start + encoded, 0);
+        let written = base64::engine::general_purpose::STANDARD
+            .encode_slice(&patch, &mut out[start..])
+            .unwrap_or_default();
+        out.truncate(start + written);
+        out.extend_from_slice(br#"","patchType":"JSONPatch""#);
     }
+    out.extend_from_slice(br#","uid":"#);
+    write_json(&mut out, uid);
     if !warnings.is_empty() {
-        response["warnings"] = json!(warnings);
+        out.extend_from_slice(br#","warnings":"#);
+        write_json(&mut out, warnings);
     }
-    review(response)
+    out.extend_from_slice(b"}}");
+    out
 }
 
-/// A refusing response with an HTTP-like code and a message.
-pub fn deny(uid: &str, code: u16, message: &str) -> Value {
-    review(json!({
-        "uid": uid,
-        "allowed": false,
-        "status": {"code": code, "message": message, "status": "Failure"},
-    }))
+/// A refusing response (the AdmissionReview's JSON) with an HTTP-like code and a message.
+pub fn deny(uid: &str, code: u16, message: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(160 + uid.len() + message.len());
+    out.extend_from_slice(HEAD);
+    out.extend_from_slice(br#""allowed":false,"status":{"code":"#);
+    out.extend_from_slice(code.to_string().as_bytes());
+    out.extend_from_slice(br#","message":"#);
+    write_json(&mut out, message);
+    out.extend_from_slice(br#","status":"Failure"},"uid":"#);
+    write_json(&mut out, uid);
+    out.extend_from_slice(b"}}");
+    out
 }
 
-fn review(response: Value) -> Value {
-    json!({"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response})
+/// What every response starts with, up to the first field of `response`.
+const HEAD: &[u8] = br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{"#;
+
+/// Writes `value` as JSON (strings escaped as serde_json escapes them).
+fn write_json<T: serde::Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) {
+    // Writing strings into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, value);
 }
 
 /// Records the object's name in the review span when the request did not carry one (objects
@@ -251,6 +280,7 @@ pub(crate) fn object_value(req: &Request<'_>) -> Result<Value, (u16, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn good() -> Value {
         json!({
@@ -368,16 +398,55 @@ mod tests {
 
     #[test]
     fn responses_are_well_formed() {
+        let value = |bytes: Vec<u8>| -> Value {
+            serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                panic!("{e}: {}", String::from_utf8_lossy(&bytes));
+            })
+        };
         let mut p = JsonPatch::default();
-        p.add("/metadata/labels", json!({}));
-        let r = allow("u", &p, &["w".into()]);
-        assert_eq!(r["response"]["patchType"], "JSONPatch");
-        assert!(r["response"]["patch"].is_string(), "base64");
-        assert_eq!(r["response"]["warnings"], json!(["w"]));
-        let r = allow("u", &JsonPatch::default(), &[]);
-        assert!(r["response"].get("patch").is_none());
-        let r = deny("u", 400, "bad");
-        assert_eq!(r["response"]["status"]["code"], 400);
-        assert_eq!(r["response"]["allowed"], false);
+        p.add("/metadata/labels", json!({"a": "b\"c"}));
+        let uid = "u\"\\\u{1}é";
+        let r = value(allow(uid, &p, &["w \"1\"".into(), "w2".into()]));
+        assert_eq!(
+            r,
+            json!({"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": {
+                "uid": uid, "allowed": true, "patchType": "JSONPatch",
+                // Go's []byte: standard base64, padded.
+                "patch": k8s_openapi::ByteString(p.to_bytes()),
+                "warnings": ["w \"1\"", "w2"],
+            }})
+        );
+        // The keys in a `Value`'s order: the same bytes as serialising the `Value`.
+        assert_eq!(
+            String::from_utf8(allow(uid, &p, &["w".into()])).ok(),
+            serde_json::to_string(&value(allow(uid, &p, &["w".into()]))).ok()
+        );
+        for len in 0..6 {
+            let mut p = JsonPatch::default();
+            p.add("/x", json!("y".repeat(len)));
+            let r = value(allow("u", &p, &[]));
+            assert_eq!(
+                r["response"]["patch"],
+                json!(k8s_openapi::ByteString(p.to_bytes()))
+            );
+        }
+        let r = value(allow("u", &JsonPatch::default(), &[]));
+        assert_eq!(
+            r,
+            json!({"apiVersion": API_VERSION, "kind": "AdmissionReview",
+                   "response": {"uid": "u", "allowed": true}})
+        );
+        let r = value(deny("u\n", 400, "bad \"x\"\n"));
+        assert_eq!(
+            r,
+            json!({"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": {
+                "uid": "u\n", "allowed": false,
+                "status": {"code": 400, "message": "bad \"x\"\n", "status": "Failure"},
+            }})
+        );
+        assert_eq!(
+            String::from_utf8(deny("u", 500, "m")).ok(),
+            serde_json::to_string(&value(deny("u", 500, "m"))).ok()
+        );
     }
 }

@@ -213,8 +213,7 @@ fn plain(status: StatusCode, message: String) -> Reply {
     )
 }
 
-fn json_response(v: &serde_json::Value) -> Reply {
-    let body = serde_json::to_vec(v).unwrap_or_default();
+fn json_response(body: Vec<u8>) -> Reply {
     reply(StatusCode::OK, Some("application/json"), Bytes::from(body))
 }
 
@@ -265,7 +264,7 @@ where
         }
         Err(ReviewError::Invalid { uid, message }) => {
             return (
-                json_response(&admission::deny(&uid, 400, &message)),
+                json_response(admission::deny(&uid, 400, &message)),
                 "invalid",
             );
         }
@@ -298,7 +297,7 @@ where
             span.record("decision", h.outcome);
             span.in_scope(|| tracing::debug!(ops = h.patch.len(), "answered"));
             (
-                json_response(&admission::allow(&uid, &h.patch, &h.warnings)),
+                json_response(admission::allow(&uid, &h.patch, &h.warnings)),
                 h.outcome,
             )
         }
@@ -307,7 +306,7 @@ where
                 tracing::warn!(%uid, %kind, operation, %namespace, code, %message, "refused");
             });
             (
-                json_response(&admission::deny(&uid, code, &message)),
+                json_response(admission::deny(&uid, code, &message)),
                 "error",
             )
         }
