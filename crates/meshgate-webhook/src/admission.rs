@@ -25,9 +25,11 @@ use serde_json::value::RawValue;
 
 pub const API_VERSION: &str = "admission.k8s.io/v1";
 
-/// The parts of `request` the handlers read.
+/// The parts of `request` the handlers read; `O` is how `request.object` is read: as JSON text
+/// ([`RawValue`], the default) or decoded in the same pass as the review (e.g. the init gate's
+/// [`PodView`](meshgate_core::view::PodView), see [`Object`]).
 #[derive(Debug)]
-pub struct Request<'a> {
+pub struct Request<'a, O = &'a RawValue> {
     pub uid: Cow<'a, str>,
     /// `request.kind.kind`, e.g. `Pod`.
     pub kind: Cow<'a, str>,
@@ -38,8 +40,35 @@ pub struct Request<'a> {
     /// `request.name`; empty for objects named by the API server (`generateName`).
     pub name: Cow<'a, str>,
     pub dry_run: bool,
-    /// `request.object` as JSON text (`null` when absent, as for DELETE).
-    pub object: &'a RawValue,
+    /// `request.object` (JSON `null` when absent, as for DELETE).
+    pub object: O,
+}
+
+/// A way to read `request.object` while the review is decoded.
+pub trait Object<'a>: Deserialize<'a> {
+    /// `request.object` absent.
+    fn absent() -> Self;
+    /// Whether `request.object` is a JSON object.
+    fn is_object(&self) -> bool;
+}
+
+impl<'a> Object<'a> for &'a RawValue {
+    fn absent() -> Self {
+        RawValue::NULL
+    }
+    fn is_object(&self) -> bool {
+        self.get().starts_with('{')
+    }
+}
+
+/// Read as a lean view (lenient: `None` for anything but a JSON object).
+impl<'a, T: Deserialize<'a> + Default> Object<'a> for Obj<T> {
+    fn absent() -> Self {
+        Obj(None)
+    }
+    fn is_object(&self) -> bool {
+        self.0.is_some()
+    }
 }
 
 impl Request<'_> {
@@ -73,20 +102,29 @@ pub enum ReviewError {
 }
 
 /// The review as sent, every field lenient.
-#[derive(Default, Deserialize)]
-#[serde(default)]
-struct Envelope<'a> {
+#[derive(Deserialize)]
+#[serde(default, bound = "O: Object<'de>")]
+struct Envelope<'a, O> {
     #[serde(borrow, rename = "apiVersion")]
     api_version: Str<'a>,
     #[serde(borrow)]
     kind: Str<'a>,
-    #[serde(borrow)]
-    request: Obj<RequestIn<'a>>,
+    request: Obj<RequestIn<'a, O>>,
 }
 
-#[derive(Default, Deserialize)]
-#[serde(default)]
-struct RequestIn<'a> {
+impl<O> Default for Envelope<'_, O> {
+    fn default() -> Self {
+        Self {
+            api_version: Str::default(),
+            kind: Str::default(),
+            request: Obj(None),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(default, bound = "O: Object<'de>")]
+struct RequestIn<'a, O> {
     #[serde(borrow)]
     uid: Str<'a>,
     #[serde(borrow)]
@@ -99,8 +137,21 @@ struct RequestIn<'a> {
     name: Str<'a>,
     #[serde(rename = "dryRun")]
     dry_run: Bool,
-    #[serde(borrow)]
-    object: Option<&'a RawValue>,
+    object: Option<O>,
+}
+
+impl<O> Default for RequestIn<'_, O> {
+    fn default() -> Self {
+        Self {
+            uid: Str::default(),
+            kind: Obj(None),
+            operation: Str::default(),
+            namespace: Str::default(),
+            name: Str::default(),
+            dry_run: Bool::default(),
+            object: None,
+        }
+    }
 }
 
 #[derive(Default, Deserialize)]
@@ -112,22 +163,32 @@ struct KindIn<'a> {
 
 const OPERATIONS: [&str; 4] = ["CREATE", "UPDATE", "DELETE", "CONNECT"];
 
-/// Decodes and checks a review body. The errors say exactly what is wrong. `scratch` holds the
-/// normalised text when the body has to be read through a `Value` (see the module docs).
+/// Decodes and checks a review body, `request.object` as JSON text. The errors say exactly what
+/// is wrong. `scratch` holds the normalised text when the body has to be read through a `Value`
+/// (see the module docs).
 pub fn decode<'a>(
     body: &'a [u8],
     scratch: &'a mut Option<String>,
 ) -> Result<Request<'a>, ReviewError> {
+    decode_as(body, scratch)
+}
+
+/// [`decode`], with `request.object` read as `O` in the same pass (one pass over the object's
+/// bytes instead of two: skipped as text, then decoded).
+pub fn decode_as<'a, O: Object<'a>>(
+    body: &'a [u8],
+    scratch: &'a mut Option<String>,
+) -> Result<Request<'a, O>, ReviewError> {
     // UTF-8 first: the decode skips unread strings without checking them, and a review that is
     // not JSON must be refused whatever field holds the bad bytes (found by fuzzing).
     let text = std::str::from_utf8(body).map_err(|e| ReviewError::NotJson(e.to_string()))?;
-    let envelope = match serde_json::from_str::<Obj<Envelope<'a>>>(text) {
+    let envelope = match serde_json::from_str::<Obj<Envelope<'a, O>>>(text) {
         Ok(e) => e,
         Err(_) => {
             let value: Value =
                 serde_json::from_str(text).map_err(|e| ReviewError::NotJson(e.to_string()))?;
             let text: &'a str = scratch.insert(value.to_string());
-            serde_json::from_str::<Obj<Envelope<'a>>>(text)
+            serde_json::from_str::<Obj<Envelope<'a, O>>>(text)
                 .map_err(|e| ReviewError::NotJson(e.to_string()))?
         }
     };
@@ -140,12 +201,12 @@ pub fn parse<'a>(
     scratch: &'a mut Option<String>,
 ) -> Result<Request<'a>, ReviewError> {
     let text: &'a str = scratch.insert(review.to_string());
-    let envelope = serde_json::from_str::<Obj<Envelope<'a>>>(text)
+    let envelope = serde_json::from_str::<Obj<Envelope<'a, &'a RawValue>>>(text)
         .map_err(|e| ReviewError::NotJson(e.to_string()))?;
     check(envelope)
 }
 
-fn check(envelope: Obj<Envelope<'_>>) -> Result<Request<'_>, ReviewError> {
+fn check<'a, O: Object<'a>>(envelope: Obj<Envelope<'a, O>>) -> Result<Request<'a, O>, ReviewError> {
     let Some(review) = envelope.0 else {
         return Err(ReviewError::Unanswerable(
             "body is not an AdmissionReview: expected a JSON object".into(),
@@ -188,8 +249,8 @@ fn check(envelope: Obj<Envelope<'_>>) -> Result<Request<'_>, ReviewError> {
             "request.operation {operation:?} is not an admission operation"
         )));
     };
-    let object = request.object.unwrap_or(RawValue::NULL);
-    if matches!(operation, "CREATE" | "UPDATE") && !object.get().starts_with('{') {
+    let object = request.object.unwrap_or_else(O::absent);
+    if matches!(operation, "CREATE" | "UPDATE") && !object.is_object() {
         return Err(invalid(format!(
             "request.object must be an object for {operation}"
         )));
@@ -262,7 +323,7 @@ fn write_json<T: serde::Serialize + ?Sized>(out: &mut Vec<u8>, value: &T) {
 
 /// Records the object's name in the review span when the request did not carry one (objects
 /// named by the API server from `generateName`).
-pub(crate) fn record_name(req: &Request<'_>, name: &str) {
+pub(crate) fn record_name<O>(req: &Request<'_, O>, name: &str) {
     if req.name.is_empty() && !name.is_empty() {
         tracing::Span::current().record("name", name);
     }
@@ -338,6 +399,43 @@ mod tests {
         .unwrap();
         assert_eq!((&*r.uid, r.object.get()), ("caf\u{e9}", "null"));
         assert!(scratch.is_none(), "decoded directly");
+    }
+
+    #[test]
+    fn reads_the_pod_in_the_same_pass_as_a_second_pass_would() {
+        use meshgate_core::view::{PodView, read_pod};
+        let head = r#"{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": "u", "kind": {"kind": "Pod"}, "operation": "CREATE", "object": "#;
+        let objects = [
+            r#"{"metadata": {"name": "p", "labels": {"a": "b"}},
+                "spec": {"containers": [{"name": "c", "image": "i"}], "hostNetwork": true}}"#,
+            // A key twice (the last counts, as in a `Value`), in the pod and around it.
+            r#"{"metadata": {"name": "first", "name": "last"}, "spec": {"hostNetwork": 3}}"#,
+            r#"{"metadata": [], "spec": {"initContainers": [{"name": "x"}, 7]}}"#,
+            "{}",
+        ];
+        for object in objects {
+            let body = format!("{head}{object}}}}}");
+            let (mut one, mut two) = (None, None);
+            let direct = decode_as::<Obj<PodView<'_>>>(body.as_bytes(), &mut one)
+                .unwrap_or_else(|e| panic!("{object}: {e}"));
+            let text = decode(body.as_bytes(), &mut two).unwrap_or_else(|e| panic!("{e}"));
+            read_pod(text.object.get(), |second| {
+                assert_eq!(direct.object.0.as_ref(), Some(second), "{object}");
+            })
+            .unwrap_or_else(|e| panic!("{object}: {e}"));
+        }
+        // Not an object: absent for a DELETE, refused for a CREATE, as for the text.
+        let body = format!("{head}null}}}}").replace("CREATE", "DELETE");
+        let mut scratch = None;
+        let r = decode_as::<Obj<PodView<'_>>>(body.as_bytes(), &mut scratch)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(r.object.0.is_none());
+        let body = format!("{head}\"pod\"}}}}");
+        assert!(matches!(
+            decode_as::<Obj<PodView<'_>>>(body.as_bytes(), &mut None),
+            Err(ReviewError::Invalid { message, .. }) if message.contains("request.object")
+        ));
     }
 
     #[test]

@@ -21,7 +21,7 @@ use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use meshgate_core::gate::PodPlan;
 use meshgate_core::patch::JsonPatch;
 use meshgate_core::registration::paths;
-use meshgate_core::view::read_pod;
+use meshgate_core::view::{Obj, PodView};
 use tracing::Instrument;
 
 use crate::admission::{self, Request, ReviewError};
@@ -217,15 +217,26 @@ fn json_response(body: Vec<u8>) -> Reply {
     reply(StatusCode::OK, Some("application/json"), Bytes::from(body))
 }
 
-/// Reads the body as a review, handles it with `f`, and records metrics. `f` returns the patch,
-/// warnings, the outcome word for metrics and the mutation kinds applied.
-async fn serve<F>(app: &App, path: &'static str, headers: &HeaderMap, body: &Bytes, f: F) -> Reply
+/// Reads the body as a review (`request.object` read as `O`, see [`admission::Object`]),
+/// handles it with `f`, and records metrics. `f` returns the patch, warnings and the outcome
+/// word for metrics. `scratch` holds the body's normalised text when it has to be read through
+/// a `Value` (see [`admission::decode`]).
+async fn serve<'b, O, F, Fut>(
+    app: &App,
+    path: &'static str,
+    headers: &HeaderMap,
+    body: &'b [u8],
+    scratch: &'b mut Option<String>,
+    f: F,
+) -> Reply
 where
-    F: AsyncFnOnce(Request<'_>) -> Result<Handled, (u16, String)>,
+    O: admission::Object<'b>,
+    F: FnOnce(Request<'b, O>) -> Fut,
+    Fut: Future<Output = Result<Handled, (u16, String)>>,
 {
     let start = Instant::now();
     app.metrics.in_flight.inc();
-    let (response, outcome) = review(headers, body, f).await;
+    let (response, outcome) = review(headers, body, scratch, f).await;
     app.metrics.in_flight.dec();
     app.metrics
         .reviews
@@ -238,9 +249,16 @@ where
     response
 }
 
-async fn review<F>(headers: &HeaderMap, body: &Bytes, f: F) -> (Reply, &'static str)
+async fn review<'b, O, F, Fut>(
+    headers: &HeaderMap,
+    body: &'b [u8],
+    scratch: &'b mut Option<String>,
+    f: F,
+) -> (Reply, &'static str)
 where
-    F: AsyncFnOnce(Request<'_>) -> Result<Handled, (u16, String)>,
+    O: admission::Object<'b>,
+    F: FnOnce(Request<'b, O>) -> Fut,
+    Fut: Future<Output = Result<Handled, (u16, String)>>,
 {
     let content_type = headers
         .get(header::CONTENT_TYPE)
@@ -256,8 +274,7 @@ where
             "invalid",
         );
     }
-    let mut scratch = None;
-    let request = match admission::decode(body, &mut scratch) {
+    let request = match admission::decode_as::<O>(body, scratch) {
         Ok(r) => r,
         Err(e @ (ReviewError::NotJson(_) | ReviewError::Unanswerable(_))) => {
             return (plain(StatusCode::BAD_REQUEST, e.to_string()), "invalid");
@@ -314,87 +331,110 @@ where
 }
 
 async fn pod_gate(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
-    serve(app, paths::POD_GATE, headers, body, async |req| {
-        if req.kind != "Pod" {
-            return Ok(Handled {
-                patch: JsonPatch::default(),
-                warnings: vec![],
-                outcome: "not-a-pod",
-            });
-        }
-        let ns = app
-            .sources
-            .namespace(&req.namespace)
-            .await
-            .map_err(|e| (500, e.to_string()))?;
-        let limits = app.sources.limit_ranges(&req.namespace);
-        // The pod is read as a lean view of the object's text: no `Value` of the whole pod.
-        let plan = read_pod(req.object.get(), |pod| {
+    let mut scratch = None;
+    // The pod is read as a lean view, in the same pass as the review: no `Value` of the pod.
+    serve::<Obj<PodView<'_>>, _, _>(
+        app,
+        paths::POD_GATE,
+        headers,
+        body,
+        &mut scratch,
+        |req| async move {
+            if req.kind != "Pod" {
+                return Ok(Handled {
+                    patch: JsonPatch::default(),
+                    warnings: vec![],
+                    outcome: "not-a-pod",
+                });
+            }
+            let ns = app
+                .sources
+                .namespace(&req.namespace)
+                .await
+                .map_err(|e| (500, e.to_string()))?;
+            let limits = app.sources.limit_ranges(&req.namespace);
+            // Not a JSON object (a DELETE's `null`): read as an empty pod.
+            let empty = PodView::default();
+            let pod = req.object.0.as_ref().unwrap_or(&empty);
             admission::record_name(&req, pod.name());
-            app.planner
-                .plan_view(req.operation, &req.namespace, &ns, &limits, pod)
-        })
-        .map_err(|e| (400, format!("request.object: {e}")))?;
-        let outcome = plan.decision();
-        let (patch, gated) = match plan {
-            PodPlan::Skip(_) => (JsonPatch::default(), false),
-            PodPlan::Mutate { patch, verdict, .. } => (patch, verdict.is_ok()),
-        };
-        // A pod the gate leaves alone may still get its verdict annotation: only gates count.
-        if gated && !patch.is_empty() && !req.dry_run {
-            app.metrics
-                .mutations
-                .get_or_create(&MutationLabels {
-                    mutation: "init-gate",
-                })
-                .inc();
-        }
-        Ok(Handled {
-            patch,
-            warnings: vec![],
-            outcome,
-        })
-    })
+            let plan = app
+                .planner
+                .plan_view(req.operation, &req.namespace, &ns, &limits, pod);
+            let outcome = plan.decision();
+            let (patch, gated) = match plan {
+                PodPlan::Skip(_) => (JsonPatch::default(), false),
+                PodPlan::Mutate { patch, verdict, .. } => (patch, verdict.is_ok()),
+            };
+            // A pod the gate leaves alone may still get its verdict annotation: only gates count.
+            if gated && !patch.is_empty() && !req.dry_run {
+                app.metrics
+                    .mutations
+                    .get_or_create(&MutationLabels {
+                        mutation: "init-gate",
+                    })
+                    .inc();
+            }
+            Ok(Handled {
+                patch,
+                warnings: vec![],
+                outcome,
+            })
+        },
+    )
     .await
 }
 
 async fn node_taint(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
-    serve(app, paths::NODE_TAINT, headers, body, async |req| {
-        if req.kind != "Node" || req.operation != "CREATE" {
-            return Ok(Handled {
-                patch: JsonPatch::default(),
+    let mut scratch = None;
+    serve(
+        app,
+        paths::NODE_TAINT,
+        headers,
+        body,
+        &mut scratch,
+        |req| async move {
+            if req.kind != "Node" || req.operation != "CREATE" {
+                return Ok(Handled {
+                    patch: JsonPatch::default(),
+                    warnings: vec![],
+                    outcome: "skipped",
+                });
+            }
+            let object = admission::object_value(&req)?;
+            let gates = app.sources.node_gates();
+            let patch = meshgate_core::nodegate::taints_on_create(gates.iter(), &object);
+            let outcome = if patch.is_empty() {
+                "unchanged"
+            } else {
+                "mutated"
+            };
+            if !patch.is_empty() && !req.dry_run {
+                app.metrics
+                    .mutations
+                    .get_or_create(&MutationLabels {
+                        mutation: "node-taint",
+                    })
+                    .inc();
+            }
+            Ok(Handled {
+                patch,
                 warnings: vec![],
-                outcome: "skipped",
-            });
-        }
-        let object = admission::object_value(&req)?;
-        let gates = app.sources.node_gates();
-        let patch = meshgate_core::nodegate::taints_on_create(gates.iter(), &object);
-        let outcome = if patch.is_empty() {
-            "unchanged"
-        } else {
-            "mutated"
-        };
-        if !patch.is_empty() && !req.dry_run {
-            app.metrics
-                .mutations
-                .get_or_create(&MutationLabels {
-                    mutation: "node-taint",
-                })
-                .inc();
-        }
-        Ok(Handled {
-            patch,
-            warnings: vec![],
-            outcome,
-        })
-    })
+                outcome,
+            })
+        },
+    )
     .await
 }
 
 async fn policies(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
-    serve(app, paths::POLICIES, headers, body, async |req| {
-        crate::policies::handle(app, req).await
-    })
+    let mut scratch = None;
+    serve(
+        app,
+        paths::POLICIES,
+        headers,
+        body,
+        &mut scratch,
+        |req| async move { crate::policies::handle(app, req).await },
+    )
     .await
 }
