@@ -39,3 +39,15 @@ pub fn truncate(s: &str, max: usize) -> String {
     }
     format!("{}…", &s[..end])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn truncation_respects_char_boundaries() {
+        assert_eq!(truncate("abc", 5), "abc");
+        assert_eq!(truncate("ééé", 3), "é…");
+        assert_eq!(truncate("aé", 2), "a…");
+    }
+}

@@ -29,12 +29,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::events::{EventType, Events};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
@@ -73,13 +73,24 @@ pub struct Settings {
     pub status_interval: Duration,
     /// Reconcile every node at least this often.
     pub resync: Duration,
+    /// Nodes reconciled at once. Each reconcile in flight holds an API request, and an HTTP/1.1
+    /// client holds one connection (TLS and read buffers, tens of KiB) per request in flight:
+    /// unbounded, a burst of agents becoming ready on thousands of nodes opened a connection per
+    /// node (measured: ~2,000 connections, most of the controller's peak memory, at 2,000
+    /// nodes; `tools/bench/controller-heap.sh`). A handful of connections already keeps the
+    /// API server busy: a node's writes take milliseconds.
+    pub concurrency: u16,
 }
+
+/// [`Settings::concurrency`] by default.
+pub const DEFAULT_CONCURRENCY: u16 = 16;
 
 impl Default for Settings {
     fn default() -> Self {
         Self {
             status_interval: Duration::from_secs(5),
             resync: Duration::from_secs(300),
+            concurrency: DEFAULT_CONCURRENCY,
         }
     }
 }
@@ -90,7 +101,7 @@ struct Ctx {
     nodes: Store<Node>,
     agents: AgentIndex,
     leader: watch::Receiver<bool>,
-    recorder: Recorder,
+    events: Events,
     metrics: Metrics,
     settings: Settings,
     /// Set once every cache has its first list.
@@ -193,13 +204,7 @@ pub async fn run(
         })
     };
 
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: "meshgate-controller".into(),
-            instance: std::env::var("POD_NAME").ok(),
-        },
-    );
+    let events = Events::new(client.clone());
     // Nodes are cached slimmed to what the gate reads (see `slim_node`).
     let (nodes, node_writer) = reflector::store::<Node>();
     let node_stream = reflector::reflector(
@@ -209,7 +214,9 @@ pub async fn run(
             .modify(slim_node),
     )
     .applied_objects();
-    let controller = Controller::for_stream(node_stream, nodes.clone());
+    let controller = Controller::for_stream(node_stream, nodes.clone()).with_config(
+        kube::runtime::controller::Config::default().concurrency(settings.concurrency.max(1)),
+    );
 
     let ctx = Arc::new(Ctx {
         client: client.clone(),
@@ -217,7 +224,7 @@ pub async fn run(
         nodes: nodes.clone(),
         agents: agents.clone(),
         leader: leader.clone(),
-        recorder,
+        events,
         metrics: metrics.clone(),
         settings: settings.clone(),
         synced: AtomicBool::new(false),
@@ -768,14 +775,11 @@ async fn event(
     reason: &str,
     note: String,
 ) {
-    let ev = KubeEvent {
-        type_,
-        reason: reason.into(),
-        note: Some(note),
-        action: "Reconcile".into(),
-        secondary: None,
-    };
-    if let Err(e) = ctx.recorder.publish(&ev, object).await {
+    if let Err(e) = ctx
+        .events
+        .publish(type_, "Reconcile", reason, &note, object)
+        .await
+    {
         tracing::debug!(error = %e, "event not recorded");
     }
 }

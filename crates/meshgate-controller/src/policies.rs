@@ -44,7 +44,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::conditions::truncate;
+use crate::events::{EventType, Events};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::api::batch::v1::{CronJob, Job};
@@ -53,7 +53,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference, 
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use meshgate_api::mutation_policy::{ExistingReport, MutationPolicyStatus, Operation};
@@ -120,7 +119,7 @@ impl Default for Settings {
 struct Ctx {
     client: kube::Client,
     leader: watch::Receiver<bool>,
-    recorder: Recorder,
+    events: Events,
     settings: Settings,
 }
 
@@ -146,20 +145,14 @@ pub async fn run_with(
     settings: Settings,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: "meshgate-controller".into(),
-            instance: std::env::var("POD_NAME").ok(),
-        },
-    );
+    let events = Events::new(client.clone());
     // Leadership gained: every policy is looked at again (those already observed are skipped).
     let gained = tokio_stream::wrappers::WatchStream::new(leader.clone())
         .filter_map(|is_leader| futures::future::ready(is_leader.then_some(())));
     let ctx = Arc::new(Ctx {
         client: client.clone(),
         leader,
-        recorder,
+        events,
         settings,
     });
     Controller::new(
@@ -516,14 +509,17 @@ async fn write_status(
 }
 
 async fn event(ctx: &Ctx, policy: &MutationPolicy, type_: EventType, reason: &str, note: String) {
-    let ev = KubeEvent {
-        type_,
-        reason: reason.into(),
-        note: Some(truncate(&note, 1000)),
-        action: "MutateExisting".into(),
-        secondary: None,
-    };
-    if let Err(e) = ctx.recorder.publish(&ev, &policy.object_ref(&())).await {
+    if let Err(e) = ctx
+        .events
+        .publish(
+            type_,
+            "MutateExisting",
+            reason,
+            &note,
+            &policy.object_ref(&()),
+        )
+        .await
+    {
         tracing::debug!(error = %e, "event not recorded");
     }
 }
@@ -1211,11 +1207,5 @@ mod tests {
         let l = Limiter::new(4);
         assert_eq!(l.interval, Duration::from_millis(250));
         assert_eq!(Limiter::new(0).interval, Duration::from_secs(1));
-    }
-
-    #[test]
-    fn truncation_respects_char_boundaries() {
-        assert_eq!(truncate("abc", 5), "abc");
-        assert_eq!(truncate("ééé", 3), "é…");
     }
 }

@@ -44,12 +44,12 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::events::{EventType, Events};
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::core::PartialObjectMeta;
-use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use meshgate_core::repair::{
     Admission, Decision, Limiter, PodSummary, REPAIR_LABEL, REPAIR_LABEL_VALUE,
@@ -259,13 +259,7 @@ pub async fn run(
     };
     let mut inputs = futures::stream::select(pods, nodes);
 
-    let recorder = Recorder::new(
-        client.clone(),
-        Reporter {
-            controller: "meshgate-controller".into(),
-            instance: std::env::var("POD_NAME").ok(),
-        },
-    );
+    let events = Events::new(client.clone());
     let origin = Instant::now();
     let mut state = State {
         limiter: Limiter::new(
@@ -278,7 +272,7 @@ pub async fn run(
         leader: leader.clone(),
         settings,
         metrics,
-        recorder,
+        events,
         origin,
         pods: HashMap::new(),
         by_node: HashMap::new(),
@@ -367,7 +361,7 @@ struct State {
     leader: watch::Receiver<bool>,
     settings: RepairSettings,
     metrics: RepairMetrics,
-    recorder: Recorder,
+    events: Events,
     limiter: Limiter,
     origin: Instant,
     /// Pod UID → summary, for the pods that can matter.
@@ -815,14 +809,11 @@ impl State {
             uid: Some(pod.uid.clone()),
             ..ObjectReference::default()
         };
-        let ev = KubeEvent {
-            type_,
-            reason: reason.into(),
-            note: Some(truncate(note, 1000)),
-            action: "Repair".into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&ev, &reference).await {
+        if let Err(e) = self
+            .events
+            .publish(type_, "Repair", reason, &note, &reference)
+            .await
+        {
             tracing::debug!(error = %e, "repair: event not recorded");
         }
     }
@@ -832,28 +823,9 @@ fn is_status(e: &kube::Error, code: u16) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == code)
 }
 
-/// At most `max` bytes, cut at a character boundary (Event notes are limited to 1 kB).
-fn truncate(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        let mut end = max;
-        while !s.is_char_boundary(end) {
-            end -= 1;
-        }
-        s.truncate(end);
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn truncate_keeps_characters_whole() {
-        assert_eq!(truncate("abc".into(), 10), "abc");
-        assert_eq!(truncate("abcdef".into(), 3), "abc");
-        assert_eq!(truncate("aé".into(), 2), "a");
-    }
 
     #[test]
     fn metrics_encode_under_the_repair_prefix() {

@@ -217,7 +217,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         // patch: the gate's finalizer (taints come off every node before a gate goes).
         {"apiGroups": ["meshgate.dev"], "resources": ["nodegates"], "verbs": ["list", "watch", "patch"]},
         {"apiGroups": ["meshgate.dev"], "resources": ["nodegates/status", "mutationpolicies/status"], "verbs": ["patch"]},
-        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
         {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"], "resourceNames": ["meshgate"], "verbs": ["get", "patch"]},
         // Native policies: the MutatingAdmissionPolicies (and bindings) compiled from
         // MutationPolicies, kept by server-side apply and deleted when a policy stops compiling.

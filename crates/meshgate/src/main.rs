@@ -109,6 +109,10 @@ enum Command {
         /// Repair: also pods that started on a node before its agents were Ready.
         #[arg(long)]
         repair_started_early: bool,
+        /// Nodes the node gate reconciles at once (each holds one API request and connection).
+        #[arg(long, default_value_t = meshgate_controller::nodegate::DEFAULT_CONCURRENCY,
+              value_parser = clap::value_parser!(u16).range(1..))]
+        node_gate_concurrency: u16,
     },
     /// Print the CRDs, or check or write the checked-in copies.
     Crds {
@@ -395,6 +399,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             repair_action,
             repair_dry_run,
             repair_started_early,
+            node_gate_concurrency,
         } => {
             let repair = meshgate_core::repair::RepairSettings {
                 enabled: repair,
@@ -431,7 +436,10 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 ControllerSettings {
                     lease,
                     health_addr: Some(health_addr),
-                    node_gate: Default::default(),
+                    node_gate: meshgate_controller::nodegate::Settings {
+                        concurrency: node_gate_concurrency,
+                        ..Default::default()
+                    },
                     certs: manage_certs.then(|| {
                         meshgate_controller::certs::CertSettings::new(&lease_namespace_for_certs)
                     }),

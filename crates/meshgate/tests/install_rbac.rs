@@ -134,10 +134,6 @@ const EXERCISED: &[(&str, &str)] = &[
         "Events on nodes and policies",
     ),
     (
-        "controller patch events.k8s.io/events",
-        "Events on nodes and policies (repeats)",
-    ),
-    (
         "controller get admissionregistration.k8s.io/mutatingwebhookconfigurations",
         "caBundle and policy rules",
     ),
