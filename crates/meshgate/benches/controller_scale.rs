@@ -20,9 +20,13 @@
 //!      are made unready and the bench waits until every node is tainted again.
 //!    * **bare patches**, the physical limit: a minimal client adds a taint the controller does
 //!      not own to every node (not timed), then removes it from every node with one JSON patch
-//!      each (test the key, remove it; 64 in flight), timed.
+//!      each (test the key, remove it; 64 in flight), timed. Then the same removals again, sent
+//!      together with the 2N agent status patches a burst consists of (agents stay Ready: the
+//!      controller changes nothing), timed: the physical limit of the whole burst, of which the
+//!      agents' own patches are most.
 //!
-//!    The ratio release / bare is per round; the median and spread are reported.
+//!    The ratios release / bare and release / (agents + bare) are per round; the median and
+//!    spread are reported.
 //! 4. **Steady arrivals**: with every node tainted again, `MESHGATE_BENCH_STEADY` (200) nodes
 //!    become ready one at a time, 10 per second (both agents of a node patched together); the
 //!    latency from each node's last agent patch to its taint gone (p50, p99, max).
@@ -51,11 +55,21 @@ use meshgate_api::node_gate::NodeGateSpec;
 use meshgate_testenv::measure::{self, quantile};
 use serde_json::json;
 
-/// The allocator of the `meshgate` binary, so that the controller child's RSS is the binary's.
+/// The allocator of the `meshgate` binary, so that the controller child's RSS is the binary's
+/// (the system allocator with `--features bench-system-allocator`, for a heap profiler).
+#[cfg(not(feature = "bench-system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const ROLE_ENV: &str = "MESHGATE_BENCH_ROLE";
+/// A command (words split on spaces) the controller child is run under, e.g. `heaptrack -o F`.
+const WRAPPER_ENV: &str = "MESHGATE_BENCH_CONTROLLER_WRAPPER";
+/// Set: the controller child exits at once when the bench is done with it, without dropping
+/// what it holds, so that a heap profiler reports the controller's memory at that moment as
+/// not freed at exit.
+const EXIT_AT_ONCE_ENV: &str = "MESHGATE_BENCH_CONTROLLER_EXIT_AT_ONCE";
+/// The controller's `Settings::concurrency` (default: `meshgate controller`'s).
+const CONTROLLER_CONCURRENCY_ENV: &str = "MESHGATE_BENCH_CONTROLLER_CONCURRENCY";
 const KUBECONFIG_ENV: &str = "MESHGATE_BENCH_KUBECONFIG";
 const TAINT: &str = "node.meshgate.dev/agent-not-ready";
 /// The baseline's taint: a key the controller does not own.
@@ -116,8 +130,15 @@ async fn controller() -> ExitCode {
     let metrics = meshgate_controller::Metrics::new();
     let (_leader_tx, leader) = tokio::sync::watch::channel(true);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    // The defaults of `meshgate controller` (gate status every 5 s, resync every 300 s).
-    let settings = meshgate_controller::nodegate::Settings::default();
+    // The defaults of `meshgate controller` (gate status every 5 s, resync every 300 s, 16
+    // nodes at once), the concurrency from `MESHGATE_BENCH_CONTROLLER_CONCURRENCY` if set.
+    let mut settings = meshgate_controller::nodegate::Settings::default();
+    if let Some(n) = std::env::var(CONTROLLER_CONCURRENCY_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+    {
+        settings.concurrency = n;
+    }
     let task = tokio::spawn(meshgate_controller::nodegate::run(
         client,
         leader,
@@ -127,7 +148,7 @@ async fn controller() -> ExitCode {
             let _ = stop_rx.await;
         },
     ));
-    println!("started");
+    println!("started {}", std::process::id());
     std::io::stdout().flush().expect("stdout");
     let m = metrics.clone();
     tokio::task::spawn_blocking(move || {
@@ -143,6 +164,9 @@ async fn controller() -> ExitCode {
     })
     .await
     .expect("stdin reader");
+    if std::env::var_os(EXIT_AT_ONCE_ENV).is_some() {
+        std::process::exit(0);
+    }
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
     ExitCode::SUCCESS
@@ -150,13 +174,25 @@ async fn controller() -> ExitCode {
 
 struct ControllerChild {
     child: Child,
+    /// The controller's process (not a wrapper's).
+    pid: u32,
     lines: std::sync::mpsc::Receiver<String>,
 }
 
 impl ControllerChild {
     fn spawn(kubeconfig: &std::path::Path) -> Result<Self, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut child = Command::new(exe)
+        let wrapper = std::env::var(WRAPPER_ENV).unwrap_or_default();
+        let mut words = wrapper.split_whitespace();
+        let mut command = match words.next() {
+            Some(program) => {
+                let mut c = Command::new(program);
+                c.args(words).arg(&exe);
+                c
+            }
+            None => Command::new(&exe),
+        };
+        let mut child = command
             .env(ROLE_ENV, "controller")
             .env(KUBECONFIG_ENV, kubeconfig)
             .env_remove("RUST_LOG")
@@ -175,10 +211,25 @@ impl ControllerChild {
                 }
             }
         });
-        let c = ControllerChild { child, lines };
-        match c.lines.recv_timeout(Duration::from_secs(60)) {
-            Ok(l) if l == "started" => Ok(c),
-            other => Err(format!("the controller did not start: {other:?}")),
+        let mut c = ControllerChild {
+            pid: child.id(),
+            child,
+            lines,
+        };
+        // A wrapper may print lines of its own first.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match c
+                .lines
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            {
+                Ok(l) if l.starts_with("started ") => {
+                    c.pid = l["started ".len()..].trim().parse().unwrap_or(c.pid);
+                    return Ok(c);
+                }
+                Ok(l) if !wrapper.is_empty() => eprintln!("{wrapper}: {l}"),
+                other => return Err(format!("the controller did not start: {other:?}")),
+            }
         }
     }
 
@@ -205,7 +256,7 @@ impl ControllerChild {
 
     /// `VmHWM` and `VmRSS`, bytes.
     fn memory(&self) -> Result<(u64, u64), String> {
-        measure::memory(self.child.id())
+        measure::memory(self.pid)
     }
 
     fn stop(mut self) {
@@ -284,8 +335,11 @@ async fn run() -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     println!(
-        "control plane up in {:.1} s; agents in namespace {agents_ns}",
-        started.elapsed().as_secs_f64()
+        "control plane up in {:.1} s; agents in namespace {agents_ns}; the controller reconciles \
+         {} nodes at once",
+        started.elapsed().as_secs_f64(),
+        std::env::var(CONTROLLER_CONCURRENCY_ENV)
+            .unwrap_or_else(|_| meshgate_controller::nodegate::DEFAULT_CONCURRENCY.to_string()),
     );
     println!(
         "{:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>11} {:>11} {:>12} {:>10} {:>10}",
@@ -309,6 +363,10 @@ async fn run() -> Result<(), String> {
     // Headline figures, one per line, for tools (issue #17's format).
     for (n, f) in headlines {
         println!("RATIO burst-release/bare-patches-{n}: {:.2}", f.ratio);
+        println!(
+            "RATIO burst-release/agent-and-bare-patches-{n}: {:.2}",
+            f.ratio_with_agents
+        );
         println!("VALUE controller-rss-{n}-mib: {:.1}", f.rss_mib);
         println!("VALUE untaint-burst-p99-{n}-ms: {:.0}", f.p99_ms);
         println!("VALUE untaint-steady-p99-{n}-ms: {:.0}", f.steady_p99_ms);
@@ -323,6 +381,9 @@ struct Headline {
     p99_ms: f64,
     /// Median over rounds of release time / bare patch time.
     ratio: f64,
+    /// Median over rounds of release time / the time of the bare patches sent together with
+    /// the burst's agent status patches.
+    ratio_with_agents: f64,
     steady_p99_ms: f64,
 }
 
@@ -470,6 +531,7 @@ async fn scale(
     let rounds = if n <= 1000 { settings_rounds() } else { 1 };
     let mut release = Vec::new();
     let mut bare = Vec::new();
+    let mut bare_with_agents = Vec::new();
     let mut burst_p99 = Vec::new();
     let mut last: Option<(Vec<Duration>, Duration, Duration, u64)> = None;
     for r in 0..rounds {
@@ -507,7 +569,9 @@ async fn scale(
                 last = Some((latencies, burst, last_out, reconciles));
             } else {
                 eprintln!("{n} nodes, round {}: bare patches", r + 1);
-                bare.push(bare_patches(&nodes, &names).await?.as_secs_f64());
+                let (alone, with_agents) = bare_patches(&nodes, &names, &pods, &agents).await?;
+                bare.push(alone.as_secs_f64());
+                bare_with_agents.push(with_agents.as_secs_f64());
             }
         }
     }
@@ -554,12 +618,16 @@ async fn scale(
     watch.abort();
     controller.stop();
 
-    let ratios: Vec<f64> = release.iter().zip(&bare).map(|(a, b)| a / b).collect();
-    let ratio = measure::median(ratios.clone());
-    let spread = (
-        ratios.iter().copied().fold(f64::INFINITY, f64::min),
-        ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-    );
+    let ratios = |base: &[f64]| -> (f64, (f64, f64)) {
+        let ratios: Vec<f64> = release.iter().zip(base).map(|(a, b)| a / b).collect();
+        let spread = (
+            ratios.iter().copied().fold(f64::INFINITY, f64::min),
+            ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        );
+        (measure::median(ratios), spread)
+    };
+    let (ratio, spread) = ratios(&bare);
+    let (ratio_with_agents, spread_with_agents) = ratios(&bare_with_agents);
     println!(
         "{:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>11.0} {:>11.0} {:>12} {:>6.1} MiB {:>6.1} MiB",
         n,
@@ -597,6 +665,18 @@ async fn scale(
         spread.1,
     );
     println!(
+        "       the same {n} bare patches sent together with the {} agent status patches of a burst: {} s per round; \
+         ratio release/(agents+bare) median {ratio_with_agents:.2} (spread {:.2}-{:.2})",
+        2 * n,
+        bare_with_agents
+            .iter()
+            .map(|v| format!("{v:.2}"))
+            .collect::<Vec<_>>()
+            .join(" "),
+        spread_with_agents.0,
+        spread_with_agents.1,
+    );
+    println!(
         "       steady arrivals: {} nodes ready at {STEADY_RATE} per s: ready -> untaint p50 {}, p99 {}, max {}",
         steady.len(),
         ms(quantile(&steady, 0.5)),
@@ -621,6 +701,7 @@ async fn scale(
         rss_mib: rss as f64 / MIB,
         p99_ms: measure::median(burst_p99),
         ratio,
+        ratio_with_agents,
         steady_p99_ms: quantile(&steady, 0.99).as_secs_f64() * 1e3,
     })
 }
@@ -701,10 +782,35 @@ async fn set_ready(
     Ok(map)
 }
 
-/// The baseline: a bare taint (a key the controller does not own) added to every node (not
+/// The baselines. A bare taint (a key the controller does not own) is added to every node (not
 /// timed), then removed from every node by a minimal client, 64 JSON patches in flight (test
-/// the key, remove it), as the controller's own untaint patch does; the time of the removals.
-async fn bare_patches(nodes: &Api<Node>, names: &[String]) -> Result<Duration, String> {
+/// the key, remove it), as the controller's own untaint patch does: the time of the removals.
+/// Then the same again, the removals sent together with what the burst sends besides the
+/// controller's writes, every agent pod's status patch (Ready again, a new transition time; 64
+/// in flight each): the time of both, the physical limit of the whole burst. Agents are Ready
+/// during this phase (it always follows a burst), so the controller changes nothing.
+async fn bare_patches(
+    nodes: &Api<Node>,
+    names: &[String],
+    pods: &Api<Pod>,
+    agents: &[(String, &str, String)],
+) -> Result<(Duration, Duration), String> {
+    add_bare_taints(nodes, names).await?;
+    let start = Instant::now();
+    remove_bare_taints(nodes, names).await?;
+    let bare = start.elapsed();
+    add_bare_taints(nodes, names).await?;
+    let start = Instant::now();
+    let (agents, removed) = futures::join!(
+        set_ready(pods, agents, true),
+        remove_bare_taints(nodes, names)
+    );
+    agents?;
+    removed?;
+    Ok((bare, start.elapsed()))
+}
+
+async fn add_bare_taints(nodes: &Api<Node>, names: &[String]) -> Result<(), String> {
     each(names.to_vec(), |name| {
         let nodes = nodes.clone();
         async move {
@@ -719,8 +825,10 @@ async fn bare_patches(nodes: &Api<Node>, names: &[String]) -> Result<Duration, S
                 .map_err(|e| format!("bare taint on {name}: {e}"))
         }
     })
-    .await?;
-    let start = Instant::now();
+    .await
+}
+
+async fn remove_bare_taints(nodes: &Api<Node>, names: &[String]) -> Result<(), String> {
     each(names.to_vec(), |name| {
         let nodes = nodes.clone();
         async move {
@@ -736,6 +844,5 @@ async fn bare_patches(nodes: &Api<Node>, names: &[String]) -> Result<Duration, S
                 .map_err(|e| format!("bare untaint of {name}: {e}"))
         }
     })
-    .await?;
-    Ok(start.elapsed())
+    .await
 }
