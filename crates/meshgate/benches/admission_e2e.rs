@@ -38,6 +38,11 @@
 //! native gate); `MESHGATE_BENCH_WEBHOOKS=gate,policies` adds the policies webhook (a second
 //! call per pod in every configuration but none).
 //!
+//! `MESHGATE_BENCH_APISERVER_PROFILE=DIR` runs the API server with `--profiling=true` and writes
+//! a Go CPU profile of it for each configuration's first round, `DIR/<configuration>.pprof`,
+//! taken over the first `MESHGATE_BENCH_PROFILE_SECONDS` (2) seconds of the creates (read them
+//! with `go tool pprof`; `tools/bench/apiserver-profile.sh` does it all).
+//!
 //! Run: `MESHGATE_CONTROLPLANE_BIN=$(tools/controlplane/build.sh) cargo bench -p meshgate --bench
 //! admission_e2e`. Without `--bench` (as `cargo test --benches` runs it) it does nothing.
 
@@ -88,6 +93,8 @@ struct Settings {
     /// Register the policies webhook too (`MESHGATE_BENCH_WEBHOOKS=gate,policies`; default
     /// `gate`: the pod gate alone, what the native gate replaces).
     policies: bool,
+    /// Where to write the API server's CPU profiles, and over how many seconds.
+    profile: Option<(std::path::PathBuf, usize)>,
 }
 
 impl Settings {
@@ -111,6 +118,10 @@ impl Settings {
                         "MESHGATE_BENCH_WEBHOOKS={other:?}: expected gate or gate,policies"
                     ));
                 }
+            },
+            profile: match std::env::var_os("MESHGATE_BENCH_APISERVER_PROFILE") {
+                Some(dir) => Some((dir.into(), var("MESHGATE_BENCH_PROFILE_SECONDS", 2)?.max(1))),
+                None => None,
             },
         })
     }
@@ -324,11 +335,52 @@ async fn settle(pods: &Api<Pod>, pod: &Pod, want: Effect) -> Result<(), String> 
     ))
 }
 
-async fn round(pods: &Api<Pod>, pod: &Pod, s: &Settings, pids: &[u32; 3]) -> Result<Round, String> {
+/// The API server's CPU profile over `seconds` (Go's `/debug/pprof/profile`, gzipped protobuf).
+async fn apiserver_profile(client: &kube::Client, seconds: usize) -> Result<Vec<u8>, String> {
+    use http_body_util::BodyExt;
+    let request = http::Request::get(format!("/debug/pprof/profile?seconds={seconds}"))
+        .body(Vec::new())
+        .map_err(|e| e.to_string())?;
+    let response = client
+        .send(request.map(kube::client::Body::from))
+        .await
+        .map_err(|e| format!("API server profile: {e}"))?;
+    let status = response.status();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("API server profile: {e}"))?
+        .to_bytes();
+    if !status.is_success() {
+        return Err(format!(
+            "API server profile: {status}: {}",
+            String::from_utf8_lossy(&body)
+        ));
+    }
+    Ok(body.to_vec())
+}
+
+async fn round(
+    pods: &Api<Pod>,
+    pod: &Pod,
+    s: &Settings,
+    pids: &[u32; 3],
+    profile: Option<(&kube::Client, &std::path::Path)>,
+) -> Result<Round, String> {
     let limit = Duration::from_secs(s.seconds);
+    let profiling = async {
+        match (profile, &s.profile) {
+            (Some((client, path)), Some((_, seconds))) => {
+                let bytes = apiserver_profile(client, *seconds).await?;
+                std::fs::write(path, bytes).map_err(|e| format!("{}: {e}", path.display()))
+            }
+            _ => Ok(()),
+        }
+    };
     let cpu_before = cpu_now(pids);
     let start = Instant::now();
-    let results: Vec<Result<(Duration, bool), String>> = futures::stream::iter(0..s.pods)
+    let creates = futures::stream::iter(0..s.pods)
         .map(|_| async {
             if start.elapsed() >= limit {
                 return Err("time limit".to_owned());
@@ -341,10 +393,16 @@ async fn round(pods: &Api<Pod>, pod: &Pod, s: &Settings, pids: &[u32; 3]) -> Res
             Ok((t.elapsed(), has_gate(&created)))
         })
         .buffer_unordered(s.concurrency)
-        .collect()
-        .await;
-    let elapsed = start.elapsed();
-    let cpu_after = cpu_now(pids);
+        .collect::<Vec<Result<(Duration, bool), String>>>();
+    let (results, profiled) = futures::join!(
+        async {
+            let results = creates.await;
+            (results, start.elapsed(), cpu_now(pids))
+        },
+        profiling
+    );
+    profiled?;
+    let (results, elapsed, cpu_after) = results;
     let cpu = std::array::from_fn(|i| cpu_after[i].saturating_sub(cpu_before[i]));
     let mut latencies = Vec::with_capacity(results.len());
     let mut gated = 0;
@@ -376,9 +434,15 @@ async fn round(pods: &Api<Pod>, pod: &Pod, s: &Settings, pids: &[u32; 3]) -> Res
 async fn run() -> Result<(), String> {
     let settings = Settings::from_env()?;
     let started = Instant::now();
-    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options::default())
-        .await
-        .map_err(|e| format!("control plane: {e}"))?;
+    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
+        apiserver_flags: match &settings.profile {
+            Some(_) => vec!["--profiling=true".into()],
+            None => Vec::new(),
+        },
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| format!("control plane: {e}"))?;
     let client = cp.client().await.map_err(|e| e.to_string())?;
     let crds = meshgate::install::crd_documents().map_err(|e| e.to_string())?;
     meshgate::install::apply(&client, &crds, false, |_| {})
@@ -601,7 +665,19 @@ async fn run() -> Result<(), String> {
             };
             settle(&pods, &pod, want).await?;
             let reviews_before = pod_gate_reviews(server.health_addr).await;
-            let figures = round(&pods, &pod, &settings, &pids).await?;
+            let profile = settings
+                .profile
+                .as_ref()
+                .filter(|_| r == 0)
+                .map(|(dir, _)| (&client, dir.join(format!("{}.pprof", MODES[mode]))));
+            let figures = round(
+                &pods,
+                &pod,
+                &settings,
+                &pids,
+                profile.as_ref().map(|(c, p)| (*c, p.as_path())),
+            )
+            .await?;
             let want_gated = if want == Effect::Gate {
                 figures.created
             } else {
