@@ -17,8 +17,8 @@ use k8s_openapi::api::core::v1::LimitRange;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use kube::runtime::{reflector, watcher};
 use meshgate_api::GateConfig;
-use meshgate_core::native_gate::{Routes, native_clauses, policy, routed_namespace};
-use meshgate_core::registration::{PolicyApi, gate_route_conditions};
+use meshgate_core::native_gate::{Routes, policy, routed_namespace};
+use meshgate_core::registration::{PolicyApi, native_gate_entries};
 use meshgate_core::resources::ContainerLimits;
 use serde_json::{Value, json};
 use tokio::sync::watch;
@@ -61,21 +61,27 @@ pub async fn write(client: &kube::Client, s: &Settings, routes: &Routes) -> Resu
     let Some(mwc) = mwcs.get_opt(&s.configuration).await? else {
         return Ok(());
     };
-    let native: Vec<String> = native_clauses(&s.config)
-        .iter()
-        .map(|c| format!("{c}.gate.{}", meshgate_api::DOMAIN))
-        .collect();
-    let conditions = gate_route_conditions(routes);
+    let entries = native_gate_entries(&s.config, routes);
     let mut ops = Vec::new();
     for (i, hook) in mwc.webhooks.iter().flatten().enumerate() {
-        if !native.contains(&hook.name) {
+        let Some((_, selector)) = entries.iter().find(|(name, _)| *name == hook.name) else {
             continue;
-        }
-        if serde_json::to_value(&hook.match_conditions).unwrap_or(Value::Null) == conditions {
+        };
+        let current = serde_json::to_value(&hook.namespace_selector).unwrap_or(Value::Null);
+        // Routes were match conditions before they were selectors: an entry written then
+        // loses them (meshgate puts no other condition on a gate entry).
+        let stale_conditions = hook
+            .match_conditions
+            .as_ref()
+            .is_some_and(|c| !c.is_empty());
+        if current == *selector && !stale_conditions {
             continue;
         }
         ops.push(json!({"op": "test", "path": format!("/webhooks/{i}/name"), "value": hook.name}));
-        ops.push(json!({"op": "add", "path": format!("/webhooks/{i}/matchConditions"), "value": conditions}));
+        ops.push(json!({"op": "add", "path": format!("/webhooks/{i}/namespaceSelector"), "value": selector}));
+        if stale_conditions {
+            ops.push(json!({"op": "remove", "path": format!("/webhooks/{i}/matchConditions")}));
+        }
     }
     if !ops.is_empty() {
         let patch: json_patch::Patch = serde_json::from_value(Value::Array(ops))?;

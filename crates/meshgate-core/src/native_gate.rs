@@ -51,7 +51,7 @@
 //! its corpus that the policy and the webhook agree.
 
 use meshgate_api::config::GateConfig;
-use meshgate_api::{Profile, SelectorOperator, names};
+use meshgate_api::{LabelSelector, Profile, SelectorOperator, names};
 use serde_json::{Value, json};
 
 use crate::gate::Planner;
@@ -64,8 +64,8 @@ use crate::view::PodView;
 
 /// The name of the policy and its binding.
 pub const POLICY_NAME: &str = "meshgate-pod-gate";
-/// The name of the match condition that routes namespaces to the webhook.
-pub const ROUTE_CONDITION: &str = "meshgate.dev/routed-namespaces";
+/// The label the API server puts on every namespace, its name (immutable).
+const NAME_LABEL: &str = "kubernetes.io/metadata.name";
 
 /// The namespaces whose pods the webhook decides, for the native clauses.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,14 +77,34 @@ pub enum Routes {
 }
 
 impl Routes {
-    /// The CEL condition that a request is routed to the webhook.
-    pub fn cel(&self) -> String {
+    /// `selector` (a native clause's webhook entry's) narrowed to the routed namespaces.
+    pub fn webhook_selector(&self, selector: LabelSelector) -> LabelSelector {
         match self {
-            Routes::All => "true".into(),
-            Routes::Namespaces(names) if names.is_empty() => "false".into(),
-            Routes::Namespaces(names) => format!("request.namespace in {}", cel_list(names)),
+            Routes::All => selector,
+            // Every namespace has the label: none is selected.
+            Routes::Namespaces(names) if names.is_empty() => {
+                selector.with(NAME_LABEL, SelectorOperator::DoesNotExist, &[])
+            }
+            Routes::Namespaces(names) => {
+                selector.with(NAME_LABEL, SelectorOperator::In, &strs(names))
+            }
         }
     }
+
+    /// `selector` (the policy's) without the routed namespaces.
+    pub fn policy_selector(&self, selector: LabelSelector) -> LabelSelector {
+        match self {
+            Routes::All => selector.with(NAME_LABEL, SelectorOperator::DoesNotExist, &[]),
+            Routes::Namespaces(names) if names.is_empty() => selector,
+            Routes::Namespaces(names) => {
+                selector.with(NAME_LABEL, SelectorOperator::NotIn, &strs(names))
+            }
+        }
+    }
+}
+
+fn strs(names: &[String]) -> Vec<&str> {
+    names.iter().map(String::as_str).collect()
 }
 
 /// Whether a profile's clauses can go native (module documentation).
@@ -484,10 +504,10 @@ pub fn policy(
         opted_out("object.metadata")
     );
 
-    let namespace_selector = crate::registration::with_exclusions(
-        meshgate_api::LabelSelector::default(),
+    let namespace_selector = routes.policy_selector(crate::registration::with_exclusions(
+        LabelSelector::default(),
         &config.excluded_namespaces,
-    );
+    ));
     let object_selector = meshgate_api::LabelSelector::default().with(
         names::OPT_OUT,
         SelectorOperator::NotIn,
@@ -505,7 +525,6 @@ pub fn policy(
                 "namespaceSelector": namespace_selector.to_k8s(),
                 "objectSelector": object_selector.to_k8s(),
             },
-            "matchConditions": [{"name": ROUTE_CONDITION, "expression": format!("!({})", routes.cel())}],
             "variables": variables.iter().map(|(name, e)| json!({"name": name, "expression": e})).collect::<Vec<_>>(),
             "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": expression}}],
             "failurePolicy": failure,
@@ -552,9 +571,15 @@ mod tests {
         let routes = Routes::Namespaces(vec!["limited".into()]);
         let [policy, binding] = policy(&c, PolicyApi::V1, &routes).unwrap();
         let spec = &policy["spec"];
+        assert!(
+            spec.get("matchConditions").is_none(),
+            "routes are selectors"
+        );
+        // The configuration's exclusions, then the routes.
         assert_eq!(
-            spec["matchConditions"][0]["expression"],
-            "!(request.namespace in [\"limited\"])"
+            spec["matchConstraints"]["namespaceSelector"]["matchExpressions"],
+            json!([{"key": NAME_LABEL, "operator": "NotIn", "values": c.excluded_namespaces},
+                   {"key": NAME_LABEL, "operator": "NotIn", "values": ["limited"]}])
         );
         let vars = spec["variables"].to_string();
         assert!(vars.contains("gated: --tcp-listening 15008"), "{vars}");
@@ -566,7 +591,28 @@ mod tests {
         // Pods a sidecar clause selects are the webhook's.
         assert!(expr.contains("istio-injection"), "{expr}");
         assert_eq!(binding["spec"]["policyName"], POLICY_NAME);
-        assert_eq!(Routes::All.cel(), "true");
-        assert_eq!(Routes::Namespaces(vec![]).cel(), "false");
+    }
+
+    #[test]
+    fn routes_select_namespaces_by_their_name_label() {
+        let ns = |name: &str| {
+            std::collections::BTreeMap::from([(NAME_LABEL.to_owned(), name.to_owned())])
+        };
+        let both = |r: &Routes, name: &str| {
+            let base = LabelSelector::default();
+            (
+                r.webhook_selector(base.clone()).matches(&ns(name)),
+                r.policy_selector(base).matches(&ns(name)),
+            )
+        };
+        let limited = Routes::Namespaces(vec!["limited".into()]);
+        // Exactly one of the two takes each namespace's pods.
+        assert_eq!(both(&limited, "limited"), (true, false));
+        assert_eq!(both(&limited, "apps"), (false, true));
+        assert_eq!(both(&Routes::Namespaces(vec![]), "apps"), (false, true));
+        assert_eq!(both(&Routes::All, "apps"), (true, false));
+        // The webhook keeps the clause's own selection.
+        let clause = LabelSelector::default().with("mesh", SelectorOperator::In, &["on"]);
+        assert!(!limited.webhook_selector(clause).matches(&ns("limited")));
     }
 }

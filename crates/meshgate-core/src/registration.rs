@@ -175,12 +175,12 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
                 SelectorOperator::NotIn,
                 &["false"],
             );
-            let mut hook = json!({
-                "name": format!("{}.gate.{}", clause.name, meshgate_api::DOMAIN),
+            let hook = json!({
+                "name": gate_entry_name(&clause.name),
                 "admissionReviewVersions": ["v1"],
                 "clientConfig": client_config(r, paths::POD_GATE),
                 "rules": pod_rule,
-                "namespaceSelector": with_exclusions(clause.namespace_selector.clone(), &c.excluded_namespaces).to_k8s(),
+                "namespaceSelector": gate_namespace_selector(c, &clause, r.native_gate.filter(|_| native.contains(&clause.name))),
                 "objectSelector": object.to_k8s(),
                 "failurePolicy": failure_policy(c.failure_policy),
                 "timeoutSeconds": c.timeout_seconds,
@@ -188,11 +188,6 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
                 "sideEffects": "None",
                 "matchPolicy": "Equivalent",
             });
-            if let Some(routes) = r.native_gate
-                && native.contains(&clause.name)
-            {
-                hook["matchConditions"] = gate_route_conditions(routes);
-            }
             webhooks.push(hook);
         }
     }
@@ -234,10 +229,44 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
     })
 }
 
-/// The `matchConditions` of a native clause's webhook entry: only the routed namespaces
+/// The `namespaceSelector` of a clause's gate webhook entry: the clause's, without the
+/// excluded namespaces, and for a native clause (`routes` given) only the routed namespaces
 /// (`crate::native_gate`).
-pub fn gate_route_conditions(routes: &crate::native_gate::Routes) -> Value {
-    json!([{"name": crate::native_gate::ROUTE_CONDITION, "expression": routes.cel()}])
+fn gate_namespace_selector(
+    c: &GateConfig,
+    clause: &meshgate_api::config::SelectorClause,
+    routes: Option<&crate::native_gate::Routes>,
+) -> Value {
+    let selector = with_exclusions(clause.namespace_selector.clone(), &c.excluded_namespaces);
+    let selector = match routes {
+        Some(routes) => routes.webhook_selector(selector),
+        None => selector,
+    };
+    json!(selector.to_k8s())
+}
+
+/// The gate webhook entries of the native clauses, by name, with their `namespaceSelector` for
+/// `routes` (what the controller keeps current, `crate::native_gate`).
+pub fn native_gate_entries(
+    c: &GateConfig,
+    routes: &crate::native_gate::Routes,
+) -> Vec<(String, Value)> {
+    let native = crate::native_gate::native_clauses(c);
+    c.clauses()
+        .into_iter()
+        .filter(|clause| native.contains(&clause.name))
+        .map(|clause| {
+            (
+                gate_entry_name(&clause.name),
+                gate_namespace_selector(c, &clause, Some(routes)),
+            )
+        })
+        .collect()
+}
+
+/// The name of a clause's gate webhook entry.
+fn gate_entry_name(clause: &str) -> String {
+    format!("{clause}.gate.{}", meshgate_api::DOMAIN)
 }
 
 /// The admission-policy API versions an API server may serve.

@@ -493,29 +493,49 @@ async fn the_components_do_everything_under_their_installed_identities() {
     // The native gate: install routed every namespace to the webhook; the controller, once it
     // has listed the LimitRanges, routes only those with one (none yet), then this one.
     let maps: Api<MutatingAdmissionPolicy> = Api::all(admin.clone());
-    let routes_are = |want: String| {
+    // The routes are requirements on the namespace's name label (besides the exclusions of
+    // `kube-system` and the like, which every selector carries).
+    let routing =
+        |selector: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector>| {
+            selector
+                .and_then(|s| s.match_expressions)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|r| r.key == "kubernetes.io/metadata.name")
+                .filter(|r| !r.values.iter().flatten().any(|v| v == "kube-system"))
+                .map(|r| format!("{} {:?}", r.operator, r.values.unwrap_or_default()))
+                .collect::<Vec<_>>()
+        };
+    let routes_are = |webhook: Vec<String>, policy: Vec<String>| {
         let (maps, mwcs) = (maps.clone(), mwcs.clone());
         async move {
-            let policy = maps.get_opt("meshgate-pod-gate").await.ok().flatten();
-            let condition = policy
-                .and_then(|p| p.spec?.match_conditions?.into_iter().next())
-                .map(|c| c.expression);
+            let map = maps.get_opt("meshgate-pod-gate").await.ok().flatten();
+            let policy_routes = map
+                .and_then(|p| p.spec?.match_constraints?.namespace_selector)
+                .map(|s| routing(Some(s)));
             let hooks = mwcs.get_opt("meshgate").await.ok().flatten();
-            let ambient: Vec<String> = hooks
+            let ambient: Vec<_> = hooks
                 .into_iter()
                 .flat_map(|m| m.webhooks.unwrap_or_default())
                 .filter(|h| h.name.starts_with("istio-ambient"))
-                .filter_map(|h| Some(h.match_conditions?.first()?.expression.clone()))
+                .map(|h| {
+                    (
+                        routing(h.namespace_selector),
+                        h.match_conditions.unwrap_or_default(),
+                    )
+                })
                 .collect();
-            condition.as_deref() == Some(&format!("!({want})"))
+            policy_routes.as_ref() == Some(&policy)
                 && ambient.len() == 2
-                && ambient.iter().all(|e| *e == want)
+                && ambient
+                    .iter()
+                    .all(|(r, conditions)| *r == webhook && conditions.is_empty())
         }
     };
     wait_for(
         "the native gate's routes: none",
         Duration::from_secs(60),
-        || routes_are("false".into()),
+        || routes_are(vec!["DoesNotExist []".into()], vec![]),
     )
     .await;
     let ranges: Api<k8s_openapi::api::core::v1::LimitRange> =
@@ -532,7 +552,12 @@ async fn the_components_do_everything_under_their_installed_identities() {
     wait_for(
         "the native gate's routes: the namespace with a LimitRange",
         Duration::from_secs(60),
-        || routes_are(format!("request.namespace in [\"{app_ns}\"]")),
+        || {
+            routes_are(
+                vec![format!("In [{app_ns:?}]")],
+                vec![format!("NotIn [{app_ns:?}]")],
+            )
+        },
     )
     .await;
     wait_for(
