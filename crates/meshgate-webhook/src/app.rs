@@ -39,3 +39,14 @@ pub struct Handled {
     pub warnings: Vec<String>,
     pub outcome: &'static str,
 }
+
+impl Handled {
+    /// Nothing to change, with the outcome word for metrics.
+    pub fn unchanged(outcome: &'static str) -> Self {
+        Self {
+            patch: JsonPatch::default(),
+            warnings: vec![],
+            outcome,
+        }
+    }
+}

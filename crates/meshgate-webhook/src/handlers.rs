@@ -341,11 +341,7 @@ async fn pod_gate(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
         &mut scratch,
         |req| async move {
             if req.kind != "Pod" {
-                return Ok(Handled {
-                    patch: JsonPatch::default(),
-                    warnings: vec![],
-                    outcome: "not-a-pod",
-                });
+                return Ok(Handled::unchanged("not-a-pod"));
             }
             let ns = app
                 .sources
@@ -394,11 +390,7 @@ async fn node_taint(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
         &mut scratch,
         |req| async move {
             if req.kind != "Node" || req.operation != "CREATE" {
-                return Ok(Handled {
-                    patch: JsonPatch::default(),
-                    warnings: vec![],
-                    outcome: "skipped",
-                });
+                return Ok(Handled::unchanged("skipped"));
             }
             let object = admission::object_value(&req)?;
             let gates = app.sources.node_gates();

@@ -15,19 +15,11 @@ use crate::admission::{Request, object_name};
 use crate::app::{App, Handled};
 use crate::metrics::MutationLabels;
 
-fn unchanged(outcome: &'static str) -> Handled {
-    Handled {
-        patch: JsonPatch::default(),
-        warnings: vec![],
-        outcome,
-    }
-}
-
 pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16, String)> {
     let operation = match req.operation {
         "CREATE" => Operation::Create,
         "UPDATE" => Operation::Update,
-        _ => return Ok(unchanged("operation")),
+        _ => return Ok(Handled::unchanged("operation")),
     };
     if app
         .config
@@ -35,11 +27,11 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
         .iter()
         .any(|n| *n == req.namespace)
     {
-        return Ok(unchanged("excluded-namespace"));
+        return Ok(Handled::unchanged("excluded-namespace"));
     }
     let policies = app.sources.policies();
     if policies.is_empty() {
-        return Ok(unchanged("unchanged"));
+        return Ok(Handled::unchanged("unchanged"));
     }
     let object = crate::admission::object_value(&req)?;
     // A cluster-scoped object has no namespace; a Namespace is its own (the API server sets the
@@ -110,7 +102,7 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
                 },
             })
         }
-        applied if applied.failed.is_empty() => Ok(unchanged("unchanged")),
+        applied if applied.failed.is_empty() => Ok(Handled::unchanged("unchanged")),
         _ => Ok(Handled {
             patch: JsonPatch::default(),
             warnings,
