@@ -6,10 +6,12 @@
 //!   admission and to existing workloads.
 //! * [`GateConfig`]: the init-gate configuration the webhook reads from a file; it is also the
 //!   single source of the generated `MutatingWebhookConfiguration`.
+//! * [`GateNode`]: a Node read through the narrow type the node gate decides from.
 //!
 //! This crate holds types, defaults and validation only: no client, no I/O.
 
 pub mod config;
+pub mod gate_node;
 pub mod mesh;
 pub mod mutation_policy;
 pub mod node_gate;
@@ -17,6 +19,7 @@ pub mod selector;
 pub mod yaml;
 
 pub use config::{GateCheck, GateConfig, Profile};
+pub use gate_node::GateNode;
 pub use mesh::{Capture, Mesh, MeshProfile};
 pub use mutation_policy::{
     MutationPolicy, MutationPolicySpec, MutationPolicyStatus, NamespacedMutationPolicy,

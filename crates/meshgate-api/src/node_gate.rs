@@ -155,6 +155,19 @@ pub fn reserved_taint_key(key: &str) -> Option<String> {
         })
 }
 
+/// Whether `name` is an extended resource name, as the API server defines one: `<domain>/<name>`
+/// with the domain outside `kubernetes.io` (`cpu`, `memory`, `pods`, `hugepages-2Mi` and
+/// `kubernetes.io/...` are the node's own), not a quota name (`requests.`).
+pub fn is_extended_resource(name: &str) -> bool {
+    name.split_once('/').is_some_and(|(domain, rest)| {
+        !domain.is_empty()
+            && !rest.is_empty()
+            && !rest.contains('/')
+            && !name.contains("kubernetes.io/")
+            && !name.starts_with("requests.")
+    })
+}
+
 impl Default for NodeGateSpec {
     fn default() -> Self {
         Self {
@@ -185,6 +198,14 @@ impl NodeGateSpec {
         }
         if self.taint.effect == TaintEffect::NoExecute && !self.allow_no_execute {
             out.push("taint.effect: NoExecute needs allowNoExecute: true".into());
+        }
+        if let Some(r) = &self.resource
+            && !is_extended_resource(&r.name)
+        {
+            out.push(format!(
+                "resource.name: {:?} is not an extended resource name (`<domain>/<name>` outside kubernetes.io); a gate must not advertise or withdraw a node's own resources",
+                r.name
+            ));
         }
         if parse_budget(&self.max_retainted).is_none() {
             out.push(format!(
@@ -337,4 +358,56 @@ pub struct NodeGateStatus {
     pub retaint_deferred: u32,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extended_resource_names_are_told_from_a_nodes_own() {
+        for ok in [
+            "meshgate.dev/mesh-ready",
+            "example.com/gpu",
+            "mesh.example/ready",
+        ] {
+            assert!(is_extended_resource(ok), "{ok}");
+        }
+        for own in [
+            "cpu",
+            "memory",
+            "pods",
+            "hugepages-2Mi",
+            "ephemeral-storage",
+            "kubernetes.io/batch",
+            "node.kubernetes.io/x",
+            "requests.example.com/x",
+            "/x",
+            "example.com/",
+            "a/b/c",
+        ] {
+            assert!(!is_extended_resource(own), "{own}");
+        }
+    }
+
+    #[test]
+    fn a_gate_advertising_a_nodes_own_resource_is_a_problem() {
+        let mut spec = NodeGateSpec {
+            resource: Some(GateResource {
+                name: "cpu".into(),
+                count: 1,
+            }),
+            ..NodeGateSpec::default()
+        };
+        let problems = spec.problems();
+        assert!(
+            problems.iter().any(|p| p.starts_with("resource.name:")),
+            "{problems:?}"
+        );
+        spec.resource = Some(GateResource {
+            name: default_resource(),
+            count: 1,
+        });
+        assert_eq!(spec.problems(), Vec::<String>::new());
+    }
 }

@@ -2,19 +2,22 @@
 //!
 //! Agent pods live in a few namespaces; the index watches pods and DaemonSets in exactly the
 //! namespaces that some NodeGate names, and keeps per pod only what the gate reads (labels,
-//! node, readiness), so memory grows with agent pods, not with all pods in the cluster. Every
-//! change to an agent pod triggers a reconcile of its node.
+//! node, readiness), so memory grows with agent pods, not with all pods in the cluster. Label
+//! maps are interned: the pods of one DaemonSet revision share one copy (at 10,000 agent pods
+//! a label map per pod was a third of the controller's heap). Every change to an agent pod
+//! triggers a reconcile of its node.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Node, Pod, PodTemplateSpec};
+use k8s_openapi::api::core::v1::{Pod, PodTemplateSpec};
 use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{watcher, watcher::Event};
+use meshgate_api::GateNode;
 use meshgate_api::node_gate::Agent;
 use meshgate_core::nodegate::{AgentPod, AgentState, DaemonSetView, agent_state};
 use tokio::sync::mpsc::UnboundedSender;
@@ -39,6 +42,8 @@ struct Inner {
     /// (namespace, pod) → node, to find a pod again on delete.
     pod_node: HashMap<(String, String), String>,
     daemonsets: HashMap<(String, String), PodTemplateSpec>,
+    /// Every label map an indexed pod carries, once.
+    labels: HashSet<Arc<BTreeMap<String, String>>>,
     watched: HashSet<String>,
     /// Namespaces whose pods, and whose DaemonSets, have been listed.
     synced: HashSet<String>,
@@ -80,8 +85,15 @@ impl AgentIndex {
         summary: Option<(String, AgentPod)>,
     ) -> Vec<String> {
         let mut touched = self.remove_key(&key);
-        if let Some((node, summary)) = summary {
+        if let Some((node, mut summary)) = summary {
             let mut inner = self.write();
+            summary.labels = match inner.labels.get(&summary.labels) {
+                Some(shared) => shared.clone(),
+                None => {
+                    inner.labels.insert(summary.labels.clone());
+                    summary.labels
+                }
+            };
             inner.pod_node.insert(key, node.clone());
             inner.by_node.entry(node.clone()).or_default().push(summary);
             touched.push(node);
@@ -99,11 +111,23 @@ impl AgentIndex {
         let Some(node) = inner.pod_node.remove(key) else {
             return Vec::new();
         };
+        let mut gone = None;
         if let Some(pods) = inner.by_node.get_mut(&node) {
-            pods.retain(|p| !(p.namespace == key.0 && p.name == key.1));
+            if let Some(i) = pods
+                .iter()
+                .position(|p| p.namespace == key.0 && p.name == key.1)
+            {
+                gone = Some(pods.swap_remove(i));
+            }
             if pods.is_empty() {
                 inner.by_node.remove(&node);
             }
+        }
+        // The last pod with these labels: the interned copy goes too.
+        if let Some(pod) = gone
+            && Arc::strong_count(&pod.labels) == 2
+        {
+            inner.labels.remove(&pod.labels);
         }
         vec![node]
     }
@@ -127,8 +151,14 @@ impl AgentIndex {
         touched
     }
 
+    /// Label maps held (interned), for tests.
+    #[cfg(test)]
+    fn label_maps(&self) -> usize {
+        self.read().labels.len()
+    }
+
     /// The agent's state on a node ([`meshgate_core::nodegate::agent_state`]).
-    pub fn state(&self, agent: &Agent, node: &Node, gate_taint: &str) -> AgentState {
+    pub fn state(&self, agent: &Agent, node: &GateNode, gate_taint: &str) -> AgentState {
         let node_name = node.metadata.name.as_deref().unwrap_or_default();
         let inner = self.read();
         let daemonset = match &agent.daemon_set {
@@ -173,7 +203,7 @@ impl AgentIndex {
         &self,
         client: &kube::Client,
         namespace: &str,
-        trigger: &UnboundedSender<ObjectRef<Node>>,
+        trigger: &UnboundedSender<ObjectRef<GateNode>>,
     ) {
         if !self.write().watched.insert(namespace.to_owned()) {
             return;
@@ -207,7 +237,7 @@ impl AgentIndex {
     }
 }
 
-fn send_all(trigger: &UnboundedSender<ObjectRef<Node>>, nodes: Vec<String>) {
+fn send_all(trigger: &UnboundedSender<ObjectRef<GateNode>>, nodes: Vec<String>) {
     for n in nodes {
         let _ = trigger.send(ObjectRef::new(&n));
     }
@@ -217,7 +247,7 @@ async fn watch_pods(
     index: AgentIndex,
     client: kube::Client,
     namespace: String,
-    trigger: UnboundedSender<ObjectRef<Node>>,
+    trigger: UnboundedSender<ObjectRef<GateNode>>,
 ) {
     let api = Api::<Pod>::namespaced(client, &namespace);
     // A re-list is summarised as it arrives: the full pods are not held until it ends.
@@ -244,7 +274,7 @@ async fn watch_daemonsets(
     index: AgentIndex,
     client: kube::Client,
     namespace: String,
-    trigger: UnboundedSender<ObjectRef<Node>>,
+    trigger: UnboundedSender<ObjectRef<GateNode>>,
 ) {
     let api = Api::<DaemonSet>::namespaced(client, &namespace);
     let mut stream = watcher(api, watcher::Config::default())
@@ -288,3 +318,73 @@ async fn watch_daemonsets(
 
 /// A node name no node can have: asks the controller to reconcile every node.
 pub const RESYNC_ALL: &str = "*resync*";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, node: &str, app: &str, ready: bool) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "mesh", "name": name,
+                         "labels": {"app": app, "controller-revision-hash": "abc"}},
+            "spec": {"nodeName": node, "containers": []},
+            "status": {"conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]},
+        }))
+        .expect("pod")
+    }
+
+    fn agent(app: &str) -> Agent {
+        serde_json::from_value(serde_json::json!({
+            "name": app, "namespace": "mesh", "selector": {"matchLabels": {"app": app}},
+        }))
+        .expect("agent")
+    }
+
+    fn node(name: &str) -> GateNode {
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name}})).expect("node")
+    }
+
+    #[test]
+    fn pods_with_the_same_labels_share_one_map_until_the_last_goes() {
+        let index = AgentIndex::default();
+        for i in 0..100 {
+            index.upsert(&pod(&format!("cni-{i}"), &format!("n{i}"), "cni", true));
+            index.upsert(&pod(
+                &format!("proxy-{i}"),
+                &format!("n{i}"),
+                "proxy",
+                i % 2 == 0,
+            ));
+        }
+        assert_eq!(index.label_maps(), 2);
+        // The shared labels still select each agent's pods, on their own node only.
+        let ready = |app: &str, n: &str| {
+            matches!(
+                index.state(&agent(app), &node(n), "taint"),
+                AgentState::Ready { .. }
+            )
+        };
+        assert!(ready("cni", "n1") && ready("proxy", "n2") && !ready("proxy", "n1"));
+        // An update keeps the count; labels of a new revision add a map.
+        index.upsert(&pod("proxy-1", "n1", "proxy", true));
+        assert!(ready("proxy", "n1"));
+        assert_eq!(index.label_maps(), 2);
+        let mut relabelled = pod("cni-0", "n0", "cni", true);
+        relabelled
+            .metadata
+            .labels
+            .as_mut()
+            .expect("labels")
+            .insert("controller-revision-hash".into(), "def".into());
+        index.upsert(&relabelled);
+        assert_eq!(index.label_maps(), 3);
+        // Removing every pod of a label set removes its map.
+        for i in 0..100 {
+            index.remove(&pod(&format!("proxy-{i}"), &format!("n{i}"), "proxy", true));
+        }
+        assert_eq!(index.label_maps(), 2);
+        index.remove(&relabelled);
+        assert_eq!(index.label_maps(), 1);
+        assert!(!ready("cni", "n0") && ready("cni", "n99"));
+    }
+}

@@ -31,7 +31,6 @@ use std::time::Duration;
 
 use crate::events::{EventType, Events};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
@@ -39,7 +38,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use meshgate_api::node_gate::NodeGateStatus;
-use meshgate_api::{NodeGate, names};
+use meshgate_api::{GateNode, NodeGate, names};
 use meshgate_core::nodegate::{
     AgentState, NodeDecision, NodeState, decide_node, has_taint, is_retainted, may_remove,
     node_condition, orphaned_taints, owned_annotation_patch, resource_patch, taint_patch,
@@ -98,7 +97,7 @@ impl Default for Settings {
 struct Ctx {
     client: kube::Client,
     gates: Store<NodeGate>,
-    nodes: Store<Node>,
+    nodes: Store<GateNode>,
     agents: AgentIndex,
     leader: watch::Receiver<bool>,
     events: Events,
@@ -160,7 +159,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let (gates, gate_writer) = reflector::store::<NodeGate>();
-    let (trigger_tx, trigger_rx) = mpsc::unbounded_channel::<ObjectRef<Node>>();
+    let (trigger_tx, trigger_rx) = mpsc::unbounded_channel::<ObjectRef<GateNode>>();
     let agents = AgentIndex::default();
 
     // Gates: keep the store, watch the namespaces their agents live in, resync all nodes.
@@ -205,13 +204,16 @@ pub async fn run(
     };
 
     let events = Events::new(client.clone());
-    // Nodes are cached slimmed to what the gate reads (see `slim_node`).
-    let (nodes, node_writer) = reflector::store::<Node>();
+    // Nodes are read as `GateNode`s and cached slimmed to what the gates read (`GateNode::slim`).
+    let (nodes, node_writer) = reflector::store::<GateNode>();
     let node_stream = reflector::reflector(
         node_writer,
-        watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
-            .default_backoff()
-            .modify(slim_node),
+        watcher(
+            Api::<GateNode>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .modify(GateNode::slim),
     )
     .applied_objects();
     let controller = Controller::for_stream(node_stream, nodes.clone()).with_config(
@@ -279,7 +281,7 @@ pub async fn run(
     let fan_out_nodes = nodes.clone();
     let triggers =
         tokio_stream::wrappers::UnboundedReceiverStream::new(trigger_rx).flat_map(move |r| {
-            let refs: Vec<ObjectRef<Node>> = if r.name == RESYNC_ALL {
+            let refs: Vec<ObjectRef<GateNode>> = if r.name == RESYNC_ALL {
                 fan_out_nodes
                     .state()
                     .iter()
@@ -312,40 +314,7 @@ pub async fn run(
     agents.stop();
 }
 
-/// Drops from a Node what the gate never reads, before it is cached: `managedFields`, the
-/// status other than `capacity` and meshgate's conditions (images, other conditions, addresses,
-/// node info, volumes) and
-/// annotations outside meshgate's domain. A real node carries tens of KiB of these; the
-/// controller caches every node.
-pub fn slim_node(node: &mut Node) {
-    node.metadata.managed_fields = None;
-    if let Some(annotations) = node.metadata.annotations.as_mut() {
-        annotations.retain(|k, _| {
-            k.split_once('/').is_some_and(|(domain, _)| {
-                domain == meshgate_api::DOMAIN
-                    || domain
-                        .strip_suffix(meshgate_api::DOMAIN)
-                        .is_some_and(|sub| sub.ends_with('.'))
-            })
-        });
-    }
-    node.status = node.status.take().map(|s| {
-        // The gates' own conditions are kept: a condition is written only when it changes.
-        let conditions: Vec<_> = s
-            .conditions
-            .into_iter()
-            .flatten()
-            .filter(|c| c.type_.starts_with(&format!("{}/", meshgate_api::DOMAIN)))
-            .collect();
-        NodeStatus {
-            capacity: s.capacity,
-            conditions: (!conditions.is_empty()).then_some(conditions),
-            ..NodeStatus::default()
-        }
-    });
-}
-
-fn error_policy(_node: Arc<Node>, err: &Error, _ctx: Arc<Ctx>) -> Action {
+fn error_policy(_node: Arc<GateNode>, err: &Error, _ctx: Arc<Ctx>) -> Action {
     tracing::warn!(error = %err, "node reconcile failed; retrying");
     Action::requeue(Duration::from_millis(500))
 }
@@ -360,7 +329,7 @@ fn json_patch(patch: meshgate_core::patch::JsonPatch) -> Result<json_patch::Patc
         .map_err(|e| Error::Patch(e.to_string()))
 }
 
-async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+async fn reconcile(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     if !ctx.ready() {
         // Before sync, or not the leader: nothing is decided. Sync and leadership both
         // trigger a reconcile of every node.
@@ -369,7 +338,7 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
     ctx.metrics.reconciles.inc();
     let mut node = (*node).clone();
     let name = node.name_any();
-    let api = Api::<Node>::all(ctx.client.clone());
+    let api = Api::<GateNode>::all(ctx.client.clone());
     let mut requeue = ctx.settings.resync;
     let gates: Vec<Arc<NodeGate>> = ctx.gates.state().into_iter().filter(|g| live(g)).collect();
     for gate in &gates {
@@ -438,7 +407,7 @@ async fn reconcile(node: Arc<Node>, ctx: Arc<Ctx>) -> Result<Action, Error> {
 }
 
 /// The gate's agents' states on a node.
-fn agent_states(agents: &AgentIndex, gate: &NodeGate, node: &Node) -> Vec<AgentState> {
+fn agent_states(agents: &AgentIndex, gate: &NodeGate, node: &GateNode) -> Vec<AgentState> {
     gate.spec
         .agents
         .iter()
@@ -446,7 +415,10 @@ fn agent_states(agents: &AgentIndex, gate: &NodeGate, node: &Node) -> Vec<AgentS
         .collect()
 }
 
-fn gate_nodes<'n>(gate: &NodeGate, nodes: &'n [Arc<Node>]) -> impl Iterator<Item = &'n Arc<Node>> {
+fn gate_nodes<'n>(
+    gate: &NodeGate,
+    nodes: &'n [Arc<GateNode>],
+) -> impl Iterator<Item = &'n Arc<GateNode>> {
     let empty = BTreeMap::new();
     let spec = gate.spec.clone();
     nodes.iter().filter(move |n| {
@@ -528,7 +500,7 @@ fn release_retaint(ctx: &Ctx, gate: &NodeGate, node: &str) {
     }
 }
 
-async fn dry_run_events(ctx: &Ctx, gate: &NodeGate, node: &Node, d: &NodeDecision) {
+async fn dry_run_events(ctx: &Ctx, gate: &NodeGate, node: &GateNode, d: &NodeDecision) {
     let what = match d.taint {
         Some(true) => "would add",
         Some(false) => "would remove",
@@ -550,11 +522,11 @@ async fn dry_run_events(ctx: &Ctx, gate: &NodeGate, node: &Node, d: &NodeDecisio
 
 async fn remove_taint(
     ctx: &Ctx,
-    api: &Api<Node>,
-    node: &Node,
+    api: &Api<GateNode>,
+    node: &GateNode,
     gate: &NodeGate,
     taints: &[k8s_openapi::api::core::v1::Taint],
-) -> Result<Node, Error> {
+) -> Result<GateNode, Error> {
     let name = node.name_any();
     let empty = BTreeMap::new();
     let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
@@ -601,13 +573,13 @@ fn count(ctx: &Ctx, error: bool, op: &'static str) {
 
 async fn apply(
     ctx: &Ctx,
-    api: &Api<Node>,
+    api: &Api<GateNode>,
     gate: &NodeGate,
-    mut node: Node,
+    mut node: GateNode,
     taints: &[k8s_openapi::api::core::v1::Taint],
     states: &[AgentState],
     d: &NodeDecision,
-) -> Result<Node, Error> {
+) -> Result<GateNode, Error> {
     let name = node.name_any();
     let spec = &gate.spec;
     let pp = PatchParams::default();
@@ -724,12 +696,12 @@ async fn apply(
 /// Keeps the gate's node condition current (written only when it changes).
 async fn publish_condition(
     ctx: &Ctx,
-    api: &Api<Node>,
+    api: &Api<GateNode>,
     gate: &NodeGate,
-    node: Node,
+    node: GateNode,
     states: &[AgentState],
     d: &NodeDecision,
-) -> Result<Node, Error> {
+) -> Result<GateNode, Error> {
     let (ctype, status, reason, message) = node_condition(&gate.spec, &gate.name_any(), states, d);
     let current = node
         .status
@@ -764,7 +736,7 @@ async fn publish_condition(
             }
         })?;
     count(ctx, false, "condition");
-    slim_node(&mut updated);
+    updated.slim();
     Ok(updated)
 }
 
@@ -788,7 +760,7 @@ async fn event(
 /// resource come off every node; then its finalizer goes. Any failure leaves the finalizer for
 /// the next round.
 async fn finalize(ctx: &Ctx, gate: &NodeGate) -> Result<(), Error> {
-    let api = Api::<Node>::all(ctx.client.clone());
+    let api = Api::<GateNode>::all(ctx.client.clone());
     let others: Vec<Arc<NodeGate>> = ctx
         .gates
         .state()
@@ -980,7 +952,7 @@ fn condition(
 fn gate_status(
     ctx: &Ctx,
     gate: &NodeGate,
-    all_nodes: &[Arc<Node>],
+    all_nodes: &[Arc<GateNode>],
     seen_states: &mut HashSet<GateStateLabels>,
 ) -> NodeGateStatus {
     let gate_name = gate.name_any();
@@ -1148,55 +1120,4 @@ fn gate_status(
     }
     status.conditions = conditions;
     status
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slim_node_keeps_what_the_gate_reads() {
-        let mut node: Node = serde_json::from_value(serde_json::json!({
-            "metadata": {
-                "name": "n1",
-                "labels": {"pool": "mesh"},
-                "annotations": {
-                    names::NODE_READY_SINCE: "2026-01-01T00:00:00Z",
-                    "x.meshgate.dev/note": "kept",
-                    "notmeshgate.dev/x": "dropped",
-                    "node.alpha.kubernetes.io/ttl": "0",
-                },
-                "managedFields": [{"manager": "kubelet", "operation": "Update",
-                                   "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {}}}],
-            },
-            "spec": {"taints": [{"key": "k", "effect": "NoSchedule"}]},
-            "status": {
-                "capacity": {"cpu": "2", "mesh.example/ready": "1"},
-                "images": [{"names": ["registry.example/app:1"], "sizeBytes": 1}],
-                "conditions": [{"type": "Ready", "status": "True"}],
-            },
-        }))
-        .expect("node");
-        let before = node.clone();
-        slim_node(&mut node);
-        assert_eq!(node.metadata.name, before.metadata.name);
-        assert_eq!(node.metadata.labels, before.metadata.labels);
-        assert_eq!(node.spec, before.spec, "taints kept");
-        assert!(node.metadata.managed_fields.is_none());
-        let kept: Vec<&str> = node
-            .metadata
-            .annotations
-            .iter()
-            .flatten()
-            .map(|(k, _)| k.as_str())
-            .collect();
-        assert_eq!(kept, [names::NODE_READY_SINCE, "x.meshgate.dev/note"]);
-        let status = node.status.expect("status");
-        assert_eq!(
-            status.capacity,
-            before.status.and_then(|s| s.capacity),
-            "capacity kept"
-        );
-        assert!(status.images.is_none() && status.conditions.is_none());
-    }
 }

@@ -40,6 +40,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{NodeSelectorRequirement, PodTemplateSpec, Taint, Toleration};
+use meshgate_api::GateNode;
 use meshgate_api::node_gate::{GateMode, NodeGateSpec};
 use serde_json::{Value, json};
 
@@ -78,7 +79,9 @@ pub struct NodeObservation<'a> {
 pub struct AgentPod {
     pub namespace: String,
     pub name: String,
-    pub labels: BTreeMap<String, String>,
+    /// Shared: the agent pods of one DaemonSet revision carry the same labels, and an index of
+    /// thousands of them keeps one copy (`meshgate_controller::agents`).
+    pub labels: std::sync::Arc<BTreeMap<String, String>>,
     /// Ready, and not being deleted.
     pub ready: bool,
     /// When the Ready condition last changed (else the pod's creation), Unix seconds.
@@ -110,7 +113,7 @@ impl AgentPod {
             AgentPod {
                 namespace: pod.metadata.namespace.clone().unwrap_or_default(),
                 name: pod.metadata.name.clone().unwrap_or_default(),
-                labels: pod.metadata.labels.clone().unwrap_or_default(),
+                labels: std::sync::Arc::new(pod.metadata.labels.clone().unwrap_or_default()),
                 ready,
                 since,
             },
@@ -136,7 +139,7 @@ pub fn agent_state<'p>(
     agent: &meshgate_api::node_gate::Agent,
     pods_on_node: impl IntoIterator<Item = &'p AgentPod>,
     daemonset: DaemonSetView<'_>,
-    node: &k8s_openapi::api::core::v1::Node,
+    node: &GateNode,
     gate_taint: &str,
 ) -> AgentState {
     let pods: Vec<&AgentPod> = pods_on_node
@@ -152,13 +155,8 @@ pub fn agent_state<'p>(
     if let DaemonSetView::Template(template) = daemonset {
         let empty = BTreeMap::new();
         let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
-        let taints = node
-            .spec
-            .as_ref()
-            .and_then(|s| s.taints.as_deref())
-            .unwrap_or_default();
         let name = node.metadata.name.as_deref().unwrap_or_default();
-        if !daemonset_targets(template, name, labels, taints, gate_taint) {
+        if !daemonset_targets(template, name, labels, node.taints(), gate_taint) {
             return AgentState::NotTargeted;
         }
     }
@@ -166,11 +164,8 @@ pub fn agent_state<'p>(
 }
 
 /// A copy of the node's taints (none when it has no spec).
-pub fn taints_of(node: &k8s_openapi::api::core::v1::Node) -> Vec<Taint> {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.clone())
-        .unwrap_or_default()
+pub fn taints_of(node: &GateNode) -> Vec<Taint> {
+    node.taints().to_vec()
 }
 
 /// The gate's decision for a node as it is now, from the node and its agents' states: the one
@@ -178,18 +173,16 @@ pub fn taints_of(node: &k8s_openapi::api::core::v1::Node) -> Vec<Taint> {
 /// and `meshgate status`, all call it). Returns the node's taints too.
 pub fn decide_node(
     spec: &NodeGateSpec,
-    node: &k8s_openapi::api::core::v1::Node,
+    node: &GateNode,
     agents: &[AgentState],
     now: i64,
 ) -> (Vec<Taint>, NodeDecision) {
     let empty = BTreeMap::new();
     let taints = taints_of(node);
-    let resource_advertised = spec.resource.as_ref().is_some_and(|r| {
-        node.status
-            .as_ref()
-            .and_then(|s| s.capacity.as_ref())
-            .is_some_and(|c| c.contains_key(&r.name))
-    });
+    let resource_advertised = spec
+        .resource
+        .as_ref()
+        .is_some_and(|r| node.advertises(&r.name));
     let decision = decide(
         spec,
         &NodeObservation {

@@ -4,8 +4,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
+use meshgate_api::GateNode;
 use meshgate_api::{MutationPolicy, NodeGate};
 use meshgate_core::nodegate::{
     AgentPod, AgentState, DaemonSetView, agent_state, decide_node, has_taint,
@@ -67,7 +68,7 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
     let gates = Api::<NodeGate>::all(client.clone())
         .list(&ListParams::default())
         .await?;
-    let nodes = Api::<Node>::all(client.clone())
+    let nodes = Api::<GateNode>::all(client.clone())
         .list(&ListParams::default())
         .await?;
     let rows = node_rows(
@@ -273,7 +274,7 @@ pub fn table(s: &Status) -> String {
 pub async fn node_rows(
     client: &kube::Client,
     gates: &[NodeGate],
-    nodes: &[Node],
+    nodes: &[GateNode],
     now: i64,
 ) -> anyhow::Result<Vec<NodeRow>> {
     let mut pods_by_node: BTreeMap<String, Vec<AgentPod>> = BTreeMap::new();
@@ -420,7 +421,7 @@ pub async fn pod(client: &kube::Client, namespace: &str, name: &str) -> anyhow::
     };
     let mut node_gates = Vec::new();
     if let Some(n) = &node
-        && let Some(node_obj) = Api::<Node>::all(client.clone()).get_opt(n).await?
+        && let Some(node_obj) = Api::<GateNode>::all(client.clone()).get_opt(n).await?
     {
         let gates = Api::<NodeGate>::all(client.clone())
             .list(&ListParams::default())

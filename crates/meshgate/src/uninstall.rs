@@ -25,9 +25,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
+use meshgate_api::GateNode;
 use meshgate_api::{NodeGate, names};
 use meshgate_core::nodegate::{taints_of, uninstall_patches};
 use serde_json::json;
@@ -181,7 +182,7 @@ pub async fn uninstall(
         Err(e) => return Err(e.into()),
     };
     let specs: Vec<&meshgate_api::NodeGateSpec> = gates.iter().map(|g| &g.spec).collect();
-    let nodes: Api<Node> = Api::all(client.clone());
+    let nodes: Api<GateNode> = Api::all(client.clone());
     let empty = BTreeMap::new();
     for node in nodes.list(&ListParams::default()).await?.items {
         let name = node.name_any();

@@ -269,7 +269,7 @@ async fn assert_status_agrees(client: &kube::Client, gate_name: &str) {
         .into_iter()
         .filter(|g| g.metadata.name.as_deref() == Some(gate_name))
         .collect();
-    let nodes = Api::<Node>::all(client.clone())
+    let nodes = Api::<meshgate_api::GateNode>::all(client.clone())
         .list(&Default::default())
         .await
         .expect("nodes")
@@ -302,9 +302,9 @@ async fn assert_status_agrees(client: &kube::Client, gate_name: &str) {
         );
         assert_eq!(
             row.tainted,
-            taint_keys(node)
+            node.taints()
                 .iter()
-                .any(|k| *k == gate[0].spec.taint.key),
+                .any(|t| t.key == gate[0].spec.taint.key),
             "{}",
             row.node
         );
