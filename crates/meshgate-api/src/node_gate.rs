@@ -318,7 +318,14 @@ pub enum GateMode {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct GateResource {
+    /// An extended resource name, `<domain>/<name>` outside `kubernetes.io`: never one of the
+    /// node's own resources (`cpu`, `memory`, `pods`, ...).
     #[serde(default = "default_resource")]
+    #[schemars(length(min = 3, max = 316))]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "self.matches('^[^/]+/[^/]+$') && !self.contains('kubernetes.io/') && !self.startsWith('requests.')",
+        "message": "the resource must be an extended resource, <domain>/<name> outside kubernetes.io, not one of the node's own"
+    }]))]
     pub name: String,
     #[serde(default = "default_count")]
     pub count: u32,

@@ -582,7 +582,7 @@ async fn deleting_a_gate_lifts_its_taints_and_resource_and_nothing_else() {
 }
 
 #[tokio::test]
-async fn the_api_server_refuses_reserved_keys_and_unconfirmed_no_execute() {
+async fn the_api_server_refuses_reserved_keys_unconfirmed_no_execute_and_own_resources() {
     let (_, client) = setup().await;
     let client = &client;
     let gates = Api::<NodeGate>::all(client.clone());
@@ -646,6 +646,34 @@ async fn the_api_server_refuses_reserved_keys_and_unconfirmed_no_execute() {
         .await
         .expect_err("NoExecute without opt-in");
     assert!(err.to_string().contains("allowNoExecute"), "{err}");
+    // A gate resource must be an extended resource, never the node's own.
+    for (i, name) in [
+        "cpu",
+        "pods",
+        "kubernetes.io/mesh",
+        "requests.example.com/x",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let spec = gate(
+            "reserved",
+            "agents",
+            &["cni"],
+            json!({"resource": {"name": name}}),
+        );
+        let err = gates
+            .create(
+                &PostParams::default(),
+                &NodeGate::new(&format!("own-resource-{i}"), spec),
+            )
+            .await
+            .expect_err(name);
+        assert!(
+            err.to_string().contains("must be an extended resource"),
+            "{name}: {err}"
+        );
+    }
 }
 
 #[tokio::test]
