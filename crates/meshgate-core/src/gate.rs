@@ -418,16 +418,28 @@ impl DesiredGate {
         if let Some(g) = self.group {
             sc["runAsGroup"] = json!(g);
         }
-        json!({
-            "name": names::GATE_CONTAINER,
-            "image": self.image,
-            "imagePullPolicy": self.image_pull_policy,
-            "command": [self.command],
-            "args": self.args,
-            "resources": self.resources.to_json(),
-            "securityContext": sc,
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-        })
+        // Built field by field: `json!` copies every `Value` it is given (through `to_value`),
+        // and the resources and security context are `Value`s (a fifth of planning a pod).
+        let mut container = serde_json::Map::with_capacity(8);
+        for (key, value) in [
+            ("name", Value::from(names::GATE_CONTAINER)),
+            ("image", Value::from(self.image.as_str())),
+            (
+                "imagePullPolicy",
+                Value::from(self.image_pull_policy.as_str()),
+            ),
+            ("command", Value::from(vec![self.command.as_str()])),
+            ("args", Value::from(self.args.as_slice())),
+            ("resources", self.resources.to_json()),
+            ("securityContext", sc),
+            (
+                "terminationMessagePolicy",
+                Value::from("FallbackToLogsOnError"),
+            ),
+        ] {
+            container.insert(key.to_owned(), value);
+        }
+        Value::Object(container)
     }
 
     /// Whether an existing gate container is this one (in what meshgate decides: the API

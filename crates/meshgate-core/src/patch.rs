@@ -1,7 +1,7 @@
 //! RFC 6902 JSON patches as the admission response carries them.
 
 use serde::Serialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 /// An ordered list of RFC 6902 operations.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -18,17 +18,34 @@ impl JsonPatch {
     }
 
     pub fn add(&mut self, path: impl Into<String>, value: Value) {
-        self.0
-            .push(json!({"op": "add", "path": path.into(), "value": value}));
+        self.push([
+            ("op", Value::from("add")),
+            ("path", Value::String(path.into())),
+            ("value", value),
+        ]);
     }
 
     pub fn remove(&mut self, path: impl Into<String>) {
-        self.0.push(json!({"op": "remove", "path": path.into()}));
+        self.push([
+            ("op", Value::from("remove")),
+            ("path", Value::String(path.into())),
+        ]);
     }
 
     pub fn move_to(&mut self, from: impl Into<String>, path: impl Into<String>) {
-        self.0
-            .push(json!({"op": "move", "from": from.into(), "path": path.into()}));
+        self.push([
+            ("op", Value::from("move")),
+            ("from", Value::String(from.into())),
+            ("path", Value::String(path.into())),
+        ]);
+    }
+
+    /// One operation, its fields moved in: `json!` would copy the value (through `to_value`),
+    /// and a value is often a whole container.
+    fn push<const N: usize>(&mut self, fields: [(&str, Value); N]) {
+        self.0.push(Value::Object(
+            fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+        ));
     }
 
     /// Appends the operations of another patch.
@@ -71,6 +88,7 @@ pub fn escape(segment: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn escapes_pointer_segments() {

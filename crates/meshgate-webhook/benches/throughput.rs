@@ -23,7 +23,8 @@
 //! (5), `MESHGATE_BENCH_ROUNDS` (3), `MESHGATE_BENCH_WARMUP` (2000),
 //! `MESHGATE_BENCH_CLIENT_THREADS` (1), `MESHGATE_BENCH_LOG` (`json`; `none`: the webhook runs
 //! without a log subscriber). Without `--bench` (as `cargo test --benches` runs it) it does one
-//! short round as a smoke test.
+//! short round as a smoke test. `MESHGATE_BENCH_STAGES_ONLY=1` runs only the review's in-process
+//! stages, 20 times, for a profiler (`perf record --call-graph dwarf` on the bench binary).
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -188,6 +189,25 @@ fn review_stages(body: &[u8]) -> Result<[f64; 3], String> {
     Ok(total.map(|d| d.as_secs_f64() * 1e6 / f64::from(STAGE_REVIEWS)))
 }
 
+/// Runs only [`review_stages`], repeatedly, for a profiler.
+const STAGES_ONLY_ENV: &str = "MESHGATE_BENCH_STAGES_ONLY";
+
+fn stages_only() -> ExitCode {
+    let body = review_body();
+    for _ in 0..20 {
+        match review_stages(&body) {
+            Ok([decode, plan, answer]) => {
+                println!("decode {decode:.2} us, plan {plan:.2} us, answer {answer:.2} us");
+            }
+            Err(e) => {
+                eprintln!("throughput: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    ExitCode::SUCCESS
+}
+
 // ------------------------------------------------------------------------------------------
 // The child processes.
 
@@ -214,6 +234,7 @@ fn main() -> ExitCode {
             eprintln!("{ROLE_ENV}={other:?}: expected baseline or webhook");
             ExitCode::FAILURE
         }
+        Err(_) if std::env::var_os(STAGES_ONLY_ENV).is_some() => stages_only(),
         Err(_) => {
             let full = std::env::args().any(|a| a == "--bench");
             match run(&Settings::from_env(full)) {
