@@ -586,33 +586,48 @@ async fn the_api_server_refuses_reserved_keys_unconfirmed_no_execute_and_own_res
     let (_, client) = setup().await;
     let client = &client;
     let gates = Api::<NodeGate>::all(client.clone());
-    for (i, key) in [
-        "node.kubernetes.io/not-ready",
-        "node.cloudprovider.kubernetes.io/uninitialized",
-        "node-role.kubernetes.io/control-plane",
-        "karpenter.sh/disrupted",
-        "ToBeDeletedByClusterAutoscaler",
-    ]
-    .iter()
-    .enumerate()
-    {
-        let spec = gate(
-            "reserved",
-            "agents",
-            &["cni"],
-            json!({"taint": {"key": key}}),
-        );
+    // Each spec, and what the API server's refusal says.
+    let reserved = "taint key belongs to";
+    let own = "must be an extended resource";
+    let refused = [
+        (
+            json!({"taint": {"key": "node.kubernetes.io/not-ready"}}),
+            reserved,
+        ),
+        (
+            json!({"taint": {"key": "node.cloudprovider.kubernetes.io/uninitialized"}}),
+            reserved,
+        ),
+        (
+            json!({"taint": {"key": "node-role.kubernetes.io/control-plane"}}),
+            reserved,
+        ),
+        (
+            json!({"taint": {"key": "karpenter.sh/disrupted"}}),
+            reserved,
+        ),
+        (
+            json!({"taint": {"key": "ToBeDeletedByClusterAutoscaler"}}),
+            reserved,
+        ),
+        (json!({"taint": {"effect": "NoExecute"}}), "allowNoExecute"),
+        // A gate resource must be an extended resource, never the node's own.
+        (json!({"resource": {"name": "cpu"}}), own),
+        (json!({"resource": {"name": "pods"}}), own),
+        (json!({"resource": {"name": "kubernetes.io/mesh"}}), own),
+        (json!({"resource": {"name": "requests.example.com/x"}}), own),
+    ];
+    for (i, (extra, says)) in refused.into_iter().enumerate() {
+        let what = extra.to_string();
+        let spec = gate("reserved", "agents", &["cni"], extra);
         let err = gates
             .create(
                 &PostParams::default(),
-                &NodeGate::new(&format!("reserved-{i}"), spec),
+                &NodeGate::new(&format!("refused-{i}"), spec),
             )
             .await
-            .expect_err(key);
-        assert!(
-            err.to_string().contains("taint key belongs to"),
-            "{key}: {err}"
-        );
+            .expect_err(&what);
+        assert!(err.to_string().contains(says), "{what}: {err}");
     }
     // The cluster autoscaler's startup-taint prefix is allowed.
     let ok = gate(
@@ -632,48 +647,6 @@ async fn the_api_server_refuses_reserved_keys_unconfirmed_no_execute_and_own_res
         .delete("autoscaler-prefix", &DeleteParams::default())
         .await
         .expect("delete");
-    let no_execute = gate(
-        "reserved",
-        "agents",
-        &["cni"],
-        json!({"taint": {"effect": "NoExecute"}}),
-    );
-    let err = gates
-        .create(
-            &PostParams::default(),
-            &NodeGate::new("no-execute", no_execute),
-        )
-        .await
-        .expect_err("NoExecute without opt-in");
-    assert!(err.to_string().contains("allowNoExecute"), "{err}");
-    // A gate resource must be an extended resource, never the node's own.
-    for (i, name) in [
-        "cpu",
-        "pods",
-        "kubernetes.io/mesh",
-        "requests.example.com/x",
-    ]
-    .iter()
-    .enumerate()
-    {
-        let spec = gate(
-            "reserved",
-            "agents",
-            &["cni"],
-            json!({"resource": {"name": name}}),
-        );
-        let err = gates
-            .create(
-                &PostParams::default(),
-                &NodeGate::new(&format!("own-resource-{i}"), spec),
-            )
-            .await
-            .expect_err(name);
-        assert!(
-            err.to_string().contains("must be an extended resource"),
-            "{name}: {err}"
-        );
-    }
 }
 
 #[tokio::test]
