@@ -11,7 +11,7 @@
 #
 # Limits: a function inlined into its caller has no frame of its own in a release build, so its
 # samples count as "the rest"; DEBUG=1 builds the bench with line tables (a separate, full build)
-# so that perf can name inlined frames. Frames in glibc are not unwound: allocator samples are
+# so that perf can name inlined frames. Frames in the allocator (mimalloc, glibc) are not always unwound: allocator samples are
 # counted by their leaf frame, callers unknown.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -31,24 +31,18 @@ MESHGATE_BENCH_ROUNDS=1 MESHGATE_BENCH_SECONDS=${SECONDS_PER_ROUND:-4} \
 perf script -i "$out/perf.data" -F +pid 2>/dev/null | python3 -c '
 import collections, sys
 cats = [
-    ("glibc malloc/free (leaf frame)", None),
-    # Deep JSON nesting can outrun the 32 KiB of stack perf copies: a sample may end inside the
-    # decoder, so its frames count as well as from_slice (nothing else decodes Values here).
-    ("serde_json::from_slice -> Value (decode the review)",
-     ["serde_json::de::from_slice", "Deserialize for serde_json::value::Value", "serde_json::read::"]),
-    ("gate::plan_pod", ["meshgate_core::gate::plan_pod"]),
-    ("response: admission::allow + serialise", ["meshgate_webhook::admission::allow", "serde_json::ser::to_vec"]),
-    ("admission::parse", ["meshgate_webhook::admission::parse"]),
+    ("allocator (leaf frame)", None),
+    ("decode the review and the pod view (admission::decode_as)",
+     ["meshgate_webhook::admission::decode", "meshgate_core::view::", "serde_json::read::", "serde_json::de::"]),
+    ("plan the gate (gate::Planner)", ["meshgate_core::gate::", "meshgate_core::resources::", "meshgate_core::mesh::"]),
+    ("answer: admission::allow, the patch serialised", ["meshgate_webhook::admission::allow", "JsonPatch::to_bytes", "serde_json::ser::"]),
     ("tracing span", ["tracing::span::", "tracing_subscriber", "tracing_core::"]),
-    ("Sources::namespace", ["Sources::namespace"]),
     ("metrics", ["prometheus_client"]),
-    ("drop of the request Value", ["drop_in_place<serde_json::value::Value>"]),
-    ("body to Bytes", ["FromRequest"]),
     ("TLS (rustls, ring)", ["rustls::", "ring_core", "ring::"]),
-    ("socket syscalls (kernel)", ["kallsyms", "__GI___writev", "__libc_recv", "__libc_read", "epoll"]),
+    ("kernel (socket syscalls, scheduling, faults)", ["kallsyms", "__GI___writev", "__libc_recv", "__libc_read", "epoll"]),
     ("hyper/axum/tower/tokio, the rest", [""]),
 ]
-alloc = ("malloc", "free", "unlink_chunk", "tcache", "_int_", "realloc")
+alloc = ("malloc", "free", "unlink_chunk", "tcache", "_int_", "realloc", "mi_", "_mi_")
 per_pid = collections.defaultdict(collections.Counter)
 role = {}
 def flush(pid, frames):
