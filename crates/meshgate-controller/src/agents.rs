@@ -51,6 +51,19 @@ struct Inner {
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
+impl Inner {
+    /// The shared copy of a label map.
+    fn intern(&mut self, labels: Arc<BTreeMap<String, String>>) -> Arc<BTreeMap<String, String>> {
+        match self.labels.get(&labels) {
+            Some(shared) => shared.clone(),
+            None => {
+                self.labels.insert(labels.clone());
+                labels
+            }
+        }
+    }
+}
+
 /// The shared index.
 #[derive(Clone, Default)]
 pub struct AgentIndex(Arc<RwLock<Inner>>);
@@ -74,6 +87,18 @@ impl AgentIndex {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// A pod's summary with its labels interned at once: a re-list of every agent pod holds
+    /// the summaries until it ends, and each with its own label map was the controller's peak
+    /// at startup. A re-list that ends early (the watch restarts) leaves maps nobody holds;
+    /// [`AgentIndex::replace_namespace`] drops them.
+    fn summarize_interned(&self, pod: &Pod) -> Summary {
+        let summary = summarize(pod).map(|(node, mut summary)| {
+            summary.labels = self.write().intern(summary.labels);
+            (node, summary)
+        });
+        (key_of(pod), summary)
+    }
+
     /// Inserts or updates a pod; returns the nodes whose agents changed.
     pub fn upsert(&self, pod: &Pod) -> Vec<String> {
         self.upsert_summary(key_of(pod), summarize(pod))
@@ -87,13 +112,7 @@ impl AgentIndex {
         let mut touched = self.remove_key(&key);
         if let Some((node, mut summary)) = summary {
             let mut inner = self.write();
-            summary.labels = match inner.labels.get(&summary.labels) {
-                Some(shared) => shared.clone(),
-                None => {
-                    inner.labels.insert(summary.labels.clone());
-                    summary.labels
-                }
-            };
+            summary.labels = inner.intern(summary.labels);
             inner.pod_node.insert(key, node.clone());
             inner.by_node.entry(node.clone()).or_default().push(summary);
             touched.push(node);
@@ -145,7 +164,10 @@ impl AgentIndex {
         for (key, summary) in pods {
             touched.extend(self.upsert_summary(key, summary));
         }
-        self.write().synced.insert(namespace.to_owned());
+        let mut inner = self.write();
+        inner.synced.insert(namespace.to_owned());
+        inner.labels.retain(|l| Arc::strong_count(l) > 1);
+        drop(inner);
         touched.sort();
         touched.dedup();
         touched
@@ -260,7 +282,7 @@ async fn watch_pods(
             Ok(Event::Apply(pod)) => send_all(&trigger, index.upsert(&pod)),
             Ok(Event::Delete(pod)) => send_all(&trigger, index.remove(&pod)),
             Ok(Event::Init) => relist.clear(),
-            Ok(Event::InitApply(pod)) => relist.push((key_of(&pod), summarize(&pod))),
+            Ok(Event::InitApply(pod)) => relist.push(index.summarize_interned(&pod)),
             Ok(Event::InitDone) => {
                 let pods = std::mem::take(&mut relist);
                 send_all(&trigger, index.replace_namespace(&namespace, pods));
@@ -386,5 +408,30 @@ mod tests {
         index.remove(&relabelled);
         assert_eq!(index.label_maps(), 1);
         assert!(!ready("cni", "n0") && ready("cni", "n99"));
+    }
+
+    #[test]
+    fn a_relist_shares_label_maps_as_it_arrives_and_drops_those_left_over() {
+        let index = AgentIndex::default();
+        // A re-list that ends early (the watch restarted): its summaries are dropped.
+        let aborted: Vec<Summary> = (0..50)
+            .map(|i| index.summarize_interned(&pod(&format!("old-{i}"), "n0", "old", true)))
+            .collect();
+        assert_eq!(index.label_maps(), 1, "one map for 50 summaries");
+        drop(aborted);
+        // The next re-list completes: only its maps are left.
+        let relist: Vec<Summary> = (0..100)
+            .map(|i| {
+                let app = if i % 2 == 0 { "cni" } else { "proxy" };
+                index.summarize_interned(&pod(&format!("{app}-{i}"), &format!("n{i}"), app, true))
+            })
+            .collect();
+        let touched = index.replace_namespace("mesh", relist);
+        assert_eq!(touched.len(), 100);
+        assert_eq!(index.label_maps(), 2);
+        assert!(matches!(
+            index.state(&agent("proxy"), &node("n1"), "taint"),
+            AgentState::Ready { .. }
+        ));
     }
 }
