@@ -68,16 +68,6 @@ impl k8s_openapi::Metadata for GateNode {
     }
 }
 
-/// Whether a key (annotation, condition type) is in meshgate's domain or a subdomain of it.
-fn in_meshgate_domain(key: &str) -> bool {
-    key.split_once('/').is_some_and(|(domain, _)| {
-        domain == crate::DOMAIN
-            || domain
-                .strip_suffix(crate::DOMAIN)
-                .is_some_and(|sub| sub.ends_with('.'))
-    })
-}
-
 impl GateNode {
     /// Drops what no gate reads, before the node is cached: `managedFields`, annotations
     /// outside meshgate's domain, conditions other than the gates' own, and capacity other than
@@ -85,11 +75,11 @@ impl GateNode {
     pub fn slim(&mut self) {
         self.metadata.managed_fields = None;
         if let Some(annotations) = self.metadata.annotations.as_mut() {
-            annotations.retain(|k, _| in_meshgate_domain(k));
+            annotations.retain(|k, _| crate::in_domain(k));
         }
         if let Some(status) = self.status.as_mut() {
             if let Some(conditions) = status.conditions.as_mut() {
-                conditions.retain(|c| in_meshgate_domain(&c.type_));
+                conditions.retain(|c| crate::in_domain(&c.type_));
                 conditions.shrink_to_fit();
             }
             if status.conditions.as_ref().is_some_and(Vec::is_empty) {

@@ -32,6 +32,17 @@ pub use selector::{LabelSelector, LabelSelectorRequirement, SelectorOperator};
 /// resources.
 pub const DOMAIN: &str = "meshgate.dev";
 
+/// Whether a key (annotation, taint key, condition type) is in meshgate's domain or a
+/// subdomain of it (`meshgate.dev/x`, `node.meshgate.dev/x`).
+pub fn in_domain(key: &str) -> bool {
+    key.split_once('/').is_some_and(|(domain, _)| {
+        domain == DOMAIN
+            || domain
+                .strip_suffix(DOMAIN)
+                .is_some_and(|sub| sub.ends_with('.'))
+    })
+}
+
 /// Well-known names: labels, annotations, the default taint and the extended resource.
 pub mod names {
     /// Pod label or annotation `"false"` opts a pod out of every meshgate mutation.

@@ -797,11 +797,7 @@ async fn finalize(ctx: &Ctx, gate: &NodeGate) -> Result<(), Error> {
             .await;
         }
         if let Some(res) = &gate.spec.resource {
-            let advertised = node
-                .status
-                .as_ref()
-                .and_then(|s| s.capacity.as_ref())
-                .is_some_and(|c| c.contains_key(&res.name));
+            let advertised = node.advertises(&res.name);
             if advertised
                 && !shared(&|g| g.spec.resource.as_ref().is_some_and(|r| r.name == res.name))
             {

@@ -311,12 +311,6 @@ pub struct NodeDecision {
 /// domain.
 pub const OWNED_TAINTS: &str = "meshgate.dev/owned-taints";
 
-fn in_own_domain(key: &str) -> bool {
-    key.split_once('/').is_some_and(|(domain, _)| {
-        domain == meshgate_api::DOMAIN || domain.ends_with(&format!(".{}", meshgate_api::DOMAIN))
-    })
-}
-
 /// Keys recorded in the node's ownership annotation.
 pub fn recorded_owned(annotations: &BTreeMap<String, String>) -> Vec<&str> {
     annotations
@@ -333,7 +327,7 @@ pub fn recorded_owned(annotations: &BTreeMap<String, String>) -> Vec<&str> {
 /// Whether meshgate may remove the taint `key` from a node with these annotations (see the
 /// module docs): its own domain, or recorded when it was added.
 pub fn owns_key(key: &str, annotations: &BTreeMap<String, String>) -> bool {
-    in_own_domain(key) || recorded_owned(annotations).contains(&key)
+    meshgate_api::in_domain(key) || recorded_owned(annotations).contains(&key)
 }
 
 /// Whether the gate may remove its taint from the node: it owns the key, or the gate lifts a
@@ -562,7 +556,7 @@ pub fn owned_annotation_patch(
     annotations: &BTreeMap<String, String>,
     added: bool,
 ) -> Option<Value> {
-    if in_own_domain(key) {
+    if meshgate_api::in_domain(key) {
         return None;
     }
     let mut owned = recorded_owned(annotations);
@@ -621,7 +615,7 @@ pub fn uninstall_patches(
     let removed: Vec<String> = taints
         .iter()
         .map(|t| t.key.as_str())
-        .filter(|k| (keys.contains(k) || in_own_domain(k)) && owns_key(k, annotations))
+        .filter(|k| (keys.contains(k) || meshgate_api::in_domain(k)) && owns_key(k, annotations))
         .map(str::to_owned)
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
@@ -658,7 +652,7 @@ pub fn uninstall_patches(
             gates
                 .iter()
                 .any(|g| g.resource.as_ref().is_some_and(|res| &res.name == *r))
-                || in_own_domain(r)
+                || meshgate_api::in_domain(r)
                 || r.as_str() == meshgate_api::names::DEFAULT_RESOURCE
         })
         .map(|r| (r.clone(), Value::Null))
@@ -1138,7 +1132,7 @@ pub fn taints_on_create<'s>(
     let mut owned: Vec<&str> = recorded_owned(&meta.annotations);
     let before = owned.len();
     for t in &added {
-        if !in_own_domain(t) && !owned.contains(&t.as_str()) {
+        if !meshgate_api::in_domain(t) && !owned.contains(&t.as_str()) {
             owned.push(t);
         }
     }

@@ -301,9 +301,7 @@ pub fn node_taint_policy(gate_name: &str, gate: &NodeGateSpec, api: PolicyApi) -
     );
     // A key outside meshgate's domain is recorded as meshgate's when it is added (the
     // controller only removes keys it owns).
-    let own_domain = gate.taint.key.split_once('/').is_some_and(|(d, _)| {
-        d == meshgate_api::DOMAIN || d.ends_with(&format!(".{}", meshgate_api::DOMAIN))
-    });
+    let own_domain = meshgate_api::in_domain(&gate.taint.key);
     let record = if own_domain {
         String::new()
     } else {
