@@ -8,10 +8,14 @@
 #                                /usr/lib/cni
 #   iptables                     the kubelet's canary chains, kube-proxy's iptables mode, and the
 #                                bridge plugin's ipMasq / portmap rules
+#   nftables                     nft, for the tests' teardown: iptables-nft creates the ip/ip6
+#                                filter, nat and mangle tables when the node first writes a rule,
+#                                and only nft can delete them again (without it a fresh host is
+#                                left with empty tables it did not have, and the host check fails)
 # Not needed by kubelet v1.36 or kube-proxy here, so not installed: conntrack (kube-proxy clears
 # conntrack entries over netlink since v1.32), socat (port-forward runs in containerd's CRI
 # streaming server), ethtool, ebtables. mount/umount/losetup come with util-linux and mount,
-# which Debian always has; nft (kube-proxy's nftables mode) comes with nftables.
+# which Debian always has.
 #
 #   tools/node/packages.sh        # installs what is missing; prints what it installs on stderr
 #
@@ -27,6 +31,7 @@ wanted=(
   "runc command:runc"
   "containernetworking-plugins file:/usr/lib/cni/bridge"
   "iptables command:iptables"
+  "nftables command:nft"
 )
 
 present() {

@@ -317,6 +317,18 @@ impl HostSnapshot {
                 s.sysctls.insert(key, v);
             }
         }
+        // iptables-nft creates its tables on the first rule, and only nft deletes them: a
+        // teardown without nft would leave a fresh host changed (found on one).
+        if which("nft").is_none()
+            && which("iptables").is_some()
+            && run("iptables", &["-V"]).is_ok_and(|v| v.contains("nf_tables"))
+        {
+            return Err(Error::Node(
+                "iptables uses nf_tables but nft is missing: the teardown could not delete the \
+                 tables the node creates; install nftables (tools/node/packages.sh)"
+                    .into(),
+            ));
+        }
         for bin in ["iptables", "ip6tables"] {
             let save = format!("{bin}-save");
             if which(&save).is_some() {
