@@ -186,17 +186,17 @@ impl Planner {
             return PodPlan::Skip(Skip::HostNetwork);
         }
         let meta = pod.meta();
-        if opted_out(&meta) {
+        if opted_out(meta) {
             return PodPlan::Skip(Skip::OptedOut);
         }
         // Every clause that selects the pod gives a verdict; the first gate wins, else the
         // first reason.
         let mut chosen: Option<(&str, Verdict)> = None;
         for (clause, profile) in &self.clauses {
-            if !clause_matches(clause, namespace_meta, &meta) {
+            if !clause_matches(clause, namespace_meta, meta) {
                 continue;
             }
-            let verdict = clause_verdict(config, *profile, spec, &meta, namespace_meta);
+            let verdict = clause_verdict(config, *profile, spec, meta, namespace_meta);
             let gated = verdict.is_ok();
             if chosen.as_ref().is_none_or(|(_, v)| v.is_err() && gated) {
                 chosen = Some((clause.name.as_str(), verdict));

@@ -161,7 +161,7 @@ fn representative(
         planner.config(),
         profile,
         spec,
-        &view.meta(),
+        view.meta(),
         &Meta::default(),
     );
     let container = match &verdict {

@@ -24,6 +24,8 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
+use crate::select::Meta;
+
 /// Skips a map's entries.
 fn skip_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
     while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
@@ -319,16 +321,42 @@ pub struct PodView<'a> {
     pub spec: Obj<PodSpecView<'a>>,
 }
 
-/// `metadata` of an object.
+/// `metadata` of an object. The labels and annotations are decoded into the [`Meta`] the
+/// selection rules read, so that a plan borrows them instead of copying them.
 #[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(default)]
+#[serde(from = "MetaIn<'a>", bound(deserialize = "'de: 'a"))]
 pub struct MetaView<'a> {
-    #[serde(borrow)]
     pub name: Str<'a>,
-    #[serde(borrow, rename = "generateName")]
     pub generate_name: Str<'a>,
-    pub labels: StrMap,
-    pub annotations: StrMap,
+    pub meta: Meta,
+    /// Whether `annotations` is a JSON object (possibly empty).
+    annotations_present: bool,
+}
+
+/// `metadata` as sent.
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct MetaIn<'a> {
+    #[serde(borrow)]
+    name: Str<'a>,
+    #[serde(borrow, rename = "generateName")]
+    generate_name: Str<'a>,
+    labels: StrMap,
+    annotations: StrMap,
+}
+
+impl<'a> From<MetaIn<'a>> for MetaView<'a> {
+    fn from(m: MetaIn<'a>) -> Self {
+        MetaView {
+            name: m.name,
+            generate_name: m.generate_name,
+            annotations_present: m.annotations.1.0,
+            meta: Meta {
+                labels: m.labels.0,
+                annotations: m.annotations.0,
+            },
+        }
+    }
 }
 
 /// `spec` of a Pod.
@@ -518,9 +546,15 @@ impl<'de: 'a, 'a> Deserialize<'de> for Keys<'a> {
 impl MetaView<'_> {
     /// Whether `annotations` is a JSON object (possibly empty).
     pub fn annotations_present(&self) -> bool {
-        self.annotations.1.0
+        self.annotations_present
     }
 }
+
+/// The labels and annotations of a pod without metadata.
+static NO_META: Meta = Meta {
+    labels: BTreeMap::new(),
+    annotations: BTreeMap::new(),
+};
 
 impl<'a> PodView<'a> {
     /// Reads a view of a `Value`.
@@ -535,12 +569,8 @@ impl<'a> PodView<'a> {
     }
 
     /// The pod's labels and annotations.
-    pub fn meta(&self) -> crate::select::Meta {
-        let m = self.metadata.get();
-        crate::select::Meta {
-            labels: m.map(|m| m.labels.0.clone()).unwrap_or_default(),
-            annotations: m.map(|m| m.annotations.0.clone()).unwrap_or_default(),
-        }
+    pub fn meta(&self) -> &Meta {
+        self.metadata.get().map_or(&NO_META, |m| &m.meta)
     }
 
     /// `metadata.name`, else `metadata.generateName`, else empty.
@@ -570,7 +600,6 @@ pub fn read_pod<R>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::select::Meta;
     use serde_json::json;
 
     fn direct(v: &Value) -> PodView<'static> {
@@ -599,7 +628,7 @@ mod tests {
         for pod in &pods {
             let view = direct(pod);
             assert_eq!(view, PodView::of(pod), "{pod}");
-            assert_eq!(view.meta(), Meta::of(pod), "{pod}");
+            assert_eq!(*view.meta(), Meta::of(pod), "{pod}");
         }
         let v = direct(&pods[0]);
         let spec = v.spec.get().expect("spec");
@@ -630,7 +659,10 @@ mod tests {
     fn repeated_keys_read_as_value_reads_them() {
         let text = r#"{"metadata": {"labels": {"a": "1", "a": "2"}}, "spec": {}, "spec": {"hostNetwork": true}}"#;
         let (labels, host) = read_pod(text, |v| {
-            (v.meta().labels, v.spec.get().and_then(|s| s.host_network.0))
+            (
+                v.meta().labels.clone(),
+                v.spec.get().and_then(|s| s.host_network.0),
+            )
         })
         .expect("JSON");
         assert_eq!(labels.get("a").map(String::as_str), Some("2"));

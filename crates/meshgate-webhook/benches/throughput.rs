@@ -5,8 +5,8 @@
 //!   webhook gives for the same review (same size). It reads the request body and nothing else:
 //!   the floor of TLS plus HTTP/1.1 on this machine.
 //! * **webhook**: meshgate's real [`Server`] (axum + axum-server), `/mutate/pod-gate`, a ~3 KB
-//!   Pod (`tools/bench/pod.json`) in a namespace labelled for Istio ambient from
-//!   [`Sources::fixed`], with the JSON log subscriber of the real binary at `info` (writing to a
+//!   Pod (`tools/bench/pod.json`) in a namespace labelled for Istio ambient, among 2,000 others
+//!   (half with a LimitRange) in [`Sources::fixed_with_limits`], with the JSON log subscriber of the real binary at `info` (writing to a
 //!   sink), so that the per-review span costs what it costs in a cluster.
 //!
 //! Each server runs in a child process (this binary re-executed with `MESHGATE_BENCH_ROLE`), on
@@ -38,6 +38,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use meshgate_api::{GateConfig, Profile};
 use meshgate_core::gate::{PodPlan, PodRequest, plan_pod};
+use meshgate_core::resources::ContainerLimits;
 use meshgate_core::select::Meta;
 use meshgate_testenv::measure::{cpu_time, median, memory, quantile};
 use meshgate_webhook::metrics::Metrics;
@@ -81,7 +82,26 @@ fn namespaces() -> BTreeMap<String, Meta> {
         ("istio.io/dataplane-mode", "ambient"),
         ("team", "payments"),
     ];
-    BTreeMap::from([(
+    let mut all: BTreeMap<String, Meta> = (0..OTHER_NAMESPACES)
+        .map(|i| {
+            let name = format!("team-{i}");
+            let applied = format!(
+                r#"{{"apiVersion":"v1","kind":"Namespace","metadata":{{"labels":{{"team":"{name}"}},"name":"{name}"}}}}"#
+            );
+            let meta = Meta {
+                labels: BTreeMap::from([
+                    ("kubernetes.io/metadata.name".to_owned(), name.clone()),
+                    ("team".to_owned(), name.clone()),
+                ]),
+                annotations: BTreeMap::from([(
+                    "kubectl.kubernetes.io/last-applied-configuration".to_owned(),
+                    applied,
+                )]),
+            };
+            (name, meta)
+        })
+        .collect();
+    all.insert(
         "apps".to_owned(),
         Meta {
             labels: labels
@@ -90,7 +110,27 @@ fn namespaces() -> BTreeMap<String, Meta> {
                 .collect(),
             annotations: BTreeMap::new(),
         },
-    )])
+    );
+    all
+}
+
+/// Namespaces besides the reviewed pod's in the webhook's cache, every other one with a
+/// LimitRange: the lookup per review is the one of a cluster of this size.
+const OTHER_NAMESPACES: usize = 2000;
+
+/// The webhook's sources: [`namespaces`], and a LimitRange in every other one but `apps`.
+fn sources() -> Sources {
+    let limits = (0..OTHER_NAMESPACES)
+        .step_by(2)
+        .map(|i| {
+            let range: k8s_openapi::api::core::v1::LimitRange =
+                serde_json::from_value(json!({"metadata": {"name": "limits"},
+                    "spec": {"limits": [{"type": "Container", "max": {"memory": "1Gi"}}]}}))
+                .expect("limit range");
+            (format!("team-{i}"), ContainerLimits::of(&range))
+        })
+        .collect();
+    Sources::fixed_with_limits(namespaces(), limits)
 }
 
 fn gate_config() -> GateConfig {
@@ -157,31 +197,36 @@ const STAGE_REVIEWS: u32 = 20_000;
 
 /// What the webhook does per review besides HTTP and TLS, in process with the functions its
 /// pod-gate handler calls, by stage (µs per review, mean over [`STAGE_REVIEWS`] after as many
-/// unmeasured): decode the review with the pod as its view, plan, write the answer.
-fn review_stages(body: &[u8]) -> Result<[f64; 3], String> {
+/// unmeasured): decode the review with the pod as its view, look up the namespace's metadata
+/// and LimitRanges in [`sources`], plan, write the answer.
+fn review_stages(body: &[u8]) -> Result<[f64; 4], String> {
     use meshgate_core::view::{Obj, PodView};
     let config = gate_config();
     let planner = meshgate_core::gate::Planner::new(&config);
-    let ns = namespaces().remove("apps").unwrap_or_default();
-    let mut total = [Duration::ZERO; 3];
+    let sources = sources();
+    let mut total = [Duration::ZERO; 4];
     for i in 0..2 * STAGE_REVIEWS {
         let t0 = Instant::now();
         let mut scratch = None;
         let req = meshgate_webhook::admission::decode_as::<Obj<PodView<'_>>>(body, &mut scratch)
             .map_err(|e| e.to_string())?;
         let t1 = Instant::now();
+        let ns = futures::executor::block_on(sources.namespace(&req.namespace))
+            .map_err(|e| e.to_string())?;
+        let limits = sources.limit_ranges(&req.namespace);
+        let t2 = Instant::now();
         let empty = PodView::default();
         let pod = req.object.0.as_ref().unwrap_or(&empty);
-        let plan = planner.plan_view(req.operation, &req.namespace, &ns, &[], pod);
-        let t2 = Instant::now();
+        let plan = planner.plan_view(req.operation, &req.namespace, &ns, &limits, pod);
+        let t3 = Instant::now();
         let PodPlan::Mutate { patch, .. } = plan else {
             return Err(format!("the benchmark pod is not gated: {plan:?}"));
         };
         let answer = meshgate_webhook::admission::allow(&req.uid, &patch, &[]);
         std::hint::black_box(answer);
-        let t3 = Instant::now();
+        let t4 = Instant::now();
         if i >= STAGE_REVIEWS {
-            for (sum, d) in total.iter_mut().zip([t1 - t0, t2 - t1, t3 - t2]) {
+            for (sum, d) in total.iter_mut().zip([t1 - t0, t2 - t1, t3 - t2, t4 - t3]) {
                 *sum += d;
             }
         }
@@ -196,8 +241,10 @@ fn stages_only() -> ExitCode {
     let body = review_body();
     for _ in 0..20 {
         match review_stages(&body) {
-            Ok([decode, plan, answer]) => {
-                println!("decode {decode:.2} us, plan {plan:.2} us, answer {answer:.2} us");
+            Ok([decode, lookup, plan, answer]) => {
+                println!(
+                    "decode {decode:.2} us, look up {lookup:.2} us, plan {plan:.2} us, answer {answer:.2} us"
+                );
             }
             Err(e) => {
                 eprintln!("throughput: {e}");
@@ -293,11 +340,7 @@ async fn start_webhook(certs: CertFiles) -> SocketAddr {
             .with_current_span(true)
             .try_init();
     }
-    let app = App::new(
-        gate_config(),
-        Sources::fixed(namespaces(), vec![], vec![]),
-        Metrics::new(),
-    );
+    let app = App::new(gate_config(), sources(), Metrics::new());
     let loopback: SocketAddr = "127.0.0.1:0".parse().expect("loopback address");
     let server = Server::start(
         ServerOptions {
@@ -762,11 +805,13 @@ fn run(settings: &Settings) -> Result<(), String> {
     let stages = review_stages(&body)?;
     println!(
         "the review's own work, in process on one thread ({} reviews): decode the review and \
-         the pod {:.1} µs, plan {:.1} µs, write the answer {:.1} µs; {:.1} µs in all",
+         the pod {:.1} µs, look up the namespace {:.2} µs, plan {:.1} µs, write the answer \
+         {:.1} µs; {:.1} µs in all",
         STAGE_REVIEWS,
         stages[0],
         stages[1],
         stages[2],
+        stages[3],
         stages.iter().sum::<f64>(),
     );
     println!(

@@ -36,22 +36,26 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
     let object = crate::admission::object_value(&req)?;
     // A cluster-scoped object has no namespace; a Namespace is its own (the API server sets the
     // request's namespace to its name), and may not exist yet.
-    let (namespace, labels) = if req.kind == "Namespace" {
-        (req.namespace.to_string(), policy::object_labels(&object))
+    let namespace_meta;
+    let object_labels;
+    let labels = if req.kind == "Namespace" {
+        object_labels = policy::object_labels(&object);
+        &object_labels
     } else if req.namespace.is_empty() {
-        (String::new(), Default::default())
+        object_labels = Default::default();
+        &object_labels
     } else {
-        let ns = app
+        namespace_meta = app
             .sources
             .namespace(&req.namespace)
             .await
             .map_err(|e| (500, e.to_string()))?;
-        (req.namespace.to_string(), ns.labels)
+        &namespace_meta.labels
     };
     let ctx = MatchContext {
         operation,
-        namespace: &namespace,
-        namespace_labels: &labels,
+        namespace: &req.namespace,
+        namespace_labels: labels,
     };
     let applied = policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &object, &ctx);
     let mut warnings = Vec::with_capacity(applied.failed.len());
