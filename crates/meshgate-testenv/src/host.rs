@@ -106,6 +106,19 @@ pub(crate) fn run(program: &str, args: &[&str]) -> Result<String, String> {
 /// Link names of [`ApiLink`]s: this prefix and the owning process id.
 const API_LINK_PREFIX: &str = "mgapi";
 
+/// Whether a link is a control plane's own ([`ApiLink`]), not the node's: it lives as long as
+/// its control plane, and the control planes sweep them, so a host snapshot leaves it (and its
+/// sysctls) out. (Its sysctls were in: a crashed run's state then named a link the next control
+/// plane had swept, and every later sweep failed on it.)
+fn is_api_link(name: &str) -> bool {
+    name.starts_with(API_LINK_PREFIX)
+}
+
+/// Whether a sysctl key belongs to an [`ApiLink`] (`net/ipv4/conf/mgapi123/forwarding`).
+fn is_api_link_key(key: &str) -> bool {
+    key.split('/').nth(3).is_some_and(is_api_link) && key.split('/').nth(2) == Some("conf")
+}
+
 /// A link holding the address a control plane serves pods on ([`crate::Options::serve_pods`]):
 /// the API server binds it, and pods reach it through their gateway as they reach any host
 /// address. A bridge without ports (the `dummy` link type needs a kernel module that hosts such
@@ -213,7 +226,9 @@ fn sysctl_keys() -> Vec<String> {
     .collect();
     for family in ["ipv4", "ipv6"] {
         for iface in dir_names(&Path::new("/proc/sys/net").join(family).join("conf")) {
-            keys.push(format!("net/{family}/conf/{iface}/forwarding"));
+            if !is_api_link(&iface) {
+                keys.push(format!("net/{family}/conf/{iface}/forwarding"));
+            }
         }
     }
     keys
@@ -341,11 +356,9 @@ impl HostSnapshot {
                 &run("nft", &["list", "ruleset"]).map_err(Error::Node)?,
             ));
         }
-        // A control plane's own link (`ApiLink`) is not the node's: it lives as long as the
-        // control plane, and the control planes sweep them.
         s.links = dir_names(Path::new("/sys/class/net"))
             .into_iter()
-            .filter(|l| !l.starts_with(API_LINK_PREFIX))
+            .filter(|l| !is_api_link(l))
             .collect();
         s.netns = dir_names(Path::new("/run/netns"));
         s.mounts = mount_points()
@@ -367,14 +380,15 @@ impl HostSnapshot {
     /// What differs from `self` (before) in `now`, one line each; empty when equal.
     pub fn differences(&self, now: &HostSnapshot) -> Vec<String> {
         let mut d = Vec::new();
-        for (k, v) in &self.sysctls {
+        // A snapshot written before API links were left out may hold their keys.
+        for (k, v) in self.sysctls.iter().filter(|(k, _)| !is_api_link_key(k)) {
             match now.sysctls.get(k) {
                 Some(n) if n == v => {}
                 Some(n) => d.push(format!("sysctl {k}: {v} before, {n} now")),
                 None => d.push(format!("sysctl {k}: {v} before, absent now")),
             }
         }
-        for (k, n) in &now.sysctls {
+        for (k, n) in now.sysctls.iter().filter(|(k, _)| !is_api_link_key(k)) {
             if !self.sysctls.contains_key(k) {
                 d.push(format!("sysctl {k}: absent before, {n} now"));
             }
@@ -389,7 +403,9 @@ impl HostSnapshot {
                 }
             }
         }
-        if self.nft != now.nft {
+        // Without nft before there is nothing to compare (iptables-legacy hosts; `take` refuses
+        // an nf_tables host without nft).
+        if self.nft.is_some() && self.nft != now.nft {
             d.push(format!(
                 "nft list ruleset differs:\n--- before\n{}--- now\n{}",
                 self.nft.as_deref().unwrap_or("(no nft)"),
@@ -871,5 +887,34 @@ mod tests {
         assert!(d.contains(&"sysctl net/ipv4/ip_forward: 0 before, 1 now".to_owned()));
         assert!(d.contains(&"link cni0: new".to_owned()));
         assert!(d.contains(&"path /var/lib/kubelet: absent before, present now".to_owned()));
+    }
+
+    #[test]
+    fn a_control_planes_link_and_a_missing_nft_are_not_the_nodes_changes() {
+        let mut before = HostSnapshot::default();
+        before
+            .sysctls
+            .insert("net/ipv4/conf/mgapi27450/forwarding".into(), "0".into());
+        before
+            .sysctls
+            .insert("net/ipv4/conf/eth0/forwarding".into(), "0".into());
+        let mut now = HostSnapshot::default();
+        now.sysctls
+            .insert("net/ipv6/conf/mgapi19493/forwarding".into(), "0".into());
+        now.sysctls
+            .insert("net/ipv4/conf/eth0/forwarding".into(), "0".into());
+        now.nft = Some(String::new());
+        assert!(
+            before.differences(&now).is_empty(),
+            "{:?}",
+            before.differences(&now)
+        );
+        now.sysctls
+            .insert("net/ipv4/conf/eth0/forwarding".into(), "1".into());
+        before.nft = Some("table ip filter {\n}\n".into());
+        let d = before.differences(&now);
+        assert_eq!(d.len(), 2, "the node's own changes still count: {d:?}");
+        assert!(!is_api_link_key("net/ipv4/ip_forward"));
+        assert!(is_api_link("mgapi1") && !is_api_link("cni0"));
     }
 }
