@@ -638,6 +638,13 @@ async fn a_crashed_test_process_leaves_the_host_to_the_sweeper() {
         return;
     }
     let _serial = SERIAL.lock().await;
+    // The child builds the static binaries before it starts its node. Built here first (the
+    // child inherits this environment, so its build is a no-op): the wait below is for the
+    // node, not for a cold build, which takes minutes on 2 cores (found on a fresh machine).
+    tokio::task::spawn_blocking(meshgate_testenv::image::static_binaries)
+        .await
+        .expect("build task")
+        .expect("static binaries");
     let before = HostSnapshot::take().expect("host snapshot");
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = dir.path().join("run-dir");
