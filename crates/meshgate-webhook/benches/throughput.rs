@@ -4,6 +4,12 @@
 //!   certificate, answering every request with a canned AdmissionReview response: the one the
 //!   webhook gives for the same review (same size). It reads the request body and nothing else:
 //!   the floor of TLS plus HTTP/1.1 on this machine.
+//! * **baseline+work**: the baseline server, which also does the review's own work in process
+//!   for each request with the functions the webhook's pod-gate handler calls (decode the review
+//!   and the pod, look up the namespace, plan, write the answer; [`Work`]) and answers what they
+//!   wrote. Against it the webhook's ratio is the price of its HTTP stack alone (axum-server, the
+//!   admission service's limits, metrics, the log span); against the baseline, this server's
+//!   ratio is the price of the review's work when served.
 //! * **webhook**: meshgate's real [`Server`] (axum + axum-server), `/mutate/pod-gate`, a ~3 KB
 //!   Pod (`tools/bench/pod.json`) in a namespace labelled for Istio ambient, among 2,000 others
 //!   (half with a LimitRange) in [`Sources::fixed_with_limits`], with the JSON log subscriber of the real binary at `info` (writing to a
@@ -13,9 +19,9 @@
 //! a multi-threaded tokio runtime like `meshgate webhook`, so that its RSS and CPU time are its
 //! own. The client is the same for both: `CONNECTIONS` keep-alive HTTP/1.1 connections over TLS
 //! 1.3, each sending one review at a time. Per round and server: a warm-up, then `REQUESTS`
-//! requests or `SECONDS` seconds, whichever ends first. Rounds alternate which server goes
-//! first; the ratio reported is the median of the per-round ratios (adjacent in time, so the
-//! noise of a shared machine hits both alike). After the last round the webhook child's
+//! requests or `SECONDS` seconds, whichever ends first. Each round starts with the next server
+//! in turn; a ratio reported is the median of the per-round ratios (adjacent in time, so the
+//! noise of a shared machine hits both alike). After the last round each child's
 //! `VmHWM`/`VmRSS` are read from `/proc/<pid>/status`.
 //!
 //! Run: `cargo bench -p meshgate-webhook --bench throughput`. Knobs (environment):
@@ -195,39 +201,63 @@ fn canned_response() -> Vec<u8> {
 /// Reviews timed for [`review_stages`].
 const STAGE_REVIEWS: u32 = 20_000;
 
-/// What the webhook does per review besides HTTP and TLS, in process with the functions its
-/// pod-gate handler calls, by stage (µs per review, mean over [`STAGE_REVIEWS`] after as many
-/// unmeasured): decode the review with the pod as its view, look up the namespace's metadata
+/// What the webhook does per review besides HTTP and TLS, with the functions its pod-gate
+/// handler calls: decode the review with the pod as its view, look up the namespace's metadata
 /// and LimitRanges in [`sources`], plan, write the answer.
-fn review_stages(body: &[u8]) -> Result<[f64; 4], String> {
-    use meshgate_core::view::{Obj, PodView};
-    let config = gate_config();
-    let planner = meshgate_core::gate::Planner::new(&config);
-    let sources = sources();
-    let mut total = [Duration::ZERO; 4];
-    for i in 0..2 * STAGE_REVIEWS {
-        let t0 = Instant::now();
+struct Work {
+    planner: meshgate_core::gate::Planner,
+    sources: Sources,
+}
+
+impl Work {
+    fn new() -> Self {
+        Self {
+            planner: meshgate_core::gate::Planner::new(&gate_config()),
+            sources: sources(),
+        }
+    }
+
+    /// The answer to `body`; `mark` is called after each of the first three stages.
+    fn answer(&self, body: &[u8], mut mark: impl FnMut()) -> Result<Vec<u8>, String> {
+        use meshgate_core::view::{Obj, PodView};
         let mut scratch = None;
         let req = meshgate_webhook::admission::decode_as::<Obj<PodView<'_>>>(body, &mut scratch)
             .map_err(|e| e.to_string())?;
-        let t1 = Instant::now();
-        let ns = futures::executor::block_on(sources.namespace(&req.namespace))
+        mark();
+        let ns = futures::executor::block_on(self.sources.namespace(&req.namespace))
             .map_err(|e| e.to_string())?;
-        let limits = sources.limit_ranges(&req.namespace);
-        let t2 = Instant::now();
+        let limits = self.sources.limit_ranges(&req.namespace);
+        mark();
         let empty = PodView::default();
         let pod = req.object.0.as_ref().unwrap_or(&empty);
-        let plan = planner.plan_view(req.operation, &req.namespace, &ns, &limits, pod);
-        let t3 = Instant::now();
+        let plan = self
+            .planner
+            .plan_view(req.operation, &req.namespace, &ns, &limits, pod);
+        mark();
         let PodPlan::Mutate { patch, .. } = plan else {
             return Err(format!("the benchmark pod is not gated: {plan:?}"));
         };
-        let answer = meshgate_webhook::admission::allow(&req.uid, &patch, &[]);
+        Ok(meshgate_webhook::admission::allow(&req.uid, &patch, &[]))
+    }
+}
+
+/// [`Work`] by stage, in process on one thread (µs per review, mean over [`STAGE_REVIEWS`] after
+/// as many unmeasured).
+fn review_stages(body: &[u8]) -> Result<[f64; 4], String> {
+    let work = Work::new();
+    let mut total = [Duration::ZERO; 4];
+    for i in 0..2 * STAGE_REVIEWS {
+        let mut marks = [Instant::now(); 5];
+        let mut next = 1;
+        let answer = work.answer(body, || {
+            marks[next] = Instant::now();
+            next += 1;
+        })?;
         std::hint::black_box(answer);
-        let t4 = Instant::now();
+        marks[4] = Instant::now();
         if i >= STAGE_REVIEWS {
-            for (sum, d) in total.iter_mut().zip([t1 - t0, t2 - t1, t3 - t2, t4 - t3]) {
-                *sum += d;
+            for (k, sum) in total.iter_mut().enumerate() {
+                *sum += marks[k + 1] - marks[k];
             }
         }
     }
@@ -261,13 +291,17 @@ fn stages_only() -> ExitCode {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Role {
     Baseline,
+    BaselineWork,
     Webhook,
 }
+
+const ROLES: [Role; 3] = [Role::Baseline, Role::BaselineWork, Role::Webhook];
 
 impl Role {
     fn name(self) -> &'static str {
         match self {
             Role::Baseline => "baseline",
+            Role::BaselineWork => "baseline+work",
             Role::Webhook => "webhook",
         }
     }
@@ -275,12 +309,13 @@ impl Role {
 
 fn main() -> ExitCode {
     match std::env::var(ROLE_ENV).as_deref() {
-        Ok("baseline") => serve(Role::Baseline),
-        Ok("webhook") => serve(Role::Webhook),
-        Ok(other) => {
-            eprintln!("{ROLE_ENV}={other:?}: expected baseline or webhook");
-            ExitCode::FAILURE
-        }
+        Ok(name) => match ROLES.into_iter().find(|r| r.name() == name) {
+            Some(role) => serve(role),
+            None => {
+                eprintln!("{ROLE_ENV}={name:?}: expected one of baseline, baseline+work, webhook");
+                ExitCode::FAILURE
+            }
+        },
         Err(_) if std::env::var_os(STAGES_ONLY_ENV).is_some() => stages_only(),
         Err(_) => {
             let full = std::env::args().any(|a| a == "--bench");
@@ -313,7 +348,8 @@ fn serve(role: Role) -> ExitCode {
     };
     let addr = runtime.block_on(async {
         match role {
-            Role::Baseline => start_baseline(&certs).await,
+            Role::Baseline => start_baseline(&certs, None).await,
+            Role::BaselineWork => start_baseline(&certs, Some(Arc::new(Work::new()))).await,
             Role::Webhook => start_webhook(certs).await,
         }
     });
@@ -362,7 +398,8 @@ async fn start_webhook(certs: CertFiles) -> SocketAddr {
     addr
 }
 
-async fn start_baseline(certs: &CertFiles) -> SocketAddr {
+/// The baseline server; with `work`, the baseline+work server.
+async fn start_baseline(certs: &CertFiles, work: Option<Arc<Work>>) -> SocketAddr {
     let cert = std::fs::read(&certs.cert).expect("certificate file");
     let key = std::fs::read(&certs.key).expect("key file");
     let tls = meshgate_webhook::tls::server_config(&cert, &key, certs).expect("TLS config");
@@ -378,17 +415,25 @@ async fn start_baseline(certs: &CertFiles) -> SocketAddr {
                 continue;
             };
             let _ = tcp.set_nodelay(true);
-            let (acceptor, body) = (acceptor.clone(), body.clone());
+            let (acceptor, body, work) = (acceptor.clone(), body.clone(), work.clone());
             tokio::spawn(async move {
                 let Ok(stream) = acceptor.accept(tcp).await else {
                     return;
                 };
                 let service = hyper::service::service_fn(
                     move |req: hyper::Request<hyper::body::Incoming>| {
-                        let body = body.clone();
+                        let (body, work) = (body.clone(), work.clone());
                         async move {
-                            // Read the review, answer the canned response.
-                            let _review = req.into_body().collect().await?.to_bytes();
+                            // Read the review, answer the canned response (or the work's).
+                            let review = req.into_body().collect().await?.to_bytes();
+                            let body = match &work {
+                                None => body,
+                                Some(work) => Bytes::from(
+                                    work.answer(&review, || {})
+                                        .map_err(std::io::Error::other)
+                                        .map_err(BaselineError::Http)?,
+                                ),
+                            };
                             hyper::Response::builder()
                                 .header(hyper::header::CONTENT_TYPE, "application/json")
                                 .body(Full::new(body))
@@ -422,7 +467,7 @@ impl std::fmt::Display for BaselineError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             BaselineError::Body(e) => write!(f, "reading the body: {e}"),
-            BaselineError::Http(e) => write!(f, "building the response: {e}"),
+            BaselineError::Http(e) => write!(f, "building the answer: {e}"),
         }
     }
 }
@@ -741,10 +786,14 @@ fn run(settings: &Settings) -> Result<(), String> {
     std::fs::write(&certs.cert, &serving.cert_pem).map_err(|e| e.to_string())?;
     std::fs::write(&certs.key, &serving.key_pem).map_err(|e| e.to_string())?;
 
-    let baseline = ServerChild::spawn(Role::Baseline, &certs)?;
-    let webhook = ServerChild::spawn(Role::Webhook, &certs)?;
-    let (_, webhook_idle_rss) = memory(webhook.pid())?;
-    let (_, baseline_idle_rss) = memory(baseline.pid())?;
+    let servers = ROLES
+        .into_iter()
+        .map(|role| ServerChild::spawn(role, &certs))
+        .collect::<Result<Vec<_>, _>>()?;
+    let idle_rss = servers
+        .iter()
+        .map(|s| memory(s.pid()).map(|(_, rss)| rss))
+        .collect::<Result<Vec<_>, _>>()?;
 
     let body = review_body();
     let mut request = format!(
@@ -763,10 +812,10 @@ fn run(settings: &Settings) -> Result<(), String> {
         .build()
         .map_err(|e| format!("client runtime: {e}"))?;
 
-    // Both answer the review alike (the baseline's canned body is the webhook's answer).
+    // All answer the review alike (the baseline's canned body is the webhook's answer).
     let answers = runtime.block_on(async {
         let mut out = Vec::new();
-        for server in [&baseline, &webhook] {
+        for server in &servers {
             let mut conn = Conn::open(server.addr, &tls)
                 .await
                 .map_err(|e| format!("{}: {e}", server.role.name()))?;
@@ -786,21 +835,23 @@ fn run(settings: &Settings) -> Result<(), String> {
         }
         Ok::<_, String>(out)
     })?;
-    if answers[0].2 != answers[1].2 {
-        return Err(format!(
-            "the baseline's canned answer differs from the webhook's:\n{}\n{}",
-            answers[0].2, answers[1].2
-        ));
+    for (role, _, answer) in &answers[1..] {
+        if *answer != answers[0].2 {
+            return Err(format!(
+                "the {} server's answer differs from the baseline's:\n{answer}\n{}",
+                role.name(),
+                answers[0].2
+            ));
+        }
     }
     println!(
-        "review: {} bytes of request body ({} bytes of Pod); answer: {} bytes (baseline), {} \
-         bytes (webhook), a JSON patch adding the gate init container",
+        "review: {} bytes of request body ({} bytes of Pod); answer: {} bytes, the same from \
+         every server, a JSON patch adding the gate init container",
         body.len(),
         serde_json::to_vec(&serde_json::from_str::<Value>(POD).map_err(|e| e.to_string())?)
             .map_err(|e| e.to_string())?
             .len(),
         answers[0].1,
-        answers[1].1,
     );
     let stages = review_stages(&body)?;
     println!(
@@ -827,7 +878,7 @@ fn run(settings: &Settings) -> Result<(), String> {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
     println!(
-        "{:<6} {:<9} {:>8} {:>8} {:>11} {:>9} {:>9} {:>9} {:>14} {:>14}",
+        "{:<6} {:<13} {:>8} {:>8} {:>11} {:>9} {:>9} {:>9} {:>14} {:>14}",
         "round",
         "server",
         "requests",
@@ -839,18 +890,17 @@ fn run(settings: &Settings) -> Result<(), String> {
         "server CPU/req",
         "client CPU/req"
     );
-    let mut results: Vec<(Run, Run)> = Vec::new();
+    // results[round][role index in ROLES]
+    let mut results: Vec<Vec<Run>> = Vec::new();
     for round in 0..settings.rounds {
-        let order = if round.is_multiple_of(2) {
-            [&baseline, &webhook]
-        } else {
-            [&webhook, &baseline]
-        };
-        let mut pair: Vec<(Role, Run)> = Vec::new();
-        for server in order {
+        // Each round starts with another server, so that no server always runs first.
+        let mut slots: Vec<Option<Run>> = ROLES.iter().map(|_| None).collect();
+        for k in 0..ROLES.len() {
+            let i = (round + k) % ROLES.len();
+            let server = &servers[i];
             let r = runtime.block_on(load(server, &tls, request.clone(), settings))?;
             println!(
-                "{:<6} {:<9} {:>8} {:>8.2} {:>11.0} {:>9} {:>9} {:>9} {:>14} {:>14}",
+                "{:<6} {:<13} {:>8} {:>8.2} {:>11.0} {:>9} {:>9} {:>9} {:>14} {:>14}",
                 round + 1,
                 server.role.name(),
                 r.requests,
@@ -862,94 +912,114 @@ fn run(settings: &Settings) -> Result<(), String> {
                 micros(r.server_cpu_per_request()),
                 micros(r.client_cpu / u32::try_from(r.requests.max(1)).unwrap_or(u32::MAX)),
             );
-            pair.push((server.role, r));
+            slots[i] = Some(r);
         }
-        let (mut b, mut w) = (None, None);
-        for (role, r) in pair {
-            match role {
-                Role::Baseline => b = Some(r),
-                Role::Webhook => w = Some(r),
-            }
-        }
-        results.push((b.expect("baseline run"), w.expect("webhook run")));
-    }
-    let (webhook_hwm, webhook_rss) = memory(webhook.pid())?;
-    let (baseline_hwm, baseline_rss) = memory(baseline.pid())?;
-    runtime.shutdown_timeout(Duration::from_secs(1));
-    webhook.stop();
-    baseline.stop();
-
-    let pick = |f: &dyn Fn(&Run) -> f64, webhook: bool| -> f64 {
-        median(
-            results
-                .iter()
-                .map(|(b, w)| f(if webhook { w } else { b }))
+        results.push(
+            slots
+                .into_iter()
+                .map(|r| r.expect("every server ran"))
                 .collect(),
-        )
+        );
+    }
+    let after = servers
+        .iter()
+        .map(|s| memory(s.pid()))
+        .collect::<Result<Vec<_>, _>>()?;
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    for server in servers {
+        server.stop();
+    }
+
+    let index = |role: Role| ROLES.iter().position(|r| *r == role).expect("a role");
+    let (b, k, w) = (
+        index(Role::Baseline),
+        index(Role::BaselineWork),
+        index(Role::Webhook),
+    );
+    let pick = |f: &dyn Fn(&Run) -> f64, i: usize| -> f64 {
+        median(results.iter().map(|round| f(&round[i])).collect())
     };
     let rate = |r: &Run| r.rate();
     let p50 = |r: &Run| r.quantile(0.5).as_secs_f64() * 1e6;
     let p99 = |r: &Run| r.quantile(0.99).as_secs_f64() * 1e6;
     let cpu = |r: &Run| r.server_cpu_per_request().as_secs_f64() * 1e6;
-    let per_round: Vec<f64> = results.iter().map(|(b, w)| w.rate() / b.rate()).collect();
-    let ratio = median(per_round.clone());
-    let spread = (
-        per_round.iter().copied().fold(f64::INFINITY, f64::min),
-        per_round.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-    );
-    // CPU time has 10 ms resolution: a round too short to register any is left out.
-    let cpu_ratios: Vec<f64> = results
-        .iter()
-        .filter(|(b, _)| cpu(b) > 0.0)
-        .map(|(b, w)| cpu(w) / cpu(b))
-        .collect();
-    let cpu_ratio = if cpu_ratios.is_empty() {
-        "n/a (rounds too short)".to_owned()
-    } else {
-        format!("{:.2}x", median(cpu_ratios))
+    // A ratio of throughputs, per round (adjacent in time): its median and spread, and the
+    // median ratio of server CPU per request. CPU time has 10 ms resolution: a round too short
+    // to register any is left out of the CPU ratio.
+    let compare = |num: usize, den: usize| {
+        let per_round: Vec<f64> = results
+            .iter()
+            .map(|round| round[num].rate() / round[den].rate())
+            .collect();
+        let spread = (
+            per_round.iter().copied().fold(f64::INFINITY, f64::min),
+            per_round.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        );
+        let cpu_ratios: Vec<f64> = results
+            .iter()
+            .filter(|round| cpu(&round[den]) > 0.0)
+            .map(|round| cpu(&round[num]) / cpu(&round[den]))
+            .collect();
+        let cpu_ratio = if cpu_ratios.is_empty() {
+            "n/a (rounds too short)".to_owned()
+        } else {
+            format!("{:.2}x", median(cpu_ratios))
+        };
+        (median(per_round), spread, cpu_ratio)
     };
     println!();
     println!("summary (medians over rounds)");
-    for (name, webhook) in [("baseline", false), ("webhook", true)] {
+    for (i, role) in ROLES.iter().enumerate() {
         println!(
-            "  {name:<9} {:>9.0} req/s   p50 {:>6.0} µs   p99 {:>6.0} µs   server CPU {:>5.0} µs/req",
-            pick(&rate, webhook),
-            pick(&p50, webhook),
-            pick(&p99, webhook),
-            pick(&cpu, webhook),
+            "  {:<13} {:>9.0} req/s   p50 {:>6.0} µs   p99 {:>6.0} µs   server CPU {:>5.0} µs/req",
+            role.name(),
+            pick(&rate, i),
+            pick(&p50, i),
+            pick(&p99, i),
+            pick(&cpu, i),
         );
     }
     let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
+    let (ratio, spread, cpu_ratio) = compare(w, b);
     println!(
-        "  ratio webhook/baseline: throughput {ratio:.2}x (target >= 0.80x: {}), server CPU per \
-         request {cpu_ratio}",
-        verdict(ratio >= 0.8)
-    );
-    println!(
-        "  webhook RSS: idle {:.1} MiB, after load {:.1} MiB, peak (VmHWM) {:.1} MiB (target <= \
-         32 MiB: {})",
-        webhook_idle_rss as f64 / MIB,
-        webhook_rss as f64 / MIB,
-        webhook_hwm as f64 / MIB,
-        verdict(webhook_hwm as f64 <= 32.0 * MIB)
-    );
-    println!(
-        "  baseline RSS: idle {:.1} MiB, after load {:.1} MiB, peak (VmHWM) {:.1} MiB",
-        baseline_idle_rss as f64 / MIB,
-        baseline_rss as f64 / MIB,
-        baseline_hwm as f64 / MIB,
-    );
-    println!(
-        "  ratio spread over {} rounds: {:.2}-{:.2}",
-        per_round.len(),
+        "  ratio webhook/baseline: throughput {ratio:.2}x (target >= 0.80x: {}; spread \
+         {:.2}-{:.2}), server CPU per request {cpu_ratio}",
+        verdict(ratio >= 0.8),
         spread.0,
-        spread.1
+        spread.1,
     );
+    let (stack, stack_spread, stack_cpu) = compare(w, k);
+    println!(
+        "  ratio webhook/baseline+work (the webhook's HTTP stack alone): throughput {stack:.2}x \
+         (spread {:.2}-{:.2}), server CPU per request {stack_cpu}",
+        stack_spread.0, stack_spread.1,
+    );
+    let (served, served_spread, served_cpu) = compare(k, b);
+    println!(
+        "  ratio baseline+work/baseline (the review's work, served): throughput {served:.2}x \
+         (spread {:.2}-{:.2}), server CPU per request {served_cpu}",
+        served_spread.0, served_spread.1,
+    );
+    let mib = |bytes: u64| bytes as f64 / MIB;
+    for (i, role) in ROLES.iter().enumerate() {
+        let (hwm, rss) = after[i];
+        let target = if *role == Role::Webhook {
+            format!(" (target <= 32 MiB: {})", verdict(mib(hwm) <= 32.0))
+        } else {
+            String::new()
+        };
+        println!(
+            "  {} RSS: idle {:.1} MiB, after load {:.1} MiB, peak (VmHWM) {:.1} MiB{target}",
+            role.name(),
+            mib(idle_rss[i]),
+            mib(rss),
+            mib(hwm),
+        );
+    }
     // Headline figures, one per line, for tools (issue #17's format).
     println!("RATIO webhook/baseline: {ratio:.2}");
-    println!(
-        "VALUE webhook-peak-rss-mib: {:.1}",
-        webhook_hwm as f64 / MIB
-    );
+    println!("RATIO webhook/baseline-with-work: {stack:.2}");
+    println!("RATIO baseline-with-work/baseline: {served:.2}");
+    println!("VALUE webhook-peak-rss-mib: {:.1}", mib(after[w].0));
     Ok(())
 }
