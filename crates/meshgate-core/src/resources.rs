@@ -138,8 +138,10 @@ pub fn gate_resources(
         return Ok(GateResources::default());
     }
     let qos = qos_class(spec);
-    let configured = |s: &str, what: &str| {
-        Quantity::parse(s).ok_or_else(|| NoFit(format!("initGate.{what} {s:?} is not a quantity")))
+    // The field's name is written only for the error: this runs for every gated pod.
+    let configured = |s: &str, name: &str, field: &str| {
+        Quantity::parse(s)
+            .ok_or_else(|| NoFit(format!("initGate.{name}{field} {s:?} is not a quantity")))
     };
     let mut out = GateResources::default();
     for (name, req, lim) in [
@@ -155,12 +157,12 @@ pub fn gate_resources(
             }
             QosClass::BestEffort => continue,
             QosClass::Guaranteed => {
-                let l = configured(lim, &format!("{name}Limit"))?;
+                let l = configured(lim, name, "Limit")?;
                 (l, l)
             }
             QosClass::Burstable => (
-                configured(req, &format!("{name}Request"))?,
-                configured(lim, &format!("{name}Limit"))?,
+                configured(req, name, "Request")?,
+                configured(lim, name, "Limit")?,
             ),
         };
         for r in ranges {
@@ -296,6 +298,17 @@ mod tests {
             let r = gate_resources(&gate, &spec_of(&p), &[]).unwrap();
             assert_eq!(qos_class(&spec_of(&with_gate(&p, &r))), before, "{p}");
         }
+    }
+
+    #[test]
+    fn a_configured_quantity_that_does_not_parse_is_named() {
+        let burstable = pod(json!([{"name": "a", "resources": {"requests": {"cpu": "1"}}}]));
+        let gate = InitGate {
+            memory_limit: "lots".into(),
+            ..InitGate::default()
+        };
+        let err = gate_resources(&gate, &spec_of(&burstable), &[]).unwrap_err();
+        assert_eq!(err.0, r#"initGate.memoryLimit "lots" is not a quantity"#);
     }
 
     #[test]
