@@ -242,7 +242,8 @@ impl Work {
 }
 
 /// [`Work`] by stage, in process on one thread (µs per review, mean over [`STAGE_REVIEWS`] after
-/// as many unmeasured).
+/// as many unmeasured). The last stage includes dropping the decoded review and the plan, as
+/// the server does.
 fn review_stages(body: &[u8]) -> Result<[f64; 4], String> {
     let work = Work::new();
     let mut total = [Duration::ZERO; 4];
@@ -857,6 +858,7 @@ fn run(settings: &Settings) -> Result<(), String> {
     println!(
         "the review's own work, in process on one thread ({} reviews): decode the review and \
          the pod {:.1} µs, look up the namespace {:.2} µs, plan {:.1} µs, write the answer \
+         and drop the review \
          {:.1} µs; {:.1} µs in all",
         STAGE_REVIEWS,
         stages[0],
