@@ -7,7 +7,8 @@
 #   DEBUG=1 tools/bench/webhook-profile.sh    # with line tables: inlined functions named
 #
 # Needs perf (linux-perf). The servers are told apart by what their stacks contain: the webhook
-# runs meshgate_webhook::server, the baseline the bench's start_baseline.
+# runs meshgate_webhook::server, baseline+work the bench's Work::answer, the baseline the
+# bench's start_baseline only.
 #
 # Limits: a function inlined into its caller has no frame of its own in a release build, so its
 # samples count as "the rest"; DEBUG=1 builds the bench with line tables (a separate, full build)
@@ -27,7 +28,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 MESHGATE_BENCH_ROUNDS=1 MESHGATE_BENCH_SECONDS=${SECONDS_PER_ROUND:-4} \
     timeout 300 perf record -q -F 299 -e cpu-clock --call-graph dwarf,32768 -o "$out/perf.data" \
-    -- "$bin" --bench | tail -6
+    -- "$bin" --bench | tail -9
 perf script -i "$out/perf.data" -F +pid 2>/dev/null | python3 -c '
 import collections, sys
 cats = [
@@ -51,6 +52,8 @@ def flush(pid, frames):
     text = "\n".join(frames)
     if "meshgate_webhook::server" in text:
         role[pid] = "webhook"
+    elif "Work::answer" in text:
+        role[pid] = "baseline+work"
     elif "start_baseline" in text:
         role.setdefault(pid, "baseline")
     if any(k in frames[0] for k in alloc):
