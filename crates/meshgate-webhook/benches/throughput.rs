@@ -17,16 +17,16 @@
 //!
 //! Each server runs in a child process (this binary re-executed with `MESHGATE_BENCH_ROLE`), on
 //! a multi-threaded tokio runtime like `meshgate webhook`, so that its RSS and CPU time are its
-//! own. The client is the same for both: `CONNECTIONS` keep-alive HTTP/1.1 connections over TLS
+//! own. The client is the same for all: `CONNECTIONS` keep-alive HTTP/1.1 connections over TLS
 //! 1.3, each sending one review at a time. Per round and server: a warm-up, then `REQUESTS`
 //! requests or `SECONDS` seconds, whichever ends first. Each round starts with the next server
 //! in turn; a ratio reported is the median of the per-round ratios (adjacent in time, so the
-//! noise of a shared machine hits both alike). After the last round each child's
+//! noise of a shared machine hits them alike). After the last round each child's
 //! `VmHWM`/`VmRSS` are read from `/proc/<pid>/status`.
 //!
 //! Run: `cargo bench -p meshgate-webhook --bench throughput`. Knobs (environment):
 //! `MESHGATE_BENCH_CONNECTIONS` (16), `MESHGATE_BENCH_REQUESTS` (50000), `MESHGATE_BENCH_SECONDS`
-//! (5), `MESHGATE_BENCH_ROUNDS` (3), `MESHGATE_BENCH_WARMUP` (2000),
+//! (5), `MESHGATE_BENCH_ROUNDS` (5), `MESHGATE_BENCH_WARMUP` (2000),
 //! `MESHGATE_BENCH_CLIENT_THREADS` (1), `MESHGATE_BENCH_LOG` (`json`; `none`: the webhook runs
 //! without a log subscriber). Without `--bench` (as `cargo test --benches` runs it) it does one
 //! short round as a smoke test. `MESHGATE_BENCH_STAGES_ONLY=1` runs only the review's in-process
