@@ -239,6 +239,20 @@ pub struct InitGate {
     /// target of the other family is given too where one is redirected; `meshgate-wait` uses
     /// the one the pod has a route for.
     pub primary_ip_family: IpFamily,
+    /// Which gated pods get the init container. `All`: every one. `NodeBound`: only where the
+    /// resource gate cannot hold the pod, because it is created with `spec.nodeName` and so
+    /// never meets the scheduler; where the resource gate is off, every gated pod. On a ready
+    /// node an init container that passes at once still costs the pod about half a second of
+    /// start (BENCHMARKS.md, pod start); the resource gate costs none.
+    pub scope: InitGateScope,
+}
+
+/// Which gated pods the init gate covers ([`InitGate::scope`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum InitGateScope {
+    #[default]
+    All,
+    NodeBound,
 }
 
 /// An IP family.
@@ -264,6 +278,7 @@ impl Default for InitGate {
             cpu_limit: "100m".into(),
             memory_limit: "16Mi".into(),
             primary_ip_family: IpFamily::IPv4,
+            scope: InitGateScope::All,
         }
     }
 }

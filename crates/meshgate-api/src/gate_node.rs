@@ -86,7 +86,9 @@ impl GateNode {
                 status.conditions = None;
             }
             if let Some(capacity) = status.capacity.as_mut() {
-                capacity.retain(|k, _| crate::node_gate::is_extended_resource(k));
+                // Extended resources (a gate's), and `pods`: how many exclusive devices a DRA
+                // gate offers where devices cannot be shared.
+                capacity.retain(|k, _| k == "pods" || crate::node_gate::is_extended_resource(k));
             }
         }
     }
@@ -97,6 +99,15 @@ impl GateNode {
             .as_ref()
             .and_then(|s| s.taints.as_deref())
             .unwrap_or_default()
+    }
+
+    /// The pods the node can run (`status.capacity.pods`), where it says.
+    pub fn pods(&self) -> Option<u32> {
+        self.status
+            .as_ref()
+            .and_then(|s| s.capacity.as_ref())
+            .and_then(|c| c.get("pods"))
+            .and_then(|q| q.0.parse().ok())
     }
 
     /// Whether the node's capacity lists `resource`.

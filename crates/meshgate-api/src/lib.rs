@@ -60,6 +60,10 @@ pub mod names {
     /// Pod annotation written by the init gate on every pod a profile selects: what the gate
     /// decided for the pod and why (`gated: ...` or `none: <reason>`).
     pub const GATE_VERDICT: &str = "meshgate.dev/gate";
+    /// The DRA driver of meshgate's node gates: the driver of their `ResourceSlice`s and
+    /// `DeviceClass`es, and the name the node plugin (`meshgate node`) registers with the
+    /// kubelet.
+    pub const DRA_DRIVER: &str = "gate.meshgate.dev";
     /// Field manager used for every write.
     pub const FIELD_MANAGER: &str = "meshgate";
 }

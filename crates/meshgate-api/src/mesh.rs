@@ -62,6 +62,12 @@ pub struct MeshProfile {
     pub agents: &'static [AgentRecord],
     /// How the profile's default NodeGate behaves.
     pub node_gate_mode: GateMode,
+    /// The `type` of the mesh's plugin in the node's CNI configuration, chained into the
+    /// runtime's active configuration by the mesh's CNI agent (Istio: `cni/pkg/install`
+    /// `cniconfig.go`; Linkerd: proxy-init `internal/cni/conf.go`). Both agents remove it again
+    /// when they stop (Istio ambient only when its DaemonSet goes away). The DRA node plugin
+    /// requires it before a pod's sandbox is created.
+    pub cni_plugin: &'static str,
 }
 
 const ISTIO_CNI: AgentRecord = AgentRecord {
@@ -94,6 +100,7 @@ pub const ISTIO_AMBIENT: MeshProfile = MeshProfile {
         },
     ],
     node_gate_mode: GateMode::Continuous,
+    cni_plugin: "istio-cni",
 };
 
 /// Istio sidecar mode: `istio-proxy` listens for redirected outbound TCP on 15001.
@@ -110,6 +117,7 @@ pub const ISTIO_SIDECAR: MeshProfile = MeshProfile {
     validator_container: Some("istio-validation"),
     agents: &[ISTIO_CNI],
     node_gate_mode: GateMode::Bootstrap,
+    cni_plugin: "istio-cni",
 };
 
 /// Linkerd: `linkerd-proxy` listens for redirected outbound TCP on 4140.
@@ -131,6 +139,7 @@ pub const LINKERD: MeshProfile = MeshProfile {
         daemon_set: "linkerd-cni",
     }],
     node_gate_mode: GateMode::Bootstrap,
+    cni_plugin: "linkerd-cni",
 };
 
 impl MeshProfile {

@@ -327,9 +327,37 @@ pub struct GateResource {
         "message": "the resource must be an extended resource, <domain>/<name> outside kubernetes.io, not one of the node's own"
     }]))]
     pub name: String,
+    /// `NodeStatus`: units of the resource in the node's `status.capacity`. `DRA`: devices in
+    /// a `ResourceSlice` of the node (at most one per pod the node can run, and at most
+    /// [`DRA_MAX_DEVICES`]); the controller keeps a `DeviceClass` whose `extendedResourceName`
+    /// is `name`, so pods keep the same request.
     #[serde(default = "default_count")]
     pub count: u32,
+    /// How ready nodes offer the resource.
+    #[serde(default)]
+    pub provider: ResourceProvider,
 }
+
+/// How a gate's resource is offered on ready nodes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ResourceProvider {
+    /// An extended resource in the node's `status.capacity` and `status.allocatable`, written
+    /// by the controller. The scheduler and the kubelet's admission count it.
+    #[default]
+    NodeStatus,
+    /// Dynamic resource allocation (`resource.k8s.io/v1`): a `DeviceClass` with
+    /// `extendedResourceName` and one `ResourceSlice` per ready node, published by the
+    /// controller; the node plugin (`meshgate node`) confirms on the node, before the pod's
+    /// sandbox exists, that the mesh will capture the pod. Where the API server does not
+    /// serve DRA extended resources the gate falls back to `NodeStatus` and says so
+    /// (condition `ResourceProvider`).
+    #[serde(rename = "DRA")]
+    Dra,
+}
+
+/// The most devices a DRA gate publishes for one node: one `ResourceSlice` holds at most 128
+/// (`resource.k8s.io/v1` validation).
+pub const DRA_MAX_DEVICES: u32 = 128;
 
 fn default_resource() -> String {
     crate::names::DEFAULT_RESOURCE.into()
@@ -403,6 +431,7 @@ mod tests {
             resource: Some(GateResource {
                 name: "cpu".into(),
                 count: 1,
+                provider: ResourceProvider::NodeStatus,
             }),
             ..NodeGateSpec::default()
         };
@@ -414,6 +443,7 @@ mod tests {
         spec.resource = Some(GateResource {
             name: default_resource(),
             count: 1,
+            provider: ResourceProvider::Dra,
         });
         assert_eq!(spec.problems(), Vec::<String>::new());
     }

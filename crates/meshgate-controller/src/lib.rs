@@ -17,6 +17,7 @@ pub mod agents;
 pub mod certs;
 pub mod conditions;
 pub mod discovery;
+pub mod dra;
 pub mod events;
 pub mod leader;
 pub mod metrics;

@@ -37,10 +37,10 @@ use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
-use meshgate_api::node_gate::NodeGateStatus;
+use meshgate_api::node_gate::{NodeGateStatus, ResourceProvider};
 use meshgate_api::{GateNode, NodeGate, names};
 use meshgate_core::nodegate::{
-    AgentState, NodeDecision, NodeState, decide_node, has_taint, is_retainted, may_remove,
+    AgentState, NodeDecision, NodeState, Offer, decide_node, has_taint, is_retainted, may_remove,
     node_condition, orphaned_taints, owned_annotation_patch, resource_patch, taint_patch,
     taints_of,
 };
@@ -79,7 +79,31 @@ pub struct Settings {
     /// nodes; `tools/bench/controller-heap.sh`). A handful of connections already keeps the
     /// API server busy: a node's writes take milliseconds.
     pub concurrency: u16,
+    /// The pods of meshgate's node plugin (`meshgate node`): a DRA gate offers its resource on
+    /// a node only while the plugin's pod there is Ready (registered with the kubelet), since
+    /// the kubelet cannot start a pod whose claim's driver has no plugin.
+    pub node_plugin: meshgate_api::node_gate::Agent,
 }
+
+/// The node plugin's pods in `namespace`, as `meshgate install` runs them.
+pub fn node_plugin_agent(namespace: &str) -> meshgate_api::node_gate::Agent {
+    meshgate_api::node_gate::Agent {
+        name: "node-plugin".into(),
+        namespace: namespace.into(),
+        selector: meshgate_api::LabelSelector {
+            match_labels: [
+                ("app.kubernetes.io/name".to_owned(), "meshgate".to_owned()),
+                ("app.kubernetes.io/component".to_owned(), "node".to_owned()),
+            ]
+            .into(),
+            ..Default::default()
+        },
+        daemon_set: Some(NODE_PLUGIN_DAEMONSET.into()),
+    }
+}
+
+/// The node plugin's DaemonSet.
+pub const NODE_PLUGIN_DAEMONSET: &str = "meshgate-node";
 
 /// [`Settings::concurrency`] by default.
 pub const DEFAULT_CONCURRENCY: u16 = 16;
@@ -90,6 +114,7 @@ impl Default for Settings {
             status_interval: Duration::from_secs(5),
             resync: Duration::from_secs(300),
             concurrency: DEFAULT_CONCURRENCY,
+            node_plugin: node_plugin_agent("meshgate-system"),
         }
     }
 }
@@ -107,6 +132,10 @@ struct Ctx {
     synced: AtomicBool,
     /// Nodes reconciled since the last sync or leadership gain, until all were.
     initial: Mutex<Option<HashSet<String>>>,
+    /// DRA gates: their slices and classes.
+    dra: crate::dra::Dra,
+    /// Reconciles a node again.
+    resync: mpsc::UnboundedSender<ObjectRef<GateNode>>,
     /// Re-taints reserved within a gate's budget (gate uid → nodes), so that reconciles running
     /// at the same time never exceed it before the node cache shows their writes.
     retaints: Mutex<std::collections::HashMap<String, HashSet<String>>>,
@@ -216,6 +245,36 @@ pub async fn run(
         .modify(GateNode::slim),
     )
     .applied_objects();
+    // DRA gates: the slices meshgate wrote, where the API server serves them. A slice that
+    // changes or goes (the kubelet deletes its node's slices when it starts) reconciles its node.
+    let served = crate::dra::served(&client).await;
+    let (slice_store, slice_stream) = if served {
+        let (store, writer) = reflector::store::<k8s_openapi::api::resource::v1::ResourceSlice>();
+        let trigger = trigger_tx.clone();
+        let stream = reflector::reflector(
+            writer,
+            watcher(
+                Api::all(client.clone()),
+                watcher::Config::default().labels(&crate::dra::managed_selector()),
+            )
+            .default_backoff(),
+        )
+        .touched_objects()
+        .for_each(move |s| {
+            if let Ok(slice) = s
+                && let Some(node) = slice.spec.node_name.as_deref()
+            {
+                let _ = trigger.send(ObjectRef::new(node));
+            }
+            futures::future::ready(())
+        });
+        (Some(store), futures::future::Either::Left(stream))
+    } else {
+        (
+            None,
+            futures::future::Either::Right(futures::future::pending::<()>()),
+        )
+    };
     let controller = Controller::for_stream(node_stream, nodes.clone()).with_config(
         kube::runtime::controller::Config::default().concurrency(settings.concurrency.max(1)),
     );
@@ -231,6 +290,8 @@ pub async fn run(
         settings: settings.clone(),
         synced: AtomicBool::new(false),
         initial: Mutex::new(None),
+        dra: crate::dra::Dra::new(slice_store),
+        resync: trigger_tx.clone(),
         retaints: Mutex::new(std::collections::HashMap::new()),
     });
 
@@ -243,6 +304,11 @@ pub async fn run(
         async move {
             let _ = ctx.nodes.wait_until_ready().await;
             let _ = ctx.gates.wait_until_ready().await;
+            ctx.dra.wait_until_ready().await;
+            if ctx.dra.served() {
+                ctx.agents
+                    .ensure_watch(&client, &ctx.settings.node_plugin.namespace, &trigger);
+            }
             for gate in ctx.gates.state() {
                 for a in &gate.spec.agents {
                     ctx.agents.ensure_watch(&client, &a.namespace, &trigger);
@@ -254,7 +320,9 @@ pub async fn run(
             ctx.restart_initial();
             ctx.synced.store(true, Ordering::Release);
             ctx.metrics.synced.set(1);
-            tracing::info!("caches synced: nodes, node gates, agent pods and DaemonSets");
+            tracing::info!(
+                "caches synced: nodes, node gates, agent pods and DaemonSets, resource slices"
+            );
             let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
             futures::future::pending::<()>().await;
         }
@@ -310,6 +378,7 @@ pub async fn run(
         _ = leadership => {},
         _ = status_loop => {},
         _ = sync => {},
+        _ = slice_stream => {},
     }
     agents.stop();
 }
@@ -343,7 +412,18 @@ async fn reconcile(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     let gates: Vec<Arc<NodeGate>> = ctx.gates.state().into_iter().filter(|g| live(g)).collect();
     for gate in &gates {
         let states = agent_states(&ctx.agents, gate, &node);
-        let (taints, mut decision) = decide_node(&gate.spec, &node, &states, crate::now());
+        let offer = ctx.dra.offer(gate, &name);
+        let (taints, mut decision) = decide_node(&gate.spec, &node, &states, offer, crate::now());
+        if let Offer::Dra { slice } = offer {
+            // No slice without a registered node plugin: the kubelet could not prepare the
+            // pods' claims. A slice whose plugin is gone is withdrawn.
+            let plugin = ctx
+                .agents
+                .state(&ctx.settings.node_plugin, &node, &gate.spec.taint.key);
+            if !matches!(plugin, AgentState::Ready { .. }) {
+                decision.resource = slice.then_some(false);
+            }
+        }
         tracing::debug!(node = %name, gate = %gate.name_any(), state = decision.state.as_str(), ?decision, "decided");
         if let Some(after) = decision.requeue_after {
             requeue = requeue.min(Duration::from_secs(
@@ -658,31 +738,72 @@ async fn apply(
         };
         event(ctx, &node.object_ref(&()), EventType::Normal, reason, note).await;
     }
+    let dra = ctx.dra.provider(gate) == Ok(ResourceProvider::Dra);
+    if let Some(res) = &spec.resource {
+        // The other provider's offer goes: a node that advertises the name natively is served
+        // natively (the scheduler prefers it, and the node plugin never sees the pod), and a
+        // gate that fell back to the node status keeps no slice.
+        if dra && node.advertises(&res.name) {
+            node = api
+                .patch_status(
+                    &name,
+                    &pp,
+                    &Patch::Merge(&resource_patch(&res.name, 0, false)),
+                )
+                .await
+                .map_err(write_err)?;
+        }
+        if !dra && res.provider == ResourceProvider::Dra && ctx.dra.has_slice(gate, &name) {
+            ctx.dra
+                .write_slice(&ctx.client, gate, &node, false)
+                .await
+                .map_err(write_err)?;
+        }
+    }
     if let (Some(want), Some(res)) = (d.resource, &spec.resource) {
-        let patch = resource_patch(&res.name, res.count, want);
         let op = if want { "advertise" } else { "withdraw" };
-        node = api
-            .patch_status(&name, &pp, &Patch::Merge(&patch))
-            .await
-            .map_err(|e| {
-                count(ctx, true, op);
-                write_err(e)
-            })?;
+        if dra {
+            ctx.dra
+                .write_slice(&ctx.client, gate, &node, want)
+                .await
+                .map_err(|e| {
+                    count(ctx, true, op);
+                    write_err(e)
+                })?;
+        } else {
+            let patch = resource_patch(&res.name, res.count, want);
+            node = api
+                .patch_status(&name, &pp, &Patch::Merge(&patch))
+                .await
+                .map_err(|e| {
+                    count(ctx, true, op);
+                    write_err(e)
+                })?;
+        }
         count(ctx, false, op);
+        let via = if dra { " (ResourceSlice)" } else { "" };
         let (reason, note) = if want {
             (
                 "ResourceAdvertised",
-                format!(
-                    "node gate {}: advertising {}={}",
-                    gate.name_any(),
-                    res.name,
-                    res.count
-                ),
+                if dra {
+                    format!(
+                        "node gate {}: offering {} through DRA{via}",
+                        gate.name_any(),
+                        res.name
+                    )
+                } else {
+                    format!(
+                        "node gate {}: advertising {}={}",
+                        gate.name_any(),
+                        res.name,
+                        res.count
+                    )
+                },
             )
         } else {
             (
                 "ResourceWithdrawn",
-                format!("node gate {}: withdrew {}", gate.name_any(), res.name),
+                format!("node gate {}: withdrew {}{via}", gate.name_any(), res.name),
             )
         };
         event(ctx, &node.object_ref(&()), EventType::Normal, reason, note).await;
@@ -815,6 +936,13 @@ async fn finalize(ctx: &Ctx, gate: &NodeGate) -> Result<(), Error> {
             }
         }
     }
+    ctx.dra
+        .remove_gate(&ctx.client, gate)
+        .await
+        .map_err(|source| Error::Write {
+            node: format!("(gate {} slices)", gate.name_any()),
+            source,
+        })?;
     let finalizers: Vec<String> = gate
         .finalizers()
         .iter()
@@ -878,6 +1006,20 @@ async fn status_loop(ctx: Arc<Ctx>) {
             }
             ensure_finalizer(&ctx, &gate).await;
             let gate_name = gate.name_any();
+            if let Some(why) = ctx.dra.ensure_class(&ctx.client, &gate).await {
+                event(
+                    &ctx,
+                    &gate.object_ref(&()),
+                    EventType::Warning,
+                    "DRAUnavailable",
+                    format!("falling back to the node status: {why}"),
+                )
+                .await;
+                // Nodes are decided again with the provider in effect.
+                for n in gate_nodes(&gate, &all_nodes) {
+                    let _ = ctx.resync.send(ObjectRef::from_obj(n.as_ref()));
+                }
+            }
             let status = gate_status(&ctx, &gate, &all_nodes, &mut seen_states);
             let old = gate.status.clone().unwrap_or_default();
             let degraded_now = status
@@ -978,7 +1120,8 @@ fn gate_status(
     for node in gate_nodes(gate, all_nodes) {
         status.nodes += 1;
         let states = agent_states(&ctx.agents, gate, node);
-        let (taints, d) = decide_node(&gate.spec, node, &states, now);
+        let offer = ctx.dra.offer(gate, &node.name_any());
+        let (taints, d) = decide_node(&gate.spec, node, &states, offer, now);
         let tainted = has_taint(&gate.spec, &taints);
         if tainted {
             status.held_nodes += 1;
@@ -1098,6 +1241,40 @@ fn gate_status(
                 "{} nodes re-tainted (maxRetainted {}); {} more would be: not tainted, reported",
                 retainted, gate.spec.max_retainted, status.retaint_deferred
             ),
+            generation,
+        ));
+    }
+    if let Some(res) = gate
+        .spec
+        .resource
+        .as_ref()
+        .filter(|r| r.provider == ResourceProvider::Dra)
+    {
+        let (ok, reason, message) = match ctx.dra.provider(gate) {
+            Ok(_) => (
+                true,
+                "DRA",
+                format!(
+                    "{} is offered through DRA: DeviceClass {} and a ResourceSlice per ready node; the node plugin confirms the mesh before each pod's sandbox",
+                    res.name,
+                    meshgate_core::dra::device_class_name(&gate_name)
+                ),
+            ),
+            Err(why) => (
+                false,
+                "NodeStatusFallback",
+                format!(
+                    "{} is advertised in the node status instead: {why}",
+                    res.name
+                ),
+            ),
+        };
+        conditions.push(condition(
+            &old,
+            "ResourceProvider",
+            ok,
+            reason,
+            message,
             generation,
         ));
     }

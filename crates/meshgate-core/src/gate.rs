@@ -208,8 +208,15 @@ impl Planner {
         let Some((clause, verdict)) = chosen else {
             return PodPlan::Skip(Skip::NotSelected);
         };
-        // The gate's resources must fit, or there is no gate.
+        // Some layer must be able to hold the pod, and an init gate's resources must fit.
+        let layers = layers(config, spec);
         let gate = verdict.and_then(|plan| {
+            if !layers.init && !layers.resource {
+                return Err(NoGate::NodeBound);
+            }
+            if !layers.init {
+                return Ok((plan, GateResources::default()));
+            }
             gate_resources(&config.init_gate, spec, limit_ranges)
                 .map(|resources| (plan, resources))
                 .map_err(|e| NoGate::Resources(e.0))
@@ -219,15 +226,16 @@ impl Planner {
             let desired = gate
                 .as_ref()
                 .ok()
+                .filter(|_| layers.init)
                 .map(|(plan, resources)| self.gate_container(spec, plan, resources));
             patch.extend(place_gate(spec, desired.as_ref()));
         }
-        if config.resource_gate.enabled && gate.is_ok() {
+        if layers.resource && gate.is_ok() {
             patch.extend(plan_resource_request(&config.resource_gate.resource, spec));
         }
         let verdict = gate.map(|(plan, _)| plan);
         let note = match &verdict {
-            Ok(plan) => plan.annotation(),
+            Ok(plan) => layers.annotation(plan, &config.resource_gate.resource),
             Err(no) => no.annotation(),
         };
         if meta.annotations.get(names::GATE_VERDICT) != Some(&note) {
@@ -501,6 +509,44 @@ fn place_gate(spec: &PodSpecView<'_>, desired: Option<&DesiredGate>) -> JsonPatc
 
 /// Requests (and limits, as the API server requires for extended resources) one unit of the
 /// gate resource in the first app container, unless it asks for it already.
+/// Which layers guard a gated pod (the verdict annotation names them).
+///
+/// * The **resource** request holds a pod in the scheduler until a ready node offers the gate
+///   resource (node status or DRA): no cost on a ready node. It is never given to a pod created
+///   with `spec.nodeName`: such a pod never meets the scheduler, so the request can only make
+///   the kubelet reject it, never hold it.
+/// * The **init** container holds the pod on its node until the mesh captures it, also where
+///   nothing else can (a pod bound by `nodeName`), at about half a second of start on every
+///   node. With `initGate.scope: NodeBound` and the resource gate on, only node-bound pods get
+///   it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Layers {
+    pub init: bool,
+    pub resource: bool,
+}
+
+pub(crate) fn layers(config: &GateConfig, spec: &PodSpecView<'_>) -> Layers {
+    let bound = spec.node_name.as_deref().is_some_and(|n| !n.is_empty());
+    let resource = config.resource_gate.enabled && !bound;
+    let init = config.init_gate.enabled
+        && (config.init_gate.scope == meshgate_api::config::InitGateScope::All
+            || !config.resource_gate.enabled
+            || bound);
+    Layers { init, resource }
+}
+
+impl Layers {
+    /// `gated: <the init gate's arguments>`, `gated: resource <name>`, or both
+    /// (`gated: <arguments>; resource <name>`).
+    fn annotation(self, plan: &GatePlan, resource: &str) -> String {
+        match (self.init, self.resource) {
+            (true, true) => format!("{}; resource {resource}", plan.annotation()),
+            (false, true) => format!("gated: resource {resource}"),
+            _ => plan.annotation(),
+        }
+    }
+}
+
 fn plan_resource_request(resource: &str, spec: &PodSpecView<'_>) -> JsonPatch {
     let mut patch = JsonPatch::default();
     let Some(container) = spec
@@ -752,6 +798,49 @@ mod tests {
             json!({"cpu": "1", "meshgate.dev/mesh-ready": "1"})
         );
         assert_eq!(r["limits"], json!({"meshgate.dev/mesh-ready": "1"}));
+    }
+
+    #[test]
+    fn with_the_resource_gate_the_init_gate_guards_only_pods_bound_to_a_node() {
+        let mut c = config();
+        c.resource_gate.enabled = true;
+        c.init_gate.scope = meshgate_api::config::InitGateScope::NodeBound;
+        let note = |out: &Value| out["metadata"]["annotations"][names::GATE_VERDICT].clone();
+        // Scheduled: the request alone, no init container, and the verdict says so.
+        let out = mutated(&c, &pod());
+        assert!(out["spec"]["initContainers"].is_null(), "{out}");
+        assert_eq!(
+            out["spec"]["containers"][0]["resources"]["requests"]["meshgate.dev/mesh-ready"],
+            "1"
+        );
+        assert_eq!(note(&out), "gated: resource meshgate.dev/mesh-ready");
+        assert_eq!(mutated(&c, &out), out, "idempotent");
+        // Bound by nodeName: never meets the scheduler, so the init gate and no request.
+        let mut bound = pod();
+        bound["spec"]["nodeName"] = json!("node-1");
+        let out = mutated(&c, &bound);
+        assert_eq!(init_names(&out), ["meshgate-wait"]);
+        assert!(out["spec"]["containers"][0]["resources"].is_null(), "{out}");
+        assert!(
+            note(&out)
+                .as_str()
+                .is_some_and(|n| n.starts_with("gated: --") && !n.contains("resource")),
+            "{out}"
+        );
+        // Without the init gate a bound pod has no layer, and the verdict names why.
+        c.init_gate.enabled = false;
+        assert_eq!(note(&mutated(&c, &bound)), "none: node-bound");
+        // Scope All: both layers, both named.
+        let mut all = config();
+        all.resource_gate.enabled = true;
+        let out = mutated(&all, &pod());
+        assert_eq!(init_names(&out), ["meshgate-wait"]);
+        assert!(
+            note(&out)
+                .as_str()
+                .is_some_and(|n| n.ends_with("; resource meshgate.dev/mesh-ready")),
+            "{out}"
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! on fixtures.
 
 pub mod capture;
+pub mod dra;
 pub mod gate;
 pub mod kyverno;
 pub mod mesh;

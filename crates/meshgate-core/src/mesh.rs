@@ -44,6 +44,9 @@ pub enum NoGate {
     Unreadable(String),
     /// No gate resources fit the namespace's LimitRanges and the pod's QoS class.
     Resources(String),
+    /// The pod is created bound to a node (`spec.nodeName`), so the resource gate cannot hold
+    /// it, and the init gate is off.
+    NodeBound,
 }
 
 impl NoGate {
@@ -62,6 +65,7 @@ impl NoGate {
             NoGate::NothingRedirected => "nothing-redirected",
             NoGate::Unreadable(_) => "unreadable-annotation",
             NoGate::Resources(_) => "limit-range",
+            NoGate::NodeBound => "node-bound",
         }
     }
 

@@ -168,6 +168,14 @@ pub fn taints_of(node: &GateNode) -> Vec<Taint> {
     node.taints().to_vec()
 }
 
+/// How the gate's resource is offered on a node, as the caller sees it: in the node's status,
+/// or (DRA, where the API server serves it) by the gate's `ResourceSlice` for the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offer {
+    NodeStatus,
+    Dra { slice: bool },
+}
+
 /// The gate's decision for a node as it is now, from the node and its agents' states: the one
 /// place that turns a Node into a [`NodeObservation`] (the controller's reconcile and status,
 /// and `meshgate status`, all call it). Returns the node's taints too.
@@ -175,14 +183,15 @@ pub fn decide_node(
     spec: &NodeGateSpec,
     node: &GateNode,
     agents: &[AgentState],
+    offer: Offer,
     now: i64,
 ) -> (Vec<Taint>, NodeDecision) {
     let empty = BTreeMap::new();
     let taints = taints_of(node);
-    let resource_advertised = spec
-        .resource
-        .as_ref()
-        .is_some_and(|r| node.advertises(&r.name));
+    let resource_advertised = spec.resource.as_ref().is_some_and(|r| match offer {
+        Offer::NodeStatus => node.advertises(&r.name),
+        Offer::Dra { slice } => slice,
+    });
     let decision = decide(
         spec,
         &NodeObservation {
@@ -797,6 +806,7 @@ mod tests {
             resource: Some(GateResource {
                 name: "meshgate.dev/mesh-ready".into(),
                 count: 100,
+                provider: Default::default(),
             }),
             ..NodeGateSpec::default()
         }

@@ -365,6 +365,9 @@ impl<'a> From<MetaIn<'a>> for MetaView<'a> {
 pub struct PodSpecView<'a> {
     #[serde(rename = "hostNetwork")]
     pub host_network: Bool,
+    /// `spec.nodeName`: set at creation, the pod is bound without the scheduler.
+    #[serde(borrow, rename = "nodeName")]
+    pub node_name: Str<'a>,
     #[serde(borrow, rename = "initContainers")]
     pub init_containers: List<Obj<ContainerView<'a>>>,
     #[serde(borrow)]

@@ -120,6 +120,7 @@ fn gate_spec() -> impl Strategy<Value = NodeGateSpec> {
                     resource: resource.then(|| GateResource {
                         name: names::DEFAULT_RESOURCE.into(),
                         count: 100,
+                        provider: Default::default(),
                     }),
                     ..NodeGateSpec::default()
                 }

@@ -305,6 +305,8 @@ pub struct RealNode {
     admin_kubeconfig: PathBuf,
     containerd: Option<Process>,
     kubelet: Option<Process>,
+    /// How the kubelet was started, to start it again ([`RealNode::restart_kubelet`]).
+    kubelet_args: Vec<String>,
     controller_manager: Option<Process>,
     proxy: Option<Process>,
     kubelet_healthz: u16,
@@ -390,6 +392,7 @@ impl RealNode {
             admin_kubeconfig: cp.kubeconfig_path.clone(),
             containerd: None,
             kubelet: None,
+            kubelet_args: Vec::new(),
             controller_manager: None,
             proxy: None,
             kubelet_healthz: 0,
@@ -570,20 +573,15 @@ impl RealNode {
             &kubelet_config(&d, &self.socket, &cp.ca_file(), port, healthz),
         )?;
         let t = Instant::now();
-        let kubelet = Process::spawn_with_env(
-            "kubelet",
-            &self.tools.node_bin.join("kubelet"),
-            &[
-                format!("--config={}", kubelet_config.display()),
-                format!("--kubeconfig={}", kubelet_kc.display()),
-                format!("--root-dir={}", d.join("kubelet/root").display()),
-                format!("--cert-dir={}", d.join("kubelet/pki").display()),
-                format!("--hostname-override={name}"),
-                "--v=2".into(),
-            ],
-            &env,
-            &d.join("logs/kubelet.log"),
-        )?;
+        self.kubelet_args = vec![
+            format!("--config={}", kubelet_config.display()),
+            format!("--kubeconfig={}", kubelet_kc.display()),
+            format!("--root-dir={}", d.join("kubelet/root").display()),
+            format!("--cert-dir={}", d.join("kubelet/pki").display()),
+            format!("--hostname-override={name}"),
+            "--v=2".into(),
+        ];
+        let kubelet = self.spawn_kubelet()?;
         self.kubelet = Some(kubelet);
         let nodes: Api<Node> = Api::all(client.clone());
         let mut cidr_at = None;
@@ -643,6 +641,39 @@ impl RealNode {
             self.proxy = Some(p);
             self.proxy_healthz = Some(healthz);
         }
+        Ok(())
+    }
+
+    fn spawn_kubelet(&self) -> Result<Process, Error> {
+        let path = host::child_path();
+        Process::spawn_with_env(
+            "kubelet",
+            &self.tools.node_bin.join("kubelet"),
+            &self.kubelet_args,
+            &[("PATH", path.as_os_str())],
+            &self.run_dir.join("logs/kubelet.log"),
+        )
+    }
+
+    /// The kubelet's root directory (`plugins_registry`, `plugins`, pods).
+    pub fn kubelet_root(&self) -> PathBuf {
+        self.run_dir.join("kubelet/root")
+    }
+
+    /// Stops the kubelet (SIGTERM, as a service manager does) and starts it again with the same
+    /// flags; waits until its health endpoint answers again. Containers keep running.
+    pub async fn restart_kubelet(&mut self) -> Result<(), Error> {
+        if let Some(k) = self.kubelet.take() {
+            k.terminate();
+        }
+        let kubelet = self.spawn_kubelet()?;
+        crate::wait_http(
+            &kubelet,
+            &format!("http://127.0.0.1:{}/healthz", self.kubelet_healthz),
+            Duration::from_secs(60),
+        )
+        .await?;
+        self.kubelet = Some(kubelet);
         Ok(())
     }
 

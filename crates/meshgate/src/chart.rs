@@ -147,6 +147,8 @@ pub fn options(profile: &str, repair: Option<RepairAction>, taint: &str) -> Inst
         // The chart's templates cannot list LimitRanges or run discovery at render time; the
         // native gate is `meshgate install`'s.
         pod_gate: PodGate::Webhook,
+        strategy: crate::install::Strategy::default(),
+        node_paths: Default::default(),
         repair,
         webhook_ingress_from: Vec::new(),
     }

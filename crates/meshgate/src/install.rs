@@ -34,6 +34,10 @@ pub struct InstallOptions {
     pub node_taint: NodeTaint,
     /// Where the init gate is decided (`--pod-gate`).
     pub pod_gate: PodGate,
+    /// What holds mesh pods besides the startup taint (`--strategy`).
+    pub strategy: Strategy,
+    /// Where the node plugin finds the kubelet and the CNI configuration on the nodes.
+    pub node_paths: NodePaths,
     /// The repair loop (`None`: off) and what it may do to pods: `label` them, or `delete`
     /// them. The controller's RBAC grants pod writes only for this.
     pub repair: Option<RepairAction>,
@@ -79,6 +83,66 @@ impl NodeTaint {
     }
 }
 
+/// What holds a mesh pod back, besides the startup taint that every strategy puts on new nodes
+/// (`--strategy`; docs/design.md "Choosing the layers", with the pod start each costs on a
+/// ready node, BENCHMARKS.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Strategy {
+    /// Mesh pods request the gate resource, offered through DRA: a `DeviceClass` with
+    /// `extendedResourceName` and a `ResourceSlice` per ready node, and the node plugin
+    /// (`meshgate node`, a DaemonSet) confirms the mesh on the node before each pod's sandbox
+    /// exists. Where the API server does not serve DRA the controller falls back to the node
+    /// status. The init gate only for pods created bound to a node. Costs a pod on a ready node
+    /// the scheduler's claim and the kubelet's prepare (about 50 ms here, BENCHMARKS.md).
+    Dra,
+    /// Mesh pods request the gate resource, which the controller advertises in ready nodes'
+    /// status. The init gate only for pods created bound to a node. The default: it costs a pod
+    /// on a ready node nothing measurable (BENCHMARKS.md, "Pod start").
+    #[default]
+    Resource,
+    /// The init gate (`meshgate-wait`) in every mesh pod: it sees the mesh capture the pod
+    /// itself, on any node, at about half a second of start per pod.
+    Pod,
+}
+
+impl Strategy {
+    /// `--strategy dra|resource|pod`.
+    pub fn choose(flag: &str) -> anyhow::Result<Self> {
+        Ok(match flag {
+            "dra" => Strategy::Dra,
+            "resource" => Strategy::Resource,
+            "pod" => Strategy::Pod,
+            other => anyhow::bail!("--strategy {other:?}: expected dra, resource or pod"),
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Strategy::Dra => "dra",
+            Strategy::Resource => "resource",
+            Strategy::Pod => "pod",
+        }
+    }
+
+    pub fn describe(self) -> String {
+        match self {
+            Strategy::Dra => format!(
+                "DRA: mesh pods request {} (DeviceClass, a ResourceSlice per ready node, the node plugin checks before each sandbox); meshgate-wait only in pods bound to a node",
+                names::DEFAULT_RESOURCE
+            ),
+            Strategy::Resource => format!(
+                "resource: mesh pods request {}, advertised by ready nodes; meshgate-wait only in pods bound to a node",
+                names::DEFAULT_RESOURCE
+            ),
+            Strategy::Pod => "pod: meshgate-wait in every mesh pod".into(),
+        }
+    }
+
+    fn resource(self) -> bool {
+        self != Strategy::Pod
+    }
+}
+
 /// Where the init gate is decided (`--pod-gate`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PodGate {
@@ -95,9 +159,18 @@ impl PodGate {
     /// `--pod-gate native|webhook|auto`: `auto` picks the native gate where the API server
     /// serves `MutatingAdmissionPolicy` (`served`, from discovery) and the profile has clauses
     /// CEL can decide, else the webhook.
-    pub fn choose(flag: &str, served: Option<PolicyApi>, profile: &str) -> anyhow::Result<Self> {
-        let expressible =
-            meshgate_core::native_gate::expressible(&gate_config(profile, "meshgate-system", "x")?);
+    pub fn choose(
+        flag: &str,
+        served: Option<PolicyApi>,
+        profile: &str,
+        strategy: Strategy,
+    ) -> anyhow::Result<Self> {
+        let expressible = meshgate_core::native_gate::expressible(&gate_config_for(
+            profile,
+            "meshgate-system",
+            "x",
+            strategy,
+        )?);
         Ok(match (flag, served, expressible) {
             ("webhook", _, _) => PodGate::Webhook,
             ("native" | "auto", Some(api), Ok(())) => PodGate::Native(api),
@@ -158,20 +231,35 @@ pub fn mesh_profile(profile: &str) -> anyhow::Result<Profile> {
     })
 }
 
-/// The gate configuration of a profile.
+/// The gate configuration of a profile, with the default strategy.
 pub fn gate_config(profile: &str, namespace: &str, image: &str) -> anyhow::Result<GateConfig> {
+    gate_config_for(profile, namespace, image, Strategy::default())
+}
+
+/// The gate configuration of a profile and strategy.
+pub fn gate_config_for(
+    profile: &str,
+    namespace: &str,
+    image: &str,
+    strategy: Strategy,
+) -> anyhow::Result<GateConfig> {
     let mut config = GateConfig {
         profiles: vec![mesh_profile(profile)?],
         ..GateConfig::default()
     };
     config.excluded_namespaces = vec!["kube-system".into(), namespace.into()];
     config.init_gate.image = image.into();
+    if strategy.resource() {
+        config.resource_gate.enabled = true;
+        config.init_gate.scope = meshgate_api::config::InitGateScope::NodeBound;
+    }
     config.validate()?;
     Ok(config)
 }
 
-/// The default NodeGate of a profile: the mesh's agents, from its record.
-fn default_gate(profile: &str) -> anyhow::Result<NodeGate> {
+/// The default NodeGate of a profile: the mesh's agents, from its record, and the strategy's
+/// resource.
+fn default_gate(profile: &str, strategy: Strategy) -> anyhow::Result<NodeGate> {
     let record = mesh_profile(profile)?.record();
     let agents: Vec<Value> = record
         .agents
@@ -181,14 +269,23 @@ fn default_gate(profile: &str) -> anyhow::Result<NodeGate> {
                    "selector": {"matchLabels": {a.label.0: a.label.1}}, "daemonSet": a.daemon_set})
         })
         .collect();
-    let spec = json!({"agents": agents, "mode": record.node_gate_mode});
+    let mut spec = json!({"agents": agents, "mode": record.node_gate_mode});
+    match strategy {
+        Strategy::Dra => {
+            spec["resource"] = json!({"name": names::DEFAULT_RESOURCE, "provider": "DRA"});
+        }
+        Strategy::Resource => {
+            spec["resource"] = json!({"name": names::DEFAULT_RESOURCE, "provider": "NodeStatus"});
+        }
+        Strategy::Pod => {}
+    }
     Ok(NodeGate::new("mesh-agents", serde_json::from_value(spec)?))
 }
 
 /// Every manifest, in apply order.
 pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     let ns = o.namespace.as_str();
-    let config = gate_config(&o.profile, ns, &o.image)?;
+    let config = gate_config_for(&o.profile, ns, &o.image, o.strategy)?;
     let mut out = vec![
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": meta(ns, None, "namespace")}),
     ];
@@ -224,6 +321,19 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingadmissionpolicies", "mutatingadmissionpolicybindings"], "verbs": ["create", "patch", "delete"]},
     ]);
     let mut controller_rules = controller_rules;
+    if let Some(rules) = controller_rules.as_array_mut() {
+        // DRA gates: the controller watches the slices it wrote wherever the API server serves
+        // them; it writes slices and device classes only for a DRA strategy.
+        let verbs = if o.strategy == Strategy::Dra {
+            json!(["list", "watch", "create", "update", "delete"])
+        } else {
+            json!(["list", "watch"])
+        };
+        rules.push(json!({"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": verbs}));
+        if o.strategy == Strategy::Dra {
+            rules.push(json!({"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["patch", "delete"]}));
+        }
+    }
     if let PodGate::Native(_) = o.pod_gate
         && let Some(rules) = controller_rules.as_array_mut()
     {
@@ -358,6 +468,16 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
             json!([])
         },
     ));
+    if o.strategy == Strategy::Dra {
+        out.push(json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta("meshgate-node", Some(ns), "node"),
+            "automountServiceAccountToken": false}));
+        out.push(node_plugin(
+            ns,
+            &o.image,
+            mesh_profile(&o.profile)?.record(),
+            &o.node_paths,
+        ));
+    }
     // Registration.
     let mut mwc = webhook_configuration(&Registration {
         name: "meshgate",
@@ -378,7 +498,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     mwc["metadata"]["labels"] = labels("webhook");
     out.push(mwc);
     // Defaults of the profile.
-    let gate = default_gate(&o.profile)?;
+    let gate = default_gate(&o.profile, o.strategy)?;
     let mut g = serde_json::to_value(&gate)?;
     g["metadata"]["labels"] = labels("defaults");
     out.push(g);
@@ -395,6 +515,101 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     }
     out.extend(profile_policies(&o.profile)?);
     Ok(out)
+}
+
+/// Where the node plugin finds the kubelet and the CNI configuration on the nodes
+/// (`--kubelet-root`, `--cni-conf-dir`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodePaths {
+    /// The kubelet's root directory, where the node plugin registers (`plugins_registry`) and
+    /// serves (`plugins/<driver>`).
+    pub kubelet_root: String,
+    /// The directory the container runtime reads CNI configuration from.
+    pub cni_conf_dir: String,
+    /// The mesh's CNI plugin type the node plugin looks for; `None`: the profile's.
+    pub cni_plugin: Option<String>,
+}
+
+impl Default for NodePaths {
+    fn default() -> Self {
+        Self {
+            kubelet_root: "/var/lib/kubelet".into(),
+            cni_conf_dir: "/etc/cni/net.d".into(),
+            cni_plugin: None,
+        }
+    }
+}
+/// The node plugin's health port (host network: it reads the agents' readiness on the host).
+pub const NODE_PLUGIN_HEALTH_PORT: u16 = 9813;
+
+/// The node plugin's DaemonSet (`meshgate node`): on every node, tolerating every taint (it
+/// must run on held nodes), on the host network (where `--ready-url`s of host-network agents
+/// answer; the profiles' agents are not on it, so the plugin checks the CNI configuration), as
+/// root only to create its sockets in the kubelet's directories, with no capability, no API
+/// token and a read-only root file system.
+fn node_plugin(
+    ns: &str,
+    image: &str,
+    record: &meshgate_api::MeshProfile,
+    paths: &NodePaths,
+) -> Value {
+    let root = paths.kubelet_root.as_str();
+    let selector =
+        json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": "node"});
+    let args = vec![
+        "node".to_owned(),
+        "--kubelet-root".to_owned(),
+        root.to_owned(),
+        "--cni-conf-dir".to_owned(),
+        "/host/cni/net.d".to_owned(),
+        "--cni-plugin".to_owned(),
+        paths
+            .cni_plugin
+            .clone()
+            .unwrap_or_else(|| record.cni_plugin.to_owned()),
+        "--health-addr".to_owned(),
+        format!("127.0.0.1:{NODE_PLUGIN_HEALTH_PORT}"),
+        "--log-json".to_owned(),
+    ];
+    json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": meta(meshgate_controller::nodegate::NODE_PLUGIN_DAEMONSET, Some(ns), "node"),
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}},
+            "template": {
+                "metadata": {"labels": {"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": "node", names::OPT_OUT: "false"}},
+                "spec": {
+                    "serviceAccountName": "meshgate-node",
+                    "automountServiceAccountToken": false,
+                    "hostNetwork": true,
+                    "priorityClassName": "system-node-critical",
+                    "nodeSelector": {"kubernetes.io/os": "linux"},
+                    "tolerations": [{"operator": "Exists"}],
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [{
+                        "name": "node",
+                        "image": image,
+                        "args": args,
+                        "readinessProbe": {"httpGet": {"host": "127.0.0.1", "path": "/readyz", "port": NODE_PLUGIN_HEALTH_PORT}, "periodSeconds": 2},
+                        "livenessProbe": {"httpGet": {"host": "127.0.0.1", "path": "/healthz", "port": NODE_PLUGIN_HEALTH_PORT}, "periodSeconds": 10},
+                        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+                        "securityContext": {"runAsUser": 0, "readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
+                        "volumeMounts": [
+                            {"name": "registry", "mountPath": format!("{root}/plugins_registry")},
+                            {"name": "plugins", "mountPath": format!("{root}/plugins")},
+                            {"name": "cni", "mountPath": "/host/cni/net.d", "readOnly": true},
+                        ],
+                    }],
+                    "volumes": [
+                        {"name": "registry", "hostPath": {"path": format!("{root}/plugins_registry"), "type": "DirectoryOrCreate"}},
+                        {"name": "plugins", "hostPath": {"path": format!("{root}/plugins"), "type": "DirectoryOrCreate"}},
+                        {"name": "cni", "hostPath": {"path": paths.cni_conf_dir, "type": "DirectoryOrCreate"}},
+                    ],
+                },
+            },
+        },
+    })
 }
 
 /// The MutationPolicies a profile installs.

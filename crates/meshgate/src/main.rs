@@ -55,6 +55,37 @@ enum Command {
         #[arg(long, default_value_t = meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT)]
         max_in_flight: usize,
     },
+    /// Run the DRA gate's node plugin (a DaemonSet): registers with the kubelet as the driver
+    /// of meshgate's gate devices and, before the kubelet creates a pod's sandbox, waits until
+    /// the mesh will capture the pod on this node.
+    Node {
+        /// The DRA driver (the gates' ResourceSlices and DeviceClasses name it).
+        #[arg(long, default_value = meshgate_api::names::DRA_DRIVER)]
+        driver: String,
+        /// The kubelet's root directory (its `--root-dir`).
+        #[arg(long, default_value = meshgate_node::DEFAULT_KUBELET_ROOT)]
+        kubelet_root: PathBuf,
+        /// The container runtime's CNI configuration directory.
+        #[arg(long, default_value = meshgate_node::DEFAULT_CNI_CONF_DIR)]
+        cni_conf_dir: PathBuf,
+        /// The mesh's CNI plugin type that the active CNI configuration must chain.
+        #[arg(long)]
+        cni_plugin: Option<String>,
+        /// A URL that must answer 2xx (plain http://IP:PORT/path; repeatable): an agent's
+        /// readiness on the host network.
+        #[arg(long = "ready-url")]
+        ready_urls: Vec<String>,
+        /// How long the kubelet's prepare call waits for the mesh before it fails (and the
+        /// kubelet tries again at the pod's next sync, about a minute later). Below 45 s.
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        prepare_wait: Duration,
+        /// How often a waiting prepare checks the node again.
+        #[arg(long, default_value = "100ms", value_parser = parse_duration)]
+        poll: Duration,
+        /// Plain HTTP for /healthz and /readyz (ready once the kubelet registered the plugin).
+        #[arg(long, default_value = "127.0.0.1:9813")]
+        health_addr: SocketAddr,
+    },
     /// Run the controllers (node gate), leader-elected.
     Controller {
         /// Namespace of the leader Lease; empty disables leader election.
@@ -185,6 +216,23 @@ enum Command {
         /// server serves the policy API and the profile has such clauses; without --apply: v1).
         #[arg(long, default_value = "auto", value_parser = ["native", "webhook", "auto"])]
         pod_gate: String,
+        /// What holds mesh pods besides the startup taint on new nodes: `dra` (a DRA device per
+        /// ready node and the node plugin's check before each pod's sandbox), `resource` (an
+        /// extended resource in ready nodes' status), or `pod` (the meshgate-wait init
+        /// container in every mesh pod). With `dra` and `resource`, meshgate-wait guards only
+        /// pods created bound to a node.
+        #[arg(long, default_value = meshgate::install::Strategy::default().as_str(), value_parser = ["dra", "resource", "pod"])]
+        strategy: String,
+        /// The kubelet's root directory on the nodes (the node plugin registers there).
+        #[arg(long, default_value = "/var/lib/kubelet")]
+        kubelet_root: String,
+        /// The nodes' CNI configuration directory (the node plugin reads it).
+        #[arg(long, default_value = "/etc/cni/net.d")]
+        cni_conf_dir: String,
+        /// The CNI plugin type the node plugin requires in the nodes' CNI configuration
+        /// (default: the profile mesh's, e.g. `istio-cni`).
+        #[arg(long)]
+        cni_plugin: Option<String>,
         /// Run the controller's repair loop for pods whose gate timed out, and grant it the pod
         /// writes it needs: `label` (patch) or `delete` (patch and delete). Off by default.
         #[arg(long, value_parser = ["label", "delete"])]
@@ -383,6 +431,32 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             server.shutdown(Duration::from_secs(20)).await?;
             Ok(())
         }
+        Command::Node {
+            driver,
+            kubelet_root,
+            cni_conf_dir,
+            cni_plugin,
+            ready_urls,
+            prepare_wait,
+            poll,
+            health_addr,
+        } => {
+            meshgate_node::run(
+                meshgate_node::Settings {
+                    driver,
+                    kubelet_root,
+                    cni_conf_dir,
+                    cni_plugin,
+                    ready_urls,
+                    prepare_wait,
+                    poll,
+                    health_addr,
+                },
+                run::shutdown_signal(),
+            )
+            .await?;
+            Ok(())
+        }
         Command::Controller {
             lease_namespace,
             lease_name,
@@ -438,6 +512,13 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     health_addr: Some(health_addr),
                     node_gate: meshgate_controller::nodegate::Settings {
                         concurrency: node_gate_concurrency,
+                        node_plugin: meshgate_controller::nodegate::node_plugin_agent(
+                            if lease_namespace_for_certs.is_empty() {
+                                "meshgate-system"
+                            } else {
+                                &lease_namespace_for_certs
+                            },
+                        ),
                         ..Default::default()
                     },
                     certs: manage_certs.then(|| {
@@ -533,10 +614,15 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             dry_run,
             node_taint,
             pod_gate,
+            strategy,
+            kubelet_root,
+            cni_conf_dir,
+            cni_plugin,
             repair,
             webhook_ingress_from,
             kubeconfig,
         } => {
+            let strategy = meshgate::install::Strategy::choose(&strategy)?;
             let client = if apply {
                 Some(client_for(kubeconfig).await?)
             } else {
@@ -549,14 +635,22 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             };
             let node_taint = meshgate::install::NodeTaint::choose(&node_taint, served)?;
             eprintln!("node taint at registration: {}", node_taint.describe());
-            let pod_gate = meshgate::install::PodGate::choose(&pod_gate, served, &profile)?;
+            let pod_gate =
+                meshgate::install::PodGate::choose(&pod_gate, served, &profile, strategy)?;
             eprintln!("pod gate: {}", pod_gate.describe());
+            eprintln!("strategy: {}", strategy.describe());
             let docs = meshgate::install::render(&meshgate::install::InstallOptions {
                 profile,
                 namespace,
                 image,
                 node_taint,
                 pod_gate,
+                strategy,
+                node_paths: meshgate::install::NodePaths {
+                    kubelet_root,
+                    cni_conf_dir,
+                    cni_plugin,
+                },
                 repair: repair.map(|r| {
                     if r == "delete" {
                         meshgate::install::RepairAction::Delete
@@ -679,4 +773,15 @@ fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
         .parse::<u64>()
         .map(|n| std::time::Duration::from_secs(n * unit))
         .map_err(|_| format!("{s:?}: expected seconds, e.g. 120s or 2m"))
+}
+
+/// A duration: `250ms`, `30s` or `2m`.
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    if let Some(ms) = s.strip_suffix("ms") {
+        return ms
+            .parse::<u64>()
+            .map(std::time::Duration::from_millis)
+            .map_err(|_| format!("{s:?}: expected a duration, e.g. 100ms, 30s or 2m"));
+    }
+    parse_seconds(s).map_err(|_| format!("{s:?}: expected a duration, e.g. 100ms, 30s or 2m"))
 }

@@ -277,6 +277,42 @@ pub async fn node_rows(
     nodes: &[GateNode],
     now: i64,
 ) -> anyhow::Result<Vec<NodeRow>> {
+    // DRA gates' slices, as the controller reads them; where none can be listed (DRA not
+    // served), gates are decided as the controller then does: on the node status.
+    let dra = gates.iter().any(|g| {
+        g.spec
+            .resource
+            .as_ref()
+            .is_some_and(|r| r.provider == meshgate_api::node_gate::ResourceProvider::Dra)
+    });
+    let slices: Option<std::collections::BTreeSet<String>> = if dra {
+        Api::<k8s_openapi::api::resource::v1::ResourceSlice>::all(client.clone())
+            .list(
+                &ListParams::default()
+                    .labels(&format!("{}=meshgate", meshgate_api::names::MANAGED_BY)),
+            )
+            .await
+            .ok()
+            .map(|l| {
+                l.items
+                    .into_iter()
+                    .filter_map(|s| s.metadata.name)
+                    .collect()
+            })
+    } else {
+        None
+    };
+    let offer = |g: &NodeGate, node: &str| match (&slices, &g.spec.resource) {
+        (Some(names), Some(r)) if r.provider == meshgate_api::node_gate::ResourceProvider::Dra => {
+            meshgate_core::nodegate::Offer::Dra {
+                slice: names.contains(&meshgate_core::dra::slice_name(
+                    g.metadata.name.as_deref().unwrap_or_default(),
+                    node,
+                )),
+            }
+        }
+        _ => meshgate_core::nodegate::Offer::NodeStatus,
+    };
     let mut pods_by_node: BTreeMap<String, Vec<AgentPod>> = BTreeMap::new();
     let mut daemonsets: BTreeMap<(String, String), DaemonSet> = BTreeMap::new();
     let mut listed = std::collections::BTreeSet::new();
@@ -335,7 +371,7 @@ pub async fn node_rows(
                     )
                 })
                 .collect();
-            let (taints, d) = decide_node(&g.spec, n, &agents, now);
+            let (taints, d) = decide_node(&g.spec, n, &agents, offer(g, &name), now);
             let resource = g.spec.resource.as_ref().map(|r| {
                 n.status
                     .as_ref()

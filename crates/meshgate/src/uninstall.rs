@@ -11,9 +11,9 @@
 //! 3. Every node: the taints meshgate owns (`meshgate_core::nodegate::uninstall_taints`: a
 //!    NodeGate's key that is in meshgate's domain or recorded as added by meshgate; a taint that
 //!    another component put on is left), its bookkeeping annotations, and the gate resources it
-//!    advertised. Then meshgate's finalizer comes off every NodeGate (no controller is left to
-//!    remove it).
-//! 4. The rest of what `install` created: Services, ConfigMaps, Secrets (the controller's
+//!    advertised; the DRA gates' ResourceSlices and DeviceClasses. Then meshgate's finalizer
+//!    comes off every NodeGate (no controller is left to remove it).
+//! 4. The rest of what `install` created: the node plugin's DaemonSet, Services, ConfigMaps, Secrets (the controller's
 //!    certificates), ServiceAccounts, PodDisruptionBudgets, Roles and bindings in the namespace,
 //!    the ClusterRoles and ClusterRoleBindings, and the namespace itself when `install` made it.
 //! 5. With `--crds`: meshgate's CustomResourceDefinitions, and with them every NodeGate and
@@ -48,6 +48,8 @@ const MANAGED: &str = "app.kubernetes.io/managed-by=meshgate";
 
 /// The kinds `install` creates, in deletion order (after the registrations and Deployments).
 const NAMESPACED: &[(&str, &str, &str, &str)] = &[
+    // The DRA gate's node plugin: after its slices are gone.
+    ("apps", "v1", "DaemonSet", "daemonsets"),
     ("", "v1", "Service", "services"),
     ("", "v1", "ConfigMap", "configmaps"),
     ("", "v1", "Secret", "secrets"),
@@ -223,6 +225,15 @@ pub async fn uninstall(
                 .map_err(|e| anyhow::anyhow!("node {name}: withdrawing resources: {e}"))?;
             progress(&format!("node {name}: withdrew gate resources"));
         }
+    }
+    // DRA gates' slices, then their device classes (the controller that kept them is gone);
+    // no new pod is placed against meshgate's devices from here on.
+    for (kind, plural) in [
+        ("ResourceSlice", "resourceslices"),
+        ("DeviceClass", "deviceclasses"),
+    ] {
+        let ar = resource("resource.k8s.io", "v1", kind, plural);
+        delete_labelled(&Api::all_with(client.clone(), &ar), kind, &mut progress).await?;
     }
     let gate_api: Api<NodeGate> = Api::all(client.clone());
     for gate in &gates {

@@ -18,6 +18,8 @@ fn options(profile: &str) -> InstallOptions {
         image: "meshgate/meshgate:0.1.0".into(),
         node_taint: NodeTaint::Policy(PolicyApi::V1),
         pod_gate: meshgate::install::PodGate::Webhook,
+        strategy: meshgate::install::Strategy::default(),
+        node_paths: Default::default(),
         repair: None,
         webhook_ingress_from: Vec::new(),
     }
@@ -72,8 +74,20 @@ fn an_unknown_profile_is_named() {
 async fn every_profile_passes_server_side_dry_run_apply() {
     let cp = common::control_plane(false).await;
     let client = cp.client().await.unwrap();
-    for profile in PROFILES {
-        let docs = render(&options(profile)).unwrap();
+    let strategies = [
+        meshgate::install::Strategy::Resource,
+        meshgate::install::Strategy::Dra,
+        meshgate::install::Strategy::Pod,
+    ];
+    for (profile, strategy) in PROFILES
+        .iter()
+        .flat_map(|p| strategies.iter().map(move |s| (*p, *s)))
+    {
+        let docs = render(&InstallOptions {
+            strategy,
+            ..options(profile)
+        })
+        .unwrap();
         // The namespace and the CRDs for real (namespaced objects and custom resources need
         // them to exist), everything else as a dry run.
         let (real, rest): (Vec<_>, Vec<_>) = docs
@@ -83,11 +97,11 @@ async fn every_profile_passes_server_side_dry_run_apply() {
         let mut applied = Vec::new();
         apply(&client, &rest, true, |line| applied.push(line.to_owned()))
             .await
-            .unwrap_or_else(|e| panic!("profile {profile}: {e}"));
+            .unwrap_or_else(|e| panic!("profile {profile} {strategy:?}: {e}"));
         assert_eq!(
             applied.len(),
             rest.len(),
-            "profile {profile}: every object validated"
+            "profile {profile} {strategy:?}: every object validated"
         );
         assert!(
             applied
@@ -251,6 +265,86 @@ async fn rbac_is_what_the_enabled_features_need() {
                 want,
                 "webhook {verb} {group}/{resource}"
             );
+        }
+    }
+}
+
+/// What each strategy renders: the gate configuration the webhook reads, the default NodeGate's
+/// resource and, for DRA, the node plugin's DaemonSet (every taint tolerated, host network, no
+/// API token) and the controller's writes of slices and classes.
+#[test]
+fn each_strategy_renders_its_layers() {
+    use meshgate::install::Strategy;
+    let find = |docs: &[serde_json::Value], kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .cloned()
+    };
+    for profile in PROFILES {
+        for strategy in [Strategy::Dra, Strategy::Resource, Strategy::Pod] {
+            let docs = render(&InstallOptions {
+                strategy,
+                ..options(profile)
+            })
+            .unwrap();
+            let config: meshgate_api::GateConfig = meshgate_api::yaml::from_str(
+                find(&docs, "ConfigMap", "meshgate-config").unwrap()["data"]["config.yaml"]
+                    .as_str()
+                    .unwrap(),
+            )
+            .unwrap();
+            let gate = find(&docs, "NodeGate", "mesh-agents").unwrap();
+            let plugin = find(&docs, "DaemonSet", "meshgate-node");
+            let role = find(&docs, "ClusterRole", "meshgate-controller").unwrap();
+            let writes_slices = role["rules"].as_array().unwrap().iter().any(|r| {
+                r["resources"] == serde_json::json!(["resourceslices"])
+                    && r["verbs"].as_array().unwrap().iter().any(|v| v == "create")
+            });
+            let what = format!("{profile} {strategy:?}");
+            match strategy {
+                Strategy::Pod => {
+                    assert!(!config.resource_gate.enabled, "{what}");
+                    assert_eq!(
+                        config.init_gate.scope,
+                        meshgate_api::config::InitGateScope::All,
+                        "{what}"
+                    );
+                    assert!(gate["spec"]["resource"].is_null(), "{what}");
+                    assert!(plugin.is_none() && !writes_slices, "{what}");
+                }
+                Strategy::Resource | Strategy::Dra => {
+                    assert!(config.resource_gate.enabled, "{what}");
+                    assert_eq!(
+                        config.init_gate.scope,
+                        meshgate_api::config::InitGateScope::NodeBound,
+                        "{what}"
+                    );
+                    let provider = if strategy == Strategy::Dra {
+                        "DRA"
+                    } else {
+                        "NodeStatus"
+                    };
+                    assert_eq!(gate["spec"]["resource"]["provider"], provider, "{what}");
+                    assert_eq!(plugin.is_some(), strategy == Strategy::Dra, "{what}");
+                    assert_eq!(writes_slices, strategy == Strategy::Dra, "{what}");
+                }
+            }
+            if let Some(ds) = plugin {
+                let spec = &ds["spec"]["template"]["spec"];
+                assert_eq!(
+                    spec["tolerations"],
+                    serde_json::json!([{"operator": "Exists"}])
+                );
+                assert_eq!(spec["hostNetwork"], true);
+                assert_eq!(spec["automountServiceAccountToken"], false);
+                let args = spec["containers"][0]["args"].as_array().unwrap();
+                let record = meshgate::install::mesh_profile(profile).unwrap().record();
+                assert!(
+                    args.windows(2)
+                        .any(|w| w[0] == "--cni-plugin" && w[1] == record.cni_plugin),
+                    "{what}: {args:?}"
+                );
+            }
         }
     }
 }

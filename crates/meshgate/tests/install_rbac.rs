@@ -115,6 +115,14 @@ const EXERCISED: &[(&str, &str)] = &[
         "controller watch meshgate.dev/namespacedmutationpolicies",
         "webhook rules",
     ),
+    (
+        "controller list resource.k8s.io/resourceslices",
+        "node gate: the slices of DRA gates, watched wherever DRA is served",
+    ),
+    (
+        "controller watch resource.k8s.io/resourceslices",
+        "node gate: the slices of DRA gates",
+    ),
     ("controller list meshgate.dev/nodegates", "node gate"),
     ("controller watch meshgate.dev/nodegates", "node gate"),
     (
@@ -245,6 +253,8 @@ fn every_granted_permission_is_exercised_and_nothing_more() {
         image: "meshgate/meshgate:test".into(),
         node_taint: NodeTaint::Webhook,
         pod_gate: meshgate::install::PodGate::Native(meshgate_core::registration::PolicyApi::V1),
+        strategy: meshgate::install::Strategy::Pod,
+        node_paths: Default::default(),
         repair: Some(RepairAction::Delete),
         webhook_ingress_from: Vec::new(),
     })
@@ -289,6 +299,8 @@ async fn the_components_do_everything_under_their_installed_identities() {
         image: "meshgate/meshgate:test".into(),
         node_taint: NodeTaint::Webhook,
         pod_gate: meshgate::install::PodGate::Native(meshgate_core::registration::PolicyApi::V1),
+        strategy: meshgate::install::Strategy::Pod,
+        node_paths: Default::default(),
         repair: Some(RepairAction::Delete),
         webhook_ingress_from: Vec::new(),
     })
@@ -412,8 +424,13 @@ async fn the_components_do_everything_under_their_installed_identities() {
             meshgate::run::start_webhook(
                 client,
                 meshgate::run::WebhookSettings {
-                    config: meshgate::install::gate_config("istio-ambient", NS, "x")
-                        .expect("config"),
+                    config: meshgate::install::gate_config_for(
+                        "istio-ambient",
+                        NS,
+                        "x",
+                        meshgate::install::Strategy::Pod,
+                    )
+                    .expect("config"),
                     addr: "127.0.0.1:0".parse().expect("addr"),
                     health_addr: "127.0.0.1:0".parse().expect("addr"),
                     cert,
@@ -463,8 +480,13 @@ async fn the_components_do_everything_under_their_installed_identities() {
             policy_webhook: Some("meshgate".into()),
             native_policies: true,
             native_gate: Some((
-                meshgate::install::gate_config("istio-ambient", NS, "meshgate/meshgate:test")
-                    .expect("config"),
+                meshgate::install::gate_config_for(
+                    "istio-ambient",
+                    NS,
+                    "meshgate/meshgate:test",
+                    meshgate::install::Strategy::Pod,
+                )
+                .expect("config"),
                 "meshgate".into(),
             )),
             excluded_namespaces: None,

@@ -739,3 +739,338 @@ async fn only_the_leader_writes_and_the_other_replica_takes_over() {
     let _ = BTreeMap::<String, String>::new();
     let _ = Taint::default();
 }
+
+/// meshgate's node plugin on `node`, as the controller finds it: a pod of the `meshgate-node`
+/// DaemonSet in `meshgate-system` (objects only; no kubelet runs here).
+async fn node_plugin_pod(client: &kube::Client, node: &str, ready: bool) {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    use k8s_openapi::api::core::v1::Namespace;
+    let ns = "meshgate-system";
+    let _ = Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": ns}})).expect("namespace"),
+        )
+        .await;
+    let labels =
+        json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": "node"});
+    let _ = Api::<DaemonSet>::namespaced(client.clone(), ns)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "meshgate-node"},
+                "spec": {"selector": {"matchLabels": labels}, "template": {"metadata": {"labels": labels},
+                    "spec": {"tolerations": [{"operator": "Exists"}], "containers": [{"name": "node", "image": "registry.invalid/meshgate:1"}]}}},
+            }))
+            .expect("daemonset"),
+        )
+        .await;
+    let name = format!("meshgate-node-{node}");
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"nodeName": node, "containers": [{"name": "node", "image": "registry.invalid/meshgate:1"}],
+                 "tolerations": [{"operator": "Exists"}]},
+    }))
+    .expect("pod");
+    let _ = Api::<Pod>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &pod)
+        .await;
+    set_ready(client, ns, &name, ready).await;
+}
+
+async fn slice_of(
+    client: &kube::Client,
+    gate: &str,
+    node: &str,
+) -> Option<k8s_openapi::api::resource::v1::ResourceSlice> {
+    Api::<k8s_openapi::api::resource::v1::ResourceSlice>::all(client.clone())
+        .get_opt(&meshgate_core::dra::slice_name(gate, node))
+        .await
+        .expect("slice")
+}
+
+async fn gate_condition(
+    client: &kube::Client,
+    gate: &str,
+    ctype: &str,
+) -> Option<(String, String, String)> {
+    Api::<NodeGate>::all(client.clone())
+        .get(gate)
+        .await
+        .ok()?
+        .status?
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == ctype)
+        .map(|c| (c.status, c.reason, c.message))
+}
+
+/// A DRA gate: its DeviceClass maps the resource to its devices; a node's slice is published
+/// only while its agents and the node plugin are Ready, the scheduler then satisfies a pod's
+/// request with a claim on it, the slice comes back when somebody deletes it (the kubelet does
+/// at its start), goes when an agent fails, and the gate's deletion removes slices and class.
+#[tokio::test]
+async fn dra_gate_publishes_a_slice_only_where_the_mesh_and_the_node_plugin_are_ready() {
+    use k8s_openapi::api::resource::v1::DeviceClass;
+    let (client, cp, _) = setup().await;
+    let agents_ns = cp.namespace("agents-dra", &[]).await.unwrap();
+    let apps_ns = cp.namespace("apps-dra", &[]).await.unwrap();
+    let pool = format!("dra-{agents_ns}");
+    let resource = "dra.example.com/mesh-ready";
+    create_gate(
+        &client,
+        &pool,
+        gate_spec(
+            &pool,
+            &agents_ns,
+            json!({"taintOnCreate": false, "mode": "Continuous", "gracePeriodSeconds": 0,
+                   "resource": {"name": resource, "provider": "DRA"}}),
+        ),
+    )
+    .await;
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    let class_name = meshgate_core::dra::device_class_name(&pool);
+    wait_for(
+        "the gate's DeviceClass",
+        Duration::from_secs(30),
+        || async { classes.get_opt(&class_name).await.ok().flatten().is_some() },
+    )
+    .await;
+    let class = classes.get(&class_name).await.unwrap();
+    assert_eq!(
+        class.spec.extended_resource_name.as_deref(),
+        Some(resource),
+        "the API server kept extendedResourceName"
+    );
+    assert_eq!(
+        class
+            .metadata
+            .owner_references
+            .unwrap_or_default()
+            .first()
+            .map(|o| o.kind.clone()),
+        Some("NodeGate".to_owned())
+    );
+    wait_for(
+        "the gate to report DRA",
+        Duration::from_secs(30),
+        || async {
+            gate_condition(&client, &pool, "ResourceProvider")
+                .await
+                .is_some_and(|(s, r, _)| s == "True" && r == "DRA")
+        },
+    )
+    .await;
+
+    let node = format!("{pool}-node");
+    create_node(&client, &node, &pool, &[]).await;
+    node_plugin_pod(&client, &node, false).await;
+    agent(&client, &agents_ns, "cni", "cni", &node).await;
+    agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
+    set_ready(&client, &agents_ns, "cni", true).await;
+    set_ready(&client, &agents_ns, "proxy", true).await;
+    // The agents are Ready, the node plugin is not: the controller reports the node ready (the
+    // condition is written after the reconcile's resource decision) and publishes nothing; a
+    // slice is published only for a plugin it has seen Ready.
+    wait_condition(&client, &node, &pool, "the node ready", |s, _| s == "True").await;
+    assert!(
+        slice_of(&client, &pool, &node).await.is_none(),
+        "no slice while the node plugin is not Ready"
+    );
+    set_ready(
+        &client,
+        "meshgate-system",
+        &format!("meshgate-node-{node}"),
+        true,
+    )
+    .await;
+    wait_for("the node's slice", Duration::from_secs(30), || async {
+        slice_of(&client, &pool, &node).await.is_some()
+    })
+    .await;
+    let slice = slice_of(&client, &pool, &node).await.unwrap();
+    assert_eq!(slice.spec.node_name.as_deref(), Some(node.as_str()));
+    assert_eq!(slice.spec.driver, meshgate_api::names::DRA_DRIVER);
+    assert_eq!(
+        slice
+            .metadata
+            .owner_references
+            .clone()
+            .unwrap_or_default()
+            .first()
+            .map(|o| (o.kind.clone(), o.name.clone())),
+        Some(("Node".to_owned(), node.clone()))
+    );
+    let devices = slice.spec.devices.clone().unwrap_or_default();
+    assert_eq!(devices.len(), 1);
+    assert_eq!(devices[0].allow_multiple_allocations, Some(true));
+    // The node status never carries the resource: the scheduler would serve it natively.
+    let n = Api::<Node>::all(client.clone()).get(&node).await.unwrap();
+    assert!(
+        !n.status
+            .and_then(|s| s.capacity)
+            .unwrap_or_default()
+            .contains_key(resource)
+    );
+
+    // Two pods requesting the resource bind to the node, each with the scheduler's claim on the
+    // one shared device.
+    for name in ["dra-a", "dra-b"] {
+        let mut pod = mesh_pod(name, &pool);
+        pod.spec.as_mut().unwrap().containers[0].resources = Some(
+            serde_json::from_value(json!({"requests": {resource: "1"}, "limits": {resource: "1"}}))
+                .unwrap(),
+        );
+        Api::<Pod>::namespaced(client.clone(), &apps_ns)
+            .create(&PostParams::default(), &pod)
+            .await
+            .unwrap();
+    }
+    for name in ["dra-a", "dra-b"] {
+        wait_for("the pod to bind", Duration::from_secs(30), || async {
+            node_of(&client, &apps_ns, name).await.as_deref() == Some(node.as_str())
+        })
+        .await;
+        let p = Api::<Pod>::namespaced(client.clone(), &apps_ns)
+            .get(name)
+            .await
+            .unwrap();
+        assert!(
+            p.status
+                .and_then(|s| s.extended_resource_claim_status)
+                .is_some(),
+            "{name}: satisfied by a DRA claim"
+        );
+    }
+
+    // Deleted by somebody else (the kubelet deletes its node's slices when it starts): back.
+    let uid = slice.metadata.uid.clone();
+    Api::<k8s_openapi::api::resource::v1::ResourceSlice>::all(client.clone())
+        .delete(&slice.metadata.name.clone().unwrap(), &Default::default())
+        .await
+        .unwrap();
+    wait_for(
+        "the slice published again",
+        Duration::from_secs(30),
+        || async {
+            slice_of(&client, &pool, &node)
+                .await
+                .is_some_and(|s| s.metadata.uid != uid)
+        },
+    )
+    .await;
+
+    // An agent fails (Continuous, no grace): withdrawn.
+    set_ready(&client, &agents_ns, "proxy", false).await;
+    wait_for("the slice withdrawn", Duration::from_secs(30), || async {
+        slice_of(&client, &pool, &node).await.is_none()
+    })
+    .await;
+    set_ready(&client, &agents_ns, "proxy", true).await;
+    wait_for("the slice back", Duration::from_secs(30), || async {
+        slice_of(&client, &pool, &node).await.is_some()
+    })
+    .await;
+
+    // The gate goes: its slices and its class go first.
+    Api::<NodeGate>::all(client.clone())
+        .delete(&pool, &Default::default())
+        .await
+        .unwrap();
+    wait_for("the gate gone", Duration::from_secs(30), || async {
+        Api::<NodeGate>::all(client.clone())
+            .get_opt(&pool)
+            .await
+            .ok()
+            .flatten()
+            .is_none()
+    })
+    .await;
+    assert!(slice_of(&client, &pool, &node).await.is_none());
+    assert!(classes.get_opt(&class_name).await.unwrap().is_none());
+}
+
+/// Where the API server drops `DeviceClass.spec.extendedResourceName` (DRA extended resources
+/// off), a DRA gate falls back to the node status and says so: condition `ResourceProvider`
+/// `False` (`NodeStatusFallback`), Event `DRAUnavailable`, the resource advertised on ready
+/// nodes as a status gate does.
+#[tokio::test]
+async fn a_dra_gate_falls_back_to_the_node_status_where_dra_extended_resources_are_off() {
+    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
+        apiserver_flags: vec!["--feature-gates=DRAExtendedResource=false".into()],
+        ..Default::default()
+    })
+    .await
+    .expect("control plane");
+    let client = cp.client().await.unwrap();
+    install_crds(&client).await;
+    let _replica = Replica::start(
+        cp.kubeconfig_path.clone(),
+        LeaseSettings {
+            namespace: LEASE_NS.into(),
+            name: LEASE.into(),
+            identity: "fallback".into(),
+            duration: LEASE_SECONDS,
+            grace: 1,
+        },
+        Duration::from_secs(1),
+        None,
+    )
+    .await;
+    let agents_ns = cp.namespace("agents", &[]).await.unwrap();
+    let pool = "fallback";
+    create_gate(
+        &client,
+        pool,
+        gate_spec(
+            pool,
+            &agents_ns,
+            json!({"taintOnCreate": false, "resource": {"name": RESOURCE, "provider": "DRA", "count": 40}}),
+        ),
+    )
+    .await;
+    wait_for(
+        "the fallback condition",
+        Duration::from_secs(30),
+        || async {
+            gate_condition(&client, pool, "ResourceProvider")
+                .await
+                .is_some_and(|(s, r, m)| {
+                    s == "False" && r == "NodeStatusFallback" && m.contains("extendedResourceName")
+                })
+        },
+    )
+    .await;
+    let events = Api::<k8s_openapi::api::events::v1::Event>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .unwrap();
+    assert!(
+        events
+            .items
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("DRAUnavailable")),
+        "an Event says so"
+    );
+    let node = "fallback-node";
+    create_node(&client, node, pool, &[]).await;
+    agent(&client, &agents_ns, "cni", "cni", node).await;
+    agent(&client, &agents_ns, "proxy", "node-proxy", node).await;
+    set_ready(&client, &agents_ns, "cni", true).await;
+    set_ready(&client, &agents_ns, "proxy", true).await;
+    wait_for(
+        "the resource in the node status",
+        Duration::from_secs(30),
+        || async {
+            Api::<Node>::all(client.clone())
+                .get(node)
+                .await
+                .ok()
+                .and_then(|n| n.status?.capacity)
+                .is_some_and(|c| c.get(RESOURCE).map(|q| q.0.as_str()) == Some("40"))
+        },
+    )
+    .await;
+    assert!(slice_of(&client, pool, node).await.is_none(), "no slice");
+}

@@ -393,6 +393,8 @@ async fn namespaced_policies_stay_in_their_namespace() {
         image: "meshgate/meshgate:0.1.0".into(),
         node_taint: meshgate::install::NodeTaint::Webhook,
         pod_gate: meshgate::install::PodGate::Webhook,
+        strategy: meshgate::install::Strategy::Pod,
+        node_paths: Default::default(),
         repair: None,
         webhook_ingress_from: Vec::new(),
     })

@@ -293,8 +293,11 @@ fn install_manifests_and_crds_read_back_as_meant() {
                 "auto",
                 Some(meshgate_core::registration::PolicyApi::V1),
                 profile,
+                meshgate::install::Strategy::Pod,
             )
             .expect("pod gate"),
+            strategy: meshgate::install::Strategy::Pod,
+            node_paths: Default::default(),
             repair: Some(meshgate::install::RepairAction::Delete),
             webhook_ingress_from: Vec::new(),
         })

@@ -536,6 +536,8 @@ pub async fn install_identities_with(
         image: "meshgate/meshgate:test".into(),
         node_taint: meshgate::install::NodeTaint::Webhook,
         pod_gate: meshgate::install::PodGate::Webhook,
+        strategy: meshgate::install::Strategy::Pod,
+        node_paths: Default::default(),
         repair,
         webhook_ingress_from: Vec::new(),
     })

@@ -1,0 +1,282 @@
+//! The DRA gate's writes: a `DeviceClass` per DRA gate and a `ResourceSlice` per gate and ready
+//! node (objects and rules in `meshgate_core::dra`).
+//!
+//! * Whether the API server serves `resource.k8s.io/v1` is asked once at start; without it (or
+//!   where it drops `DeviceClass.spec.extendedResourceName`, DRA extended resources off) a DRA
+//!   gate **falls back** to offering its resource in the node status, and says so in its
+//!   `ResourceProvider` condition and an Event.
+//! * The slices meshgate wrote are watched (label `app.kubernetes.io/managed-by=meshgate`): the
+//!   node gate decides from that cache, never before it has listed, and a slice deleted by
+//!   somebody else (the kubelet deletes every slice of its node when it starts) makes the node
+//!   reconciled again, so a ready node gets it back.
+//! * Ownership: only slices and classes with meshgate's label, its driver and the gate's name
+//!   are written or deleted; a slice is owned by its Node (garbage-collected with it), a class
+//!   by its NodeGate.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::Store;
+use kube::{Resource, ResourceExt};
+use meshgate_api::node_gate::ResourceProvider;
+use meshgate_api::{GateNode, NodeGate, names};
+use meshgate_core::dra::{
+    Devices, class_maps_resource, device_class, device_count, resource_slice, shared_kept,
+    slice_name,
+};
+use meshgate_core::nodegate::Offer;
+
+/// The label selector of meshgate's slices.
+pub fn managed_selector() -> String {
+    format!("{}=meshgate", names::MANAGED_BY)
+}
+
+/// What the controller knows of DRA.
+pub struct Dra {
+    /// `resource.k8s.io/v1` is served: slices are watched (`Some`).
+    slices: Option<Store<ResourceSlice>>,
+    /// DRA gates that fall back to the node status, with the reason (by gate name).
+    fallback: Mutex<HashMap<String, String>>,
+    /// Gates whose class is current, by (uid, generation).
+    classes: Mutex<HashSet<(String, i64)>>,
+    /// The API server dropped `allowMultipleAllocations`: slices offer exclusive devices.
+    exclusive: AtomicBool,
+}
+
+/// Why a DRA gate cannot use DRA on an API server that does not serve `resource.k8s.io/v1`.
+const NOT_SERVED: &str =
+    "the API server does not serve resource.k8s.io/v1 (dynamic resource allocation)";
+
+impl Dra {
+    pub fn new(slices: Option<Store<ResourceSlice>>) -> Self {
+        Self {
+            slices,
+            fallback: Mutex::new(HashMap::new()),
+            classes: Mutex::new(HashSet::new()),
+            exclusive: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether the API server serves DRA.
+    pub fn served(&self) -> bool {
+        self.slices.is_some()
+    }
+
+    /// Waits until the slice cache (if any) has listed.
+    pub async fn wait_until_ready(&self) {
+        if let Some(s) = &self.slices {
+            let _ = s.wait_until_ready().await;
+        }
+    }
+
+    /// How the gate's resource is offered on the node now.
+    pub fn offer(&self, gate: &NodeGate, node: &str) -> Offer {
+        match self.provider(gate) {
+            Ok(ResourceProvider::Dra) => Offer::Dra {
+                slice: self.has_slice(gate, node),
+            },
+            _ => Offer::NodeStatus,
+        }
+    }
+
+    /// Whether the cache holds the gate's slice for the node.
+    pub fn has_slice(&self, gate: &NodeGate, node: &str) -> bool {
+        self.slices.as_ref().is_some_and(|s| {
+            s.get(&kube::runtime::reflector::ObjectRef::new(&slice_name(
+                &gate.name_any(),
+                node,
+            )))
+            .is_some()
+        })
+    }
+
+    /// The provider in effect for the gate: `Ok(DRA)`, `Ok(NodeStatus)` where the gate asks
+    /// for it, or `Err(why)` for a DRA gate that falls back to the node status.
+    pub fn provider(&self, gate: &NodeGate) -> Result<ResourceProvider, String> {
+        let Some(res) = &gate.spec.resource else {
+            return Ok(ResourceProvider::NodeStatus);
+        };
+        if res.provider != ResourceProvider::Dra {
+            return Ok(ResourceProvider::NodeStatus);
+        }
+        if self.slices.is_none() {
+            return Err(NOT_SERVED.into());
+        }
+        match lock(&self.fallback).get(&gate.name_any()) {
+            Some(why) => Err(why.clone()),
+            None => Ok(ResourceProvider::Dra),
+        }
+    }
+
+    /// Publishes (`offer`) or deletes the gate's slice for the node.
+    pub async fn write_slice(
+        &self,
+        client: &kube::Client,
+        gate: &NodeGate,
+        node: &GateNode,
+        offer: bool,
+    ) -> Result<(), kube::Error> {
+        let api = Api::<ResourceSlice>::all(client.clone());
+        let gate_name = gate.name_any();
+        let node_name = node.name_any();
+        let name = slice_name(&gate_name, &node_name);
+        if !offer {
+            return match api.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+                Err(e) => Err(e),
+            };
+        }
+        let devices = if self.exclusive.load(Ordering::Acquire) {
+            Devices::Exclusive(device_count(node.pods()))
+        } else {
+            Devices::Shared
+        };
+        let slice = with_owner(resource_slice(&gate_name, &node_name, devices), node);
+        let slice: ResourceSlice =
+            serde_json::from_value(slice).map_err(kube::Error::SerdeError)?;
+        let stored = match api.create(&PostParams::default(), &slice).await {
+            Ok(s) => s,
+            Err(kube::Error::Api(e)) if e.code == 409 => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let stored_value = serde_json::to_value(&stored).unwrap_or_default();
+        if devices == Devices::Shared && !shared_kept(&stored_value) {
+            // Consumable capacity is off: one exclusive device per pod the node can run.
+            self.exclusive.store(true, Ordering::Release);
+            tracing::info!(
+                node = %node_name,
+                "the API server does not keep shared devices (DRAConsumableCapacity off): slices offer one device per pod the node can run"
+            );
+            let mut replacement = with_owner(
+                resource_slice(
+                    &gate_name,
+                    &node_name,
+                    Devices::Exclusive(device_count(node.pods())),
+                ),
+                node,
+            );
+            replacement["metadata"]["resourceVersion"] =
+                serde_json::json!(stored.resource_version());
+            let replacement: ResourceSlice =
+                serde_json::from_value(replacement).map_err(kube::Error::SerdeError)?;
+            api.replace(&name, &PostParams::default(), &replacement)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Keeps the gate's `DeviceClass` current (once per generation) and notes a fallback when
+    /// the API server does not keep its `extendedResourceName`.
+    pub async fn ensure_class(&self, client: &kube::Client, gate: &NodeGate) -> Option<String> {
+        let res = gate.spec.resource.as_ref()?;
+        if res.provider != ResourceProvider::Dra || self.slices.is_none() {
+            return None;
+        }
+        let key = (
+            gate.uid().unwrap_or_default(),
+            gate.metadata.generation.unwrap_or_default(),
+        );
+        if lock(&self.classes).contains(&key) {
+            return None;
+        }
+        let gate_name = gate.name_any();
+        let mut class = device_class(&gate_name, &res.name);
+        if let Some(owner) = gate.controller_owner_ref(&()) {
+            class["metadata"]["ownerReferences"] = serde_json::json!([owner]);
+        }
+        let api = Api::<DeviceClass>::all(client.clone());
+        let name = meshgate_core::dra::device_class_name(&gate_name);
+        let pp = PatchParams::apply(names::FIELD_MANAGER).force();
+        match api.patch(&name, &pp, &Patch::Apply(&class)).await {
+            Ok(stored) => {
+                lock(&self.classes).insert(key);
+                let value = serde_json::to_value(&stored).unwrap_or_default();
+                let mut fallback = lock(&self.fallback);
+                if class_maps_resource(&value, &res.name) {
+                    fallback.remove(&gate_name);
+                    None
+                } else {
+                    let why = format!(
+                        "the API server dropped DeviceClass {name}'s extendedResourceName (DRA extended resources are off)"
+                    );
+                    fallback.insert(gate_name, why.clone());
+                    Some(why)
+                }
+            }
+            Err(e) => {
+                tracing::debug!(gate = %gate_name, error = %e, "device class not written yet");
+                None
+            }
+        }
+    }
+
+    /// Deletes every slice and the class of a gate (the gate is being deleted).
+    pub async fn remove_gate(
+        &self,
+        client: &kube::Client,
+        gate: &NodeGate,
+    ) -> Result<(), kube::Error> {
+        if self.slices.is_none() {
+            return Ok(());
+        }
+        let gate_name = gate.name_any();
+        let api = Api::<ResourceSlice>::all(client.clone());
+        let lp = ListParams::default().labels(&managed_selector());
+        let suffix = format!("/{gate_name}");
+        for s in api.list(&lp).await?.items {
+            if s.spec.driver != names::DRA_DRIVER || !s.spec.pool.name.ends_with(&suffix) {
+                continue;
+            }
+            match api.delete(&s.name_any(), &DeleteParams::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let classes = Api::<DeviceClass>::all(client.clone());
+        match classes
+            .delete(
+                &meshgate_core::dra::device_class_name(&gate_name),
+                &DeleteParams::default(),
+            )
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Whether the API server serves `resource.k8s.io/v1` with ResourceSlices and DeviceClasses.
+pub async fn served(client: &kube::Client) -> bool {
+    match client.list_api_group_resources("resource.k8s.io/v1").await {
+        Ok(list) => ["resourceslices", "deviceclasses"]
+            .iter()
+            .all(|r| list.resources.iter().any(|x| x.name == *r)),
+        Err(e) => {
+            tracing::info!(error = %e, "resource.k8s.io/v1 is not served: DRA gates use the node status");
+            false
+        }
+    }
+}
+
+fn with_owner(mut slice: serde_json::Value, node: &GateNode) -> serde_json::Value {
+    if let Some(uid) = node.uid() {
+        slice["metadata"]["ownerReferences"] = serde_json::json!([{
+            "apiVersion": "v1", "kind": "Node", "name": node.name_any(), "uid": uid,
+        }]);
+    }
+    slice
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Shared handle.
+pub type SharedDra = Arc<Dra>;
