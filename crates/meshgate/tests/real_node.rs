@@ -1362,32 +1362,9 @@ async fn ambient_meshgate_installed_from_its_image_gates_the_real_node() {
         .await
         .expect("namespace");
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let scheduled_pod = |name: &str| {
-        let mut p = app_pod(name, "", "Always");
-        if let Some(spec) = p.spec.as_mut() {
-            spec.node_name = None;
-        }
-        p
-    };
-    let mut n = 0;
-    wait_for(
-        "the in-cluster webhook to gate pods",
-        Duration::from_secs(60),
-        || {
-            n += 1;
-            let (pods, probe) = (pods.clone(), scheduled_pod(&format!("probe-{n}")));
-            async move {
-                let dry = PostParams {
-                    dry_run: true,
-                    ..Default::default()
-                };
-                pods.create(&dry, &probe)
-                    .await
-                    .ok()
-                    .is_some_and(|p| gate(&p).is_some())
-            }
-        },
-    )
+    wait_webhook_mutates(&pods, "the in-cluster webhook to gate pods", |p| {
+        gate(p).is_some()
+    })
     .await;
     let created = Instant::now();
     let pod = pods
@@ -1947,6 +1924,37 @@ async fn wait_node_plugin_ready(client: &kube::Client, node: &RealNode) {
     );
 }
 
+/// The app pod without a node: the scheduler places it.
+fn scheduled_pod(name: &str) -> Pod {
+    let mut p = app_pod(name, "", "Always");
+    if let Some(spec) = p.spec.as_mut() {
+        spec.node_name = None;
+    }
+    p
+}
+
+/// Waits until a dry-run create of a scheduled pod comes back as `done` says: the in-cluster
+/// webhook is registered and serving.
+async fn wait_webhook_mutates(pods: &Api<Pod>, what: &str, done: impl Fn(&Pod) -> bool) {
+    let mut n = 0;
+    let done = &done;
+    wait_for(what, Duration::from_secs(60), || {
+        n += 1;
+        let (pods, probe) = (pods.clone(), scheduled_pod(&format!("probe-{n}")));
+        async move {
+            let dry = PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            pods.create(&dry, &probe)
+                .await
+                .ok()
+                .is_some_and(|p| done(&p))
+        }
+    })
+    .await;
+}
+
 /// Whether the scheduler has reported the pod unschedulable.
 fn unschedulable(p: &Pod) -> bool {
     p.status
@@ -2036,13 +2044,6 @@ async fn dra_gate_holds_pods_before_their_sandbox_and_lets_them_go_when_the_node
         .await
         .expect("namespace");
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let scheduled_pod = |name: &str| {
-        let mut p = app_pod(name, "", "Always");
-        if let Some(spec) = p.spec.as_mut() {
-            spec.node_name = None;
-        }
-        p
-    };
     let requests = |p: &Pod| {
         p.spec.as_ref().and_then(|s| {
             s.containers[0]
@@ -2052,24 +2053,10 @@ async fn dra_gate_holds_pods_before_their_sandbox_and_lets_them_go_when_the_node
                 .and_then(|r| r.get(resource).map(|q| q.0.clone()))
         })
     };
-    let mut n = 0;
-    wait_for(
+    wait_webhook_mutates(
+        &pods,
         "the in-cluster webhook to give pods the gate resource",
-        Duration::from_secs(60),
-        || {
-            n += 1;
-            let (pods, probe) = (pods.clone(), scheduled_pod(&format!("probe-{n}")));
-            async move {
-                let dry = PostParams {
-                    dry_run: true,
-                    ..Default::default()
-                };
-                pods.create(&dry, &probe)
-                    .await
-                    .ok()
-                    .is_some_and(|p| requests(&p).is_some())
-            }
-        },
+        |p| requests(p).is_some(),
     )
     .await;
     let early = pods
