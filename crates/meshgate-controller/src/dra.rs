@@ -207,8 +207,13 @@ impl Dra {
                     Some(why)
                 }
             }
+            Err(kube::Error::Api(e)) if e.code == 403 => {
+                // A real failure: the gate cannot use DRA until it is allowed to.
+                tracing::warn!(gate = %gate_name, error = %e, "the DeviceClass of the DRA gate may not be written: grant create and patch on resource.k8s.io deviceclasses (meshgate install --strategy dra does)");
+                None
+            }
             Err(e) => {
-                tracing::debug!(gate = %gate_name, error = %e, "device class not written yet");
+                tracing::debug!(gate = %gate_name, error = %e, "device class not written yet; retrying");
                 None
             }
         }

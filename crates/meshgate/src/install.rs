@@ -331,7 +331,9 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         };
         rules.push(json!({"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": verbs}));
         if o.strategy == Strategy::Dra {
-            rules.push(json!({"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["patch", "delete"]}));
+            // Server-side apply of a class that does not exist yet is authorized as `create`
+            // too (k8s.io/apiserver handlers/patch.go).
+            rules.push(json!({"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["create", "patch", "delete"]}));
         }
     }
     if let PodGate::Native(_) = o.pod_gate
