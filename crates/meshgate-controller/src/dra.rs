@@ -219,13 +219,19 @@ impl Dra {
         }
     }
 
-    /// Deletes every slice and the class of a gate (the gate is being deleted).
+    /// Deletes every slice and the class of a DRA gate (the gate is being deleted); a gate that
+    /// offers its resource in the node status has neither, and nothing is asked of the API.
     pub async fn remove_gate(
         &self,
         client: &kube::Client,
         gate: &NodeGate,
     ) -> Result<(), kube::Error> {
-        if self.slices.is_none() {
+        let dra = gate
+            .spec
+            .resource
+            .as_ref()
+            .is_some_and(|r| r.provider == ResourceProvider::Dra);
+        if self.slices.is_none() || !dra {
             return Ok(());
         }
         let gate_name = gate.name_any();
