@@ -22,6 +22,7 @@
 
 pub mod host;
 pub mod image;
+pub mod istio;
 pub mod measure;
 pub mod node;
 mod process;
@@ -86,10 +87,23 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
 /// Where the control-plane binaries are: `MESHGATE_CONTROLPLANE_BIN`, else what
 /// `tools/controlplane/build.sh` prints (it builds once and caches outside the repository).
 pub fn binaries() -> Result<PathBuf, Error> {
-    if let Some(dir) = std::env::var_os("MESHGATE_CONTROLPLANE_BIN") {
+    built("MESHGATE_CONTROLPLANE_BIN", "tools/controlplane/build.sh")
+}
+
+/// Helm: `MESHGATE_HELM`, else what `tools/helm/build.sh` prints (it builds once, cached).
+pub fn helm() -> Result<PathBuf, Error> {
+    built("MESHGATE_HELM", "tools/helm/build.sh")
+}
+
+/// A tool the repository's scripts build once and cache: the path in `env` when set, else
+/// what `script` (relative to the repository) prints on stdout; its progress goes to stderr.
+pub fn built(env: &str, script: &str) -> Result<PathBuf, Error> {
+    if let Some(dir) = std::env::var_os(env) {
         return Ok(PathBuf::from(dir));
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/controlplane/build.sh");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(script);
     let out = std::process::Command::new("bash")
         .arg(&script)
         .stderr(std::process::Stdio::inherit())

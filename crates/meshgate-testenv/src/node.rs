@@ -173,24 +173,7 @@ fn effective_uid() -> Option<u32> {
 
 /// `MESHGATE_NODE_BIN`, else what `tools/node/build.sh` prints (it builds once, cached).
 fn node_binaries() -> Result<PathBuf, Error> {
-    if let Some(dir) = std::env::var_os(NODE_BIN_ENV) {
-        return Ok(PathBuf::from(dir));
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tools/node/build.sh");
-    let out = std::process::Command::new("bash")
-        .arg(&script)
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .map_err(io(format!("running {}", script.display())))?;
-    if !out.status.success() {
-        return Err(Error::Build {
-            script: script.display().to_string(),
-            message: format!("exit {}", out.status),
-        });
-    }
-    Ok(PathBuf::from(
-        String::from_utf8_lossy(&out.stdout).trim().to_owned(),
-    ))
+    crate::built(NODE_BIN_ENV, "tools/node/build.sh")
 }
 
 /// The state file: who runs the node, where, and the host as it was before.

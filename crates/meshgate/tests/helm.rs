@@ -10,7 +10,7 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -23,17 +23,7 @@ const NS: &str = "meshgate-system";
 const IMAGE: &str = "registry.invalid/meshgate:9";
 
 fn helm() -> PathBuf {
-    if let Some(p) = std::env::var_os("MESHGATE_HELM") {
-        return PathBuf::from(p);
-    }
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/helm/build.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("tools/helm/build.sh runs");
-    assert!(out.status.success(), "tools/helm/build.sh failed");
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+    meshgate_testenv::helm().expect("helm (MESHGATE_HELM, else tools/helm/build.sh)")
 }
 
 fn chart() -> PathBuf {

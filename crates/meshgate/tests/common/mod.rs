@@ -2,6 +2,8 @@
 //! over TLS with a CA made here, its registration, and waiting.
 #![allow(dead_code)]
 
+pub mod cluster;
+
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
