@@ -10,11 +10,14 @@
 #    iptables when missing (tools/node/packages.sh; root) and builds, once, kubelet,
 #    kube-controller-manager and kube-proxy (tools/node/build.sh);
 # 1c. builds yamlcheck (kubectl's YAML reader, sigs.k8s.io/yaml) for the yaml_readback test
-#    (tools/yamlcheck/build.sh) and Helm for the helm test (tools/helm/build.sh);
+#    (tools/yamlcheck/build.sh) and Helm for the helm and real_istio tests (tools/helm/build.sh);
+# 1d. builds, once, the real Istio (istiod, pilot-agent, the istio-cni node agent and plugin,
+#    and its charts) for the real_istio test (tools/istio/build.sh; ~15 min cold);
 # 2. cargo fmt --check, cargo clippy --all-targets -D warnings, the CRD manifests and the Helm
 #    chart are current;
 # 3. cargo test --workspace: unit tests, the end-to-end tests against the real control plane, and
-#    real_node on a real node (it builds meshgate-wait, pause and app static, once).
+#    real_node and real_istio on a real node (it builds meshgate-wait, pause and app static,
+#    once).
 #
 # Env: MESHGATE_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate) holds the control plane,
 # the node binaries, yamlcheck, helm, the static test binaries (static-target) and, unless CARGO_TARGET_DIR is set,
@@ -47,9 +50,14 @@ step "yamlcheck (kubectl's YAML reader, for the yaml_readback test)"
 MESHGATE_YAMLCHECK=$(tools/yamlcheck/build.sh)
 export MESHGATE_YAMLCHECK
 
-step "helm (for the helm test)"
+step "helm (for the helm and real_istio tests)"
 MESHGATE_HELM=$(tools/helm/build.sh)
 export MESHGATE_HELM
+
+step "Istio (istiod, pilot-agent, istio-cni; for the real_istio test)"
+MESHGATE_ISTIO=$(tools/istio/build.sh)
+export MESHGATE_ISTIO
+cat "$MESHGATE_ISTIO/version"
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

@@ -208,11 +208,18 @@ impl Planner {
         let Some((clause, verdict)) = chosen else {
             return PodPlan::Skip(Skip::NotSelected);
         };
-        // Some layer must be able to hold the pod, and an init gate's resources must fit.
-        let layers = layers(config, spec);
+        // Some layer must be able to hold the pod, and an init gate's resources must fit. No
+        // init gate goes in front of the mesh's own validator.
+        let mut layers = layers(config, spec);
+        let mesh_validates = verdict.as_ref().is_ok_and(|plan| plan.mesh_validates);
+        layers.init &= !mesh_validates;
         let gate = verdict.and_then(|plan| {
             if !layers.init && !layers.resource {
-                return Err(NoGate::NodeBound);
+                return Err(if mesh_validates {
+                    NoGate::MeshValidates
+                } else {
+                    NoGate::NodeBound
+                });
             }
             if !layers.init {
                 return Ok((plan, GateResources::default()));
@@ -312,6 +319,7 @@ pub(crate) fn clause_verdict(
             targets: Vec::new(),
             avoid_uids: Vec::new(),
             avoid_gids: Vec::new(),
+            mesh_validates: false,
         }),
     }
 }
@@ -798,6 +806,73 @@ mod tests {
             json!({"cpu": "1", "meshgate.dev/mesh-ready": "1"})
         );
         assert_eq!(r["limits"], json!({"meshgate.dev/mesh-ready": "1"}));
+    }
+
+    #[test]
+    fn no_init_gate_goes_in_front_of_the_mesh_validator() {
+        let mut c = GateConfig {
+            profiles: vec![Profile::IstioSidecar],
+            ..GateConfig::default()
+        };
+        let ns = Meta {
+            labels: [("istio-injection".to_owned(), "enabled".to_owned())].into(),
+            ..Meta::default()
+        };
+        let injected = |inits: Value| {
+            json!({
+                "metadata": {"name": "p", "annotations": {"sidecar.istio.io/status": "{}"}},
+                "spec": {
+                    "initContainers": inits,
+                    "containers": [
+                        {"name": "app", "image": "app"},
+                        {"name": "istio-proxy", "image": "proxyv2", "args": ["proxy", "sidecar"]},
+                    ],
+                },
+            })
+        };
+        let validation = json!({"name": "istio-validation", "image": "proxyv2"});
+        let user = json!({"name": "migrate", "image": "app"});
+        let outcome = |c: &GateConfig, p: &Value| match plan(c, "apps", &ns, p) {
+            PodPlan::Mutate { patch, .. } => {
+                let out = patch.apply(p).unwrap();
+                let note = out["metadata"]["annotations"][names::GATE_VERDICT].clone();
+                (init_names(&out).join(","), note)
+            }
+            other => panic!("expected a mutation, got {other:?}"),
+        };
+        // The validator first (native and classic injection): it holds the pod, and the
+        // mesh's repair acts on its failure; nothing goes in front of it.
+        let first = injected(json!([validation, user]));
+        assert_eq!(
+            outcome(&c, &first),
+            (
+                "istio-validation,migrate".to_owned(),
+                json!("none: mesh-validates")
+            )
+        );
+        // A stale gate in front of it (a reinvocation) is taken out again.
+        let stale = outcome(
+            &c,
+            &injected(json!([{"name": "meshgate-wait", "image": "x"}, validation])),
+        );
+        assert_eq!(
+            stale,
+            ("istio-validation".to_owned(), json!("none: mesh-validates"))
+        );
+        // A user init container before the validator runs unprotected by it: gated.
+        let (inits, note) = outcome(&c, &injected(json!([user, validation])));
+        assert_eq!(inits, "meshgate-wait,migrate,istio-validation");
+        assert!(
+            note.as_str()
+                .is_some_and(|n| n.starts_with("gated: --redirect-check 15001"))
+        );
+        // With the resource gate, a scheduled pod still gets the request.
+        c.resource_gate.enabled = true;
+        c.init_gate.scope = meshgate_api::config::InitGateScope::NodeBound;
+        assert_eq!(
+            outcome(&c, &first).1,
+            json!("gated: resource meshgate.dev/mesh-ready")
+        );
     }
 
     #[test]

@@ -47,6 +47,11 @@ pub enum NoGate {
     /// The pod is created bound to a node (`spec.nodeName`), so the resource gate cannot hold
     /// it, and the init gate is off.
     NodeBound,
+    /// The mesh's own validator (`istio-validation`, `linkerd-network-validator`) is the pod's
+    /// first init container: it holds every container after it until the mesh redirects the
+    /// pod, and the mesh's repair acts on its failure (an init gate in front of it would keep
+    /// that repair from ever seeing the pod); the resource gate cannot hold the pod.
+    MeshValidates,
 }
 
 impl NoGate {
@@ -66,6 +71,7 @@ impl NoGate {
             NoGate::Unreadable(_) => "unreadable-annotation",
             NoGate::Resources(_) => "limit-range",
             NoGate::NodeBound => "node-bound",
+            NoGate::MeshValidates => "mesh-validates",
         }
     }
 
@@ -89,6 +95,11 @@ pub struct GatePlan {
     /// uids and gids the gate must not run as: the mesh does not redirect their traffic.
     pub avoid_uids: Vec<i64>,
     pub avoid_gids: Vec<i64>,
+    /// The mesh's validator is the pod's first init container (meshgate's own gate aside): it
+    /// already holds the pod until redirection works, and the mesh's repair acts on its
+    /// failure, so no init gate goes in front of it (docs/design.md, "The init gate: the
+    /// verdict per pod").
+    pub mesh_validates: bool,
 }
 
 impl GatePlan {
@@ -177,7 +188,11 @@ pub fn verdict(
             {
                 return Err(NoGate::SidecarPod);
             }
-            Ok(plan(record, options, Vec::new(), Vec::new(), Vec::new()))
+            // No validator runs in an ambient pod (it is the sidecar injector's).
+            Ok(GatePlan {
+                mesh_validates: false,
+                ..plan(record, spec, options, Vec::new(), Vec::new(), Vec::new())
+            })
         }
         (Mesh::Istio, Capture::Sidecar { .. }) => istio_sidecar(record, spec, pod, options),
         (Mesh::Linkerd, _) => linkerd(record, spec, pod, namespace, options),
@@ -188,6 +203,7 @@ const ISTIO_STATUS: &str = "sidecar.istio.io/status";
 
 fn plan(
     record: &MeshProfile,
+    spec: &PodSpecView<'_>,
     options: Options<'_>,
     targets: Vec<SocketAddr>,
     avoid_uids: Vec<i64>,
@@ -203,7 +219,18 @@ fn plan(
         targets,
         avoid_uids,
         avoid_gids,
+        mesh_validates: validator_first(record, spec),
     }
+}
+
+/// Whether the mesh's validator is the pod's first init container, meshgate's own gate aside
+/// (it is first when meshgate decides again on a reinvocation).
+fn validator_first(record: &MeshProfile, spec: &PodSpecView<'_>) -> bool {
+    let first = spec
+        .inits()
+        .map(|(_, c)| c.name())
+        .find(|n| *n != Some(meshgate_api::names::GATE_CONTAINER));
+    record.validator_container.is_some() && first == Some(record.validator_container)
 }
 
 /// Targets of both families, primary first; `NothingRedirected` when the primary has none.
@@ -309,7 +336,7 @@ fn istio_sidecar(
         .filter(|g| *g != 0)
         .or(record.proxy_gid)
         .unwrap_or(uid);
-    Ok(plan(record, options, targets, vec![uid], vec![gid]))
+    Ok(plan(record, spec, options, targets, vec![uid], vec![gid]))
 }
 
 /// linkerd-cni (`cni-plugin/main.go`, `cmdAdd`): a pod with a `linkerd-proxy` container and no
@@ -370,6 +397,7 @@ fn linkerd(
     let targets = targets(outbound, options.primary_family)?;
     Ok(plan(
         record,
+        spec,
         options,
         targets,
         vec![uid],

@@ -61,6 +61,8 @@ impl StaticBinaries {
 
 /// The programs of the agents image.
 pub const STANDINS: [&str; 3] = ["mesh-node-proxy", "mesh-cni", "mesh-cni-agent"];
+/// The sidecar proxy's stand-in (the entry point of [`crate::istio::PROXY_IMAGE`]).
+pub const PROXY_STANDIN: &str = "mesh-proxy";
 
 /// The cache directory: `MESHGATE_CACHE`, else `$XDG_CACHE_HOME/meshgate`, else
 /// `$HOME/.cache/meshgate` (as the tools' scripts).
@@ -85,7 +87,11 @@ pub fn static_binaries() -> Result<StaticBinaries, Error> {
         let bins = StaticBinaries {
             dir: PathBuf::from(dir),
         };
-        let standins = STANDINS.map(|s| bins.standin(s));
+        let standins: Vec<PathBuf> = STANDINS
+            .iter()
+            .chain(&[PROXY_STANDIN])
+            .map(|s| bins.standin(s))
+            .collect();
         for p in [
             bins.meshgate(),
             bins.meshgate_wait(),
@@ -222,12 +228,41 @@ pub fn write_archive(
     entrypoint: &[&str],
     out: &Path,
 ) -> Result<ImageArchive, Error> {
+    write_image(
+        name,
+        files,
+        &ImageConfig {
+            entrypoint,
+            ..ImageConfig::default()
+        },
+        out,
+    )
+}
+
+/// What an image's config says beyond its files.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ImageConfig<'a> {
+    pub entrypoint: &'a [&'a str],
+    /// `User` (`uid:gid`), for images whose pods say `runAsNonRoot` without a uid.
+    pub user: Option<&'a str>,
+    /// `Env` (`NAME=value`), e.g. a `PATH` for a container whose command is a bare name.
+    pub env: &'a [&'a str],
+}
+
+/// [`write_archive`] with the whole [`ImageConfig`].
+pub fn write_image(
+    name: &str,
+    files: &[(&str, &Path)],
+    image: &ImageConfig<'_>,
+    out: &Path,
+) -> Result<ImageArchive, Error> {
     let tag = name
         .rsplit_once(':')
         .filter(|(repo, _)| !repo.is_empty() && !repo.ends_with('/'))
         .map(|(_, tag)| tag)
         .ok_or_else(|| Error::Node(format!("image name {name:?} has no tag")))?;
     let mut layer = Tar::default();
+    let mut dirs = std::collections::BTreeSet::new();
     for (path, host) in files {
         let data = std::fs::read(host).map_err(io(format!("reading {}", host.display())))?;
         let mut parent = String::new();
@@ -235,16 +270,25 @@ pub fn write_archive(
         for dir in &parts[..parts.len() - 1] {
             parent.push_str(dir);
             parent.push('/');
-            layer.dir(&parent)?;
+            if dirs.insert(parent.clone()) {
+                layer.dir(&parent)?;
+            }
         }
         layer.file(path, &data, 0o755)?;
     }
     let layer = layer.finish();
     let layer_digest = sha256(&layer);
+    let mut container = serde_json::json!({"Entrypoint": image.entrypoint, "WorkingDir": "/"});
+    if let Some(user) = image.user {
+        container["User"] = user.into();
+    }
+    if !image.env.is_empty() {
+        container["Env"] = image.env.into();
+    }
     let config = serde_json::to_vec(&serde_json::json!({
         "architecture": "amd64",
         "os": "linux",
-        "config": {"Entrypoint": entrypoint, "WorkingDir": "/"},
+        "config": container,
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
         "history": [{"created_by": "meshgate-testenv image::write_archive"}],
     }))
