@@ -68,6 +68,11 @@ pub struct MeshProfile {
     /// when they stop (Istio ambient only when its DaemonSet goes away). The DRA node plugin
     /// requires it before a pod's sandbox is created.
     pub cni_plugin: &'static str,
+    /// Taints the mesh's own node readiness puts on nodes, which meshgate's pods tolerate so
+    /// that meshgate and the mesh never wait on each other (Istio: the untaint controller's
+    /// `cni.istio.io/not-ready`, `pilot/pkg/controllers/untaint`, which istiod tolerates and
+    /// lifts once the CNI agent is Ready; istiod in turn waits for meshgate's taint).
+    pub mesh_taints: &'static [&'static str],
 }
 
 const ISTIO_CNI: AgentRecord = AgentRecord {
@@ -101,6 +106,7 @@ pub const ISTIO_AMBIENT: MeshProfile = MeshProfile {
     ],
     node_gate_mode: GateMode::Continuous,
     cni_plugin: "istio-cni",
+    mesh_taints: &["cni.istio.io/not-ready"],
 };
 
 /// Istio sidecar mode: `istio-proxy` listens for redirected outbound TCP on 15001.
@@ -118,6 +124,7 @@ pub const ISTIO_SIDECAR: MeshProfile = MeshProfile {
     agents: &[ISTIO_CNI],
     node_gate_mode: GateMode::Bootstrap,
     cni_plugin: "istio-cni",
+    mesh_taints: &["cni.istio.io/not-ready"],
 };
 
 /// Linkerd: `linkerd-proxy` listens for redirected outbound TCP on 4140.
@@ -140,6 +147,7 @@ pub const LINKERD: MeshProfile = MeshProfile {
     }],
     node_gate_mode: GateMode::Bootstrap,
     cni_plugin: "linkerd-cni",
+    mesh_taints: &[],
 };
 
 impl MeshProfile {

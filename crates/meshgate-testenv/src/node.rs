@@ -64,6 +64,9 @@ pub struct NodeOptions {
     pub proxy: bool,
     /// How long to wait for the Node to be Ready.
     pub ready_timeout: Duration,
+    /// Taint keys (effect `NoSchedule`) the kubelet registers its Node with, as a node pool's
+    /// `--register-with-taints` does.
+    pub register_with_taints: Vec<String>,
 }
 
 impl Default for NodeOptions {
@@ -73,6 +76,7 @@ impl Default for NodeOptions {
             controller_manager: true,
             proxy: false,
             ready_timeout: Duration::from_secs(120),
+            register_with_taints: Vec::new(),
         }
     }
 }
@@ -553,7 +557,14 @@ impl RealNode {
         self.kubelet_healthz = healthz;
         let kubelet_config = write(
             "kubelet/config.yaml",
-            &kubelet_config(&d, &self.socket, &cp.ca_file(), port, healthz),
+            &kubelet_config(
+                &d,
+                &self.socket,
+                &cp.ca_file(),
+                port,
+                healthz,
+                &options.register_with_taints,
+            ),
         )?;
         let t = Instant::now();
         self.kubelet_args = vec![
@@ -1131,7 +1142,18 @@ fn cni_conflist(d: &Path) -> String {
 /// directories in the run directory, serving on loopback, no image GC and disk eviction only
 /// below 100 MiB free (absolute: 1% of a large build machine's disk is gigabytes, and a node
 /// under disk pressure rejects the tests' pods).
-fn kubelet_config(d: &Path, socket: &Path, ca: &Path, port: u16, healthz: u16) -> String {
+fn kubelet_config(
+    d: &Path,
+    socket: &Path,
+    ca: &Path,
+    port: u16,
+    healthz: u16,
+    taints: &[String],
+) -> String {
+    let taints: Vec<String> = taints
+        .iter()
+        .map(|k| format!("{{key: {k}, effect: NoSchedule}}"))
+        .collect();
     format!(
         "apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -1158,10 +1180,12 @@ volumePluginDir: {d}/kubelet/volume-plugins
 evictionHard: {{memory.available: 50Mi, nodefs.available: 100Mi, nodefs.inodesFree: 1%, imagefs.available: 100Mi}}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
+registerWithTaints: [{taints}]
 ",
         socket = socket.display(),
         ca = ca.display(),
         d = d.display(),
+        taints = taints.join(", "),
     )
 }
 

@@ -419,8 +419,10 @@ fn f_ipv6_only_pod_with_only_an_ipv4_target_is_not_checked() {
     );
 }
 
-/// The gate the webhook plans for an Istio sidecar pod in CNI mode with these pod annotations:
-/// its `meshgate-wait` arguments after `--redirect-check PORT`, or `None` for no gate.
+/// The gate the webhook plans for an Istio sidecar pod in CNI mode with these pod annotations
+/// and an application init container ahead of `istio-validation` (with the validator first,
+/// meshgate puts no gate in front of it): its `meshgate-wait` arguments after
+/// `--redirect-check PORT`, or `None` for no gate.
 fn planned_gate(annotations: serde_json::Value) -> Option<Vec<String>> {
     use meshgate_api::{GateConfig, Profile};
     use meshgate_core::gate::{PodPlan, PodRequest, plan_pod};
@@ -431,7 +433,8 @@ fn planned_gate(annotations: serde_json::Value) -> Option<Vec<String>> {
     let pod = serde_json::json!({
         "metadata": {"name": "p", "annotations": annotations},
         "spec": {
-            "initContainers": [{"name": "istio-validation", "image": "proxy",
+            "initContainers": [{"name": "migrate", "image": "app"},
+                               {"name": "istio-validation", "image": "proxy",
                                 "securityContext": {"runAsUser": 1337}}],
             "containers": [{"name": "app", "image": "app"},
                            {"name": "istio-proxy", "image": "proxy", "args": ["proxy", "sidecar"]}],

@@ -395,12 +395,30 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     out.push(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("meshgate-config", Some(ns), "webhook"),
         "data": {"config.yaml": meshgate_api::yaml::to_string(&config)?}}));
 
+    // meshgate must run on nodes its own gate holds, or nothing lifts the taint, and on nodes
+    // the mesh's own readiness taints (`MeshProfile::mesh_taints`), or meshgate and the mesh
+    // wait on each other: istiod tolerates only Istio's taint, its untaint controller needs
+    // istiod, and istiod meshgate's taint lifted.
+    let mut tolerations = vec![json!({"key": names::DEFAULT_TAINT_KEY, "operator": "Exists"})];
+    tolerations.extend(
+        mesh_profile(&o.profile)?
+            .record()
+            .mesh_taints
+            .iter()
+            .map(|key| json!({"key": key, "operator": "Exists"})),
+    );
+    let at = Placement {
+        ns,
+        image: &o.image,
+        tolerations: Value::Array(tolerations),
+    };
+
     // The webhook.
     let selector =
         json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": "webhook"});
     out.push(json!({"apiVersion": "v1", "kind": "Service", "metadata": meta("meshgate-webhook", Some(ns), "webhook"),
         "spec": {"selector": selector, "ports": [{"name": "https", "port": 443, "targetPort": "https"}]}}));
-    out.push(deployment(ns, "webhook", &o.image,
+    out.push(deployment(&at, "webhook",
         json!(["webhook", "--config", "/etc/meshgate/config/config.yaml", "--cert", "/etc/meshgate/tls/tls.crt", "--key", "/etc/meshgate/tls/tls.key",
                "--max-in-flight", meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT.to_string(), "--log-json"]),
         json!([{"name": "https", "containerPort": 8443}, {"name": "health", "containerPort": 8080}]),
@@ -423,9 +441,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         "spec": {"minAvailable": 1, "selector": {"matchLabels": selector}}}));
     // The controller.
     out.push(deployment(
-        ns,
+        &at,
         "controller",
-        &o.image,
         {
             let mut args = vec![
                 "controller".to_owned(),
@@ -624,10 +641,16 @@ pub fn profile_policies(profile: &str) -> anyhow::Result<Vec<Value>> {
     })
 }
 
+/// Where and from what meshgate's Deployments run: their namespace, image and tolerations.
+struct Placement<'a> {
+    ns: &'a str,
+    image: &'a str,
+    tolerations: Value,
+}
+
 fn deployment(
-    ns: &str,
+    at: &Placement<'_>,
     component: &str,
-    image: &str,
     args: Value,
     ports: Value,
     mounts: Value,
@@ -644,7 +667,7 @@ fn deployment(
     };
     json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": meta(&format!("meshgate-{component}"), Some(ns), component),
+        "metadata": meta(&format!("meshgate-{component}"), Some(at.ns), component),
         "spec": {
             "replicas": 2,
             "selector": {"matchLabels": selector},
@@ -654,11 +677,10 @@ fn deployment(
                 "spec": {
                     "serviceAccountName": format!("meshgate-{component}"),
                     "securityContext": {"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
-                    // meshgate must run on nodes its own gate holds, or nothing lifts the taint.
-                    "tolerations": [{"key": names::DEFAULT_TAINT_KEY, "operator": "Exists"}],
+                    "tolerations": at.tolerations,
                     "containers": [{
                         "name": component,
-                        "image": image,
+                        "image": at.image,
                         "args": args,
                         "env": [
                             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

@@ -17,8 +17,12 @@
 //!   plugin's rules;
 //! * pods the real plugin leaves alone (opt-out, interception `NONE`, gateways) get no gate and
 //!   start; every pod runs;
-//! * the node's startup taint lifts once the real node agent is Ready (istiod itself waits for
-//!   it: it tolerates only Istio's own taint);
+//! * the Node registers with meshgate's startup taint and Istio's own (`cni.istio.io/not-ready`,
+//!   with Istio's untaint controller on): meshgate's pods tolerate Istio's, istiod waits for
+//!   meshgate's, and each controller lifts its own once the real node agent is Ready;
+//! * the race, for real: the node agent removed, pods created meanwhile fail the real
+//!   `istio-validation` (126); when the agent is back, Istio's repair deletes them once, and
+//!   meshgate does nothing in its way;
 //! * no meshgate component was refused a request, and the teardown restores the host.
 //!
 //! Needs what `real_node` needs, and Istio's build (`MESHGATE_ISTIO`, else
@@ -43,6 +47,16 @@ use serde_json::{Value, json};
 const ISTIO_NS: &str = "istio-system";
 const MESH_NS: &str = "mesh";
 const POD_LIMIT: Duration = Duration::from_secs(120);
+/// Istio's node readiness taint (`pilot.taint`, its untaint controller's default).
+const ISTIO_TAINT: &str = "cni.istio.io/not-ready";
+
+fn taint_keys(n: &k8s_openapi::api::core::v1::Node) -> Vec<String> {
+    n.spec
+        .iter()
+        .flat_map(|s| s.taints.iter().flatten())
+        .map(|t| t.key.clone())
+        .collect()
+}
 
 /// Runs Helm against the control plane; panics with its output on failure.
 fn helm(helm: &Path, cp: &meshgate_testenv::ControlPlane, args: &[&str]) -> String {
@@ -78,6 +92,8 @@ fn install_istio(
     let istiod = json!({
         "global": {
             "imagePullPolicy": "Never",
+            // The untaint controller says what it did only at debug.
+            "logging": {"level": "default:info,untaint:debug"},
             "proxy": {"image": PROXY_IMAGE, "resources": small},
             "proxy_init": {"image": PROXY_IMAGE},
         },
@@ -87,6 +103,8 @@ fn install_istio(
             "replicaCount": 1,
             "resources": {"requests": {"cpu": "10m", "memory": "128Mi"}},
             "cni": {"enabled": true},
+            // Istio's node untaint controller, beside meshgate's node gate.
+            "taint": {"enabled": true},
         },
     });
     // The node agent's repair: Istio's default repairs a broken pod in place, from the network
@@ -402,17 +420,28 @@ async fn real_istio_sidecar_cni_mode_pods_get_the_verdicts_of_the_design_table()
             "--apply",
         ],
     );
-    // The kubelet's Node is tainted at CREATE by the installed admission policy.
+    // The kubelet's Node is tainted at CREATE by the installed admission policy, and
+    // registers with Istio's own readiness taint, which Istio's untaint controller lifts.
     wait_node_taint_policy(&Api::all(client.clone())).await;
     let node = RealNode::start(
         &cp,
         NodeOptions {
             proxy: true,
+            register_with_taints: vec![ISTIO_TAINT.to_owned()],
             ..NodeOptions::default()
         },
     )
     .await
     .expect("the real node starts");
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let registered = taint_keys(&nodes.get(node.name()).await.expect("node"));
+    assert!(
+        registered.iter().any(|k| k == ISTIO_TAINT)
+            && registered
+                .iter()
+                .any(|k| k == meshgate_api::names::DEFAULT_TAINT_KEY),
+        "the Node registered with both taints: {registered:?}"
+    );
     let images = istio
         .write_images(
             &node.run_dir().join("istio-images"),
@@ -447,6 +476,36 @@ async fn real_istio_sidecar_cni_mode_pods_get_the_verdicts_of_the_design_table()
     eprintln!(
         "measured: Istio installed -> istiod serving {:.2?}",
         t.elapsed()
+    );
+    // No deadlock and no taint war: meshgate's pods tolerate Istio's taint (istiod tolerates
+    // only its own and waits for meshgate's); each controller lifts its own taint, Istio's
+    // untaint controller once the CNI agent is Ready (its log says so).
+    meshgate_testenv::wait_for(
+        "Istio's untaint controller to lift its taint",
+        POD_LIMIT,
+        || {
+            let nodes = nodes.clone();
+            let name = node.name().to_owned();
+            async move {
+                nodes
+                    .get(&name)
+                    .await
+                    .is_ok_and(|n| !taint_keys(&n).iter().any(|k| k == ISTIO_TAINT))
+            }
+        },
+    )
+    .await;
+    let n = nodes.get(node.name()).await.expect("node");
+    let istiod_log = pod_logs(&client, &node, ISTIO_NS, "app=istiod").await;
+    let removed = format!("removed readiness taint from node {}", node.name());
+    assert!(
+        istiod_log.iter().any(|(_, l)| l.contains(&removed)),
+        "istiod's untaint controller logged {removed:?}"
+    );
+    assert!(
+        taint_keys(&n).is_empty(),
+        "both taints lifted: {:?}",
+        taint_keys(&n)
     );
 
     // The real node agent chained its plugin into the node's CNI configuration.
