@@ -13,10 +13,14 @@
 //! * [`nodeproxy`]: a **node proxy** (`mesh-node-proxy`) that, once "ready", opens listeners
 //!   (15008, 15001, 15006) inside the network namespace of each pod sandbox on the node, as an
 //!   ambient node proxy does for the pods it captures. It finds sandboxes by their process name
-//!   (the pause binary), not through the API: every pod on the node is enrolled.
+//!   (the pause binary), not through the API: every pod on the node is enrolled. Started as
+//!   Istio's node proxy is (`proxy ztunnel`), it is instead fed by the real Istio node agent
+//!   over [`zds`] and opens listeners in exactly the pods the agent hands it.
 //!
 //! Everything here is plain functions of their inputs; the binaries in `src/bin` do the I/O.
 
 pub mod cni;
 pub mod conflist;
+pub mod http;
 pub mod nodeproxy;
+pub mod zds;

@@ -128,3 +128,178 @@ fn the_node_proxy_listens_inside_pods_once_ready() {
     let _ = std::fs::remove_file(&ready);
     let _ = std::fs::remove_file(&holder);
 }
+
+/// The test plays Istio's node agent on a ZDS socket (`meshgate_standins::zds`): the node proxy
+/// connects and says hello; the pod handed over with its network namespace gets the listeners
+/// (meshgate's gate passes inside it) and readiness follows the snapshot; after `del` is acked
+/// they are closed (the gate times out again).
+#[test]
+fn fed_over_zds_the_node_proxy_listens_in_exactly_the_pods_handed_to_it() {
+    use meshgate_standins::zds::{
+        AddWorkload, DelWorkload, Request, Response, SnapshotSent, WorkloadInfo, WorkloadRequest,
+        WorkloadResponse,
+    };
+    use prost::Message as _;
+    use rustix::net::{
+        AddressFamily, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix,
+        SocketType,
+    };
+    use std::os::fd::AsFd;
+    if skip() {
+        return;
+    }
+    let gate = meshgate_wait();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("ztunnel.sock");
+    let server =
+        rustix::net::socket(AddressFamily::UNIX, SocketType::SEQPACKET, None).expect("socket");
+    rustix::net::bind(&server, &SocketAddrUnix::new(&path).expect("address")).expect("bind");
+    rustix::net::listen(&server, 1).expect("listen");
+    // The healthz port, in a network namespace of the proxy's own (a pod's, as in Istio).
+    let proxy_ns = Kill(
+        Command::new("unshare")
+            .args(["--net", "--", "sleep", "60"])
+            .spawn()
+            .expect("unshare"),
+    );
+    let own = std::fs::read_link("/proc/self/ns/net").expect("own netns");
+    let proxy_netns = format!("/proc/{}/ns/net", proxy_ns.0.id());
+    let sandbox = Kill(
+        Command::new("unshare")
+            .args(["--net", "--", "sleep", "60"])
+            .spawn()
+            .expect("unshare"),
+    );
+    let netns = format!("/proc/{}/ns/net", sandbox.0.id());
+    for ns in [&proxy_netns, &netns] {
+        for _ in 0..200 {
+            if std::fs::read_link(ns).is_ok_and(|n| n != own) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+    let _proxy = Kill(
+        Command::new("nsenter")
+            .arg(format!("--net={proxy_netns}"))
+            .args(["ip", "link", "set", "lo", "up"])
+            .status()
+            .ok()
+            .and_then(|_| {
+                Command::new("nsenter")
+                    .arg(format!("--net={proxy_netns}"))
+                    .arg(PROXY)
+                    .arg("--zds")
+                    .arg(&path)
+                    .args(["--healthz", "15021"])
+                    .spawn()
+                    .ok()
+            })
+            .expect("mesh-node-proxy"),
+    );
+    let healthz = || {
+        Command::new("nsenter")
+            .arg(format!("--net={proxy_netns}"))
+            .args(["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/15021 && printf 'GET /healthz/ready HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' >&3 && head -1 <&3"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_default()
+    };
+    let run_gate = |timeout: &str| {
+        let out = Command::new("nsenter")
+            .arg(format!("--net={netns}"))
+            .args([
+                "setpriv",
+                "--reuid",
+                "65532",
+                "--regid",
+                "65532",
+                "--clear-groups",
+            ])
+            .arg(&gate)
+            .args(["--tcp-listening", "15008", "--timeout", timeout])
+            .output()
+            .expect("gate ran");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        )
+    };
+
+    let conn = rustix::net::accept(&server).expect("the node proxy connects");
+    let mut buf = [0u8; 1024];
+    let n = rustix::net::recv(&conn, &mut buf, rustix::net::RecvFlags::empty())
+        .expect("hello")
+        .0;
+    assert_eq!(&buf[..n], [0x08, 0x01], "a bare ZdsHello{{version: V1}}");
+    let mut exchange = |request: Request, fd: Option<&std::fs::File>| -> String {
+        let bytes = WorkloadRequest {
+            payload: Some(request),
+        }
+        .encode_to_vec();
+        let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let fds;
+        if let Some(f) = fd {
+            fds = [f.as_fd()];
+            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        }
+        rustix::net::sendmsg(
+            &conn,
+            &[std::io::IoSlice::new(&bytes)],
+            &mut control,
+            SendFlags::empty(),
+        )
+        .expect("send");
+        let n = rustix::net::recv(&conn, &mut buf, rustix::net::RecvFlags::empty())
+            .expect("an ack")
+            .0;
+        match WorkloadResponse::decode(&buf[..n])
+            .expect("a response")
+            .payload
+        {
+            Some(Response::Ack(a)) => a.error,
+            None => panic!("no ack"),
+        }
+    };
+    // Connected, snapshot not sent: not ready; nothing listens in the pod.
+    assert!(healthz().contains("503"), "{}", healthz());
+    assert_eq!(exchange(Request::SnapshotSent(SnapshotSent {}), None), "");
+    assert!(
+        healthz().contains("200"),
+        "ready once the snapshot came: {}",
+        healthz()
+    );
+    let (code, line) = run_gate("1s");
+    assert_eq!(code, Some(1), "nothing handed over yet: {line}");
+
+    let ns_file = std::fs::File::open(&netns).expect("the pod's netns");
+    let add = Request::Add(AddWorkload {
+        uid: "uid-1".into(),
+        workload_info: Some(WorkloadInfo {
+            name: "app".into(),
+            namespace: "mesh".into(),
+            service_account: "default".into(),
+        }),
+    });
+    assert_eq!(
+        exchange(add.clone(), None),
+        "failure to read message : No control message"
+    );
+    assert_eq!(exchange(add, Some(&ns_file)), "", "acked");
+    let (code, line) = run_gate("5s");
+    assert_eq!(code, Some(0), "{line}");
+
+    assert_eq!(
+        exchange(
+            Request::Del(DelWorkload {
+                uid: "uid-1".into()
+            }),
+            None
+        ),
+        ""
+    );
+    // The ack of `del` comes after the listeners are closed.
+    let (code, line) = run_gate("1s");
+    assert_eq!(code, Some(1), "closed after del: {line}");
+}

@@ -12,10 +12,11 @@
 //!
 //! Usage: mesh-proxy proxy TYPE [IGNORED...] | mesh-proxy PILOT-AGENT-ARGS...
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::process::ExitCode;
+
+use meshgate_standins::http::answer;
 
 const AGENT_ENV: &str = "MESH_PROXY_AGENT";
 const AGENT: &str = "/usr/local/bin/pilot-agent";
@@ -52,7 +53,7 @@ fn main() -> ExitCode {
         threads.push(std::thread::spawn(move || {
             for stream in listener.incoming().flatten() {
                 if http {
-                    std::thread::spawn(move || answer(stream));
+                    std::thread::spawn(move || answer(stream, "200 OK"));
                 }
             }
         }));
@@ -61,18 +62,4 @@ fn main() -> ExitCode {
         let _ = t.join();
     }
     ExitCode::SUCCESS
-}
-
-/// Reads one request's head and answers 200 with an empty body.
-fn answer(mut stream: TcpStream) {
-    let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(5)));
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 64 * 1024 {
-        match stream.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => head.extend_from_slice(&buf[..n]),
-        }
-    }
-    let _ = stream.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
 }

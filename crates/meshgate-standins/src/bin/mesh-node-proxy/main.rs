@@ -6,9 +6,21 @@
 //! `--enrol-delay SECONDS` waits that long after a sandbox first appears before enrolling it (a
 //! slow node proxy, for tests that show the gate holding).
 //!
+//! **Fed by Istio's node agent** (`mesh-node-proxy proxy ztunnel`, the arguments Istio's node
+//! proxy chart gives its container; or `--zds SOCKET`): it does not look for sandboxes itself.
+//! It connects to the agent's ZDS socket (`$INPOD_UDS`, default `/var/run/ztunnel/ztunnel.sock`;
+//! the protocol is in `meshgate_standins::zds`), and for each pod the agent hands it opens, in
+//! the network namespace that came with it, what Istio's node proxy opens there: TCP 15001
+//! (outbound), 15006 (inbound), 15008 (HBONE) and 127.0.0.1:15053 (DNS, TCP and UDP); connections
+//! are accepted and closed. It closes them when the agent deletes the pod, reconnects when the
+//! agent goes away, and answers `GET /healthz/ready` on `--healthz PORT` (default 15021 in
+//! `proxy` mode) with 200 only while connected with the agent's snapshot received, as the node
+//! proxy's readiness does.
+//!
 //! Usage: mesh-node-proxy [--ready-delay SECONDS] [--enrol-delay SECONDS]
 //!        [--ports 15008,15001,15006] [--sandbox-comm pause] [--ready-file PATH]
 //!        | --check-ready PATH
+//!        | proxy ztunnel | --zds SOCKET [--healthz PORT]
 
 use std::collections::BTreeSet;
 use std::net::TcpListener;
@@ -16,6 +28,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use meshgate_standins::nodeproxy::{Process, parse_ports, to_enrol};
+
+mod fed;
 
 struct Args {
     delay: f64,
@@ -58,6 +72,16 @@ fn args() -> Result<Result<Args, bool>, String> {
 }
 
 fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(mode) = fed::Mode::from_args(&argv) {
+        return match mode {
+            Ok(mode) => fed::run(&mode),
+            Err(e) => {
+                eprintln!("mesh-node-proxy: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let a = match args() {
         Ok(Ok(a)) => a,
         Ok(Err(ready)) => {
