@@ -89,6 +89,14 @@ pub struct MatchResources {
     /// CREATE and/or UPDATE. Empty: CREATE.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub operations: Vec<Operation>,
+    /// Object names (`metadata.name`, or `metadata.generateName` when the name is empty;
+    /// `*` and `?` wildcards allowed), as Kyverno's `names`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub names: Vec<String>,
+    /// Annotations the object must carry: each key and value a wildcard pattern (`*`, `?`),
+    /// as Kyverno's `annotations`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
@@ -134,9 +142,46 @@ pub struct Mutation {
     /// `element` and `elementIndex`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub foreach: Option<ForEach>,
+    /// Variables defined for this mutation (Kyverno's `context` entries of kind `variable`),
+    /// evaluated before `preconditions`, in order, each visible to the later ones.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub context: Vec<ContextEntry>,
 }
 
-/// `foreach`: the mutation applies once per element of `list`, in order, each time to the
+/// A named variable (Kyverno's `context` entry of kind `variable`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContextEntry {
+    /// The variable's name, used as the root of expressions (`{{ name.field }}`).
+    pub name: String,
+    pub variable: ContextVariable,
+}
+
+/// A variable's value: `value` (with variables), or `jmesPath` over `value` or, without
+/// `value`, over all variables; `default` when that gives nothing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContextVariable {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "any_value")]
+    pub value: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jmes_path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "any_value")]
+    pub default: Option<serde_json::Value>,
+}
+
+/// The order in which a `foreach` visits its list.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum ForEachOrder {
+    #[default]
+    Ascending,
+    /// Last element first (`elementIndex` keeps each element's position in the list).
+    Descending,
+}
+
+/// `foreach`: the mutation applies once per element of `list`, in `order`, each time to the
 /// result of the previous one.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -148,6 +193,12 @@ pub struct ForEach {
     /// do not hold is skipped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preconditions: Option<Conditions>,
+    /// `Ascending` (the default) or `Descending`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order: Option<ForEachOrder>,
+    /// Variables per element, evaluated after `element` is set and before `preconditions`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub context: Vec<ContextEntry>,
 }
 
 /// Conditions: every one of `all` and, when `any` is not empty, at least one of `any`.

@@ -45,42 +45,49 @@
 //!   template` for CronJob): meshgate mutates pod templates, never the workload object itself, so
 //!   the prefix is removed. A rule matching Pod and workloads keeps Pod only (its patch is
 //!   written against a Pod; Kyverno would apply it to the workload object).
-//! * Variables (`{{ }}`) in `mutate`, over `request.object`, `request.operation`,
-//!   `request.namespace`, `element` and `elementIndex`, with JMESPath and Kyverno's common string
-//!   functions (`policy::variables`). In a rule auto-generated for pod controllers,
+//! * Variables (`{{ }}`, nested ones inner first) in `mutate`, over `request.object`,
+//!   `request.operation`, `request.namespace`, `images`, context entries, `element` and
+//!   `elementIndex`, with JMESPath and Kyverno's common string functions (`policy::variables`). In a rule auto-generated for pod controllers,
 //!   `request.object` is the pod template, as Kyverno's autogen rewrites the paths.
 //! * `preconditions` (`{any, all}` or a list) become the mutation's `preconditions`, evaluated
 //!   once, on the object as the rule finds it; operators `Equals`, `NotEquals`, `In`, `NotIn`,
 //!   `AnyIn`, `AllIn`, `AnyNotIn`, `AllNotIn` and the numeric comparisons (others are refused,
 //!   named).
-//! * `mutate.foreach` entries (`list`, `preconditions`, and `patchStrategicMerge` or
-//!   `patchesJson6902`) become one mutation each with `foreach`, applied per element in list
-//!   order.
+//! * `mutate.foreach` entries (`list`, `preconditions`, `context`, `order`, and
+//!   `patchStrategicMerge` or `patchesJson6902`) become one mutation each with `foreach`. The
+//!   order is Kyverno's (`pkg/engine/handlers/mutation/common.go`): `order` when set, else
+//!   `Descending` for a strategic merge (Kyverno reverses those by default) and `Ascending` for
+//!   a JSON patch.
+//! * `context` entries of kind `variable` (rule and foreach) become the mutations' `context`
+//!   (`policy::variables`); `configMap`, `apiCall`, `globalReference` and `imageRegistry`
+//!   entries need the cluster at admission: the rule is refused, naming the entry.
+//! * `name`, `names` and `annotations` in `match`/`exclude` become `names`/`annotations` (they
+//!   also turn Kyverno's autogen off, as Kyverno does).
 //! * `spec.emitWarning: true` sets the MutationPolicy's `warning`.
 //! * A namespaced `Policy` applies in its own namespace only: its namespace becomes the rule's
 //!   `namespaces`.
 //!
 //! # What does not
-//! Variables in `match`/`exclude`, references (`$( )`) anywhere in a rule; `context` entries
-//! (a `configMap`, `apiCall`, `globalReference` or `imageRegistry` entry needs the cluster at
-//! admission; `variable` entries are not supported either): the rule is refused, naming the
-//! entry; variables and `foreach` in a rule that matches workloads only (their `request.object`
-//! would be the workload); a nested `foreach`, `order: Descending`, rule `preconditions` with
-//! several `foreach` entries; `celPreconditions`, `mutate.targets` / `mutateExistingOnPolicyUpdate`,
-//! `match`/`exclude` on names, annotations or the requesting user (`subjects`, `roles`,
-//! `clusterRoles`), `spec.webhookConfiguration.matchConditions`, policies with
+//! Variables in `match`/`exclude`, references (`$( )`) anywhere in a rule; context entries
+//! other than `variable` (a `configMap`, `apiCall`, `globalReference` or `imageRegistry` entry
+//! needs the cluster at admission): the rule is refused, naming the entry; variables and
+//! `foreach` in a rule that matches workloads only (their `request.object` would be the
+//! workload); a nested `foreach`, rule `preconditions` with several `foreach` entries (Kyverno
+//! evaluates them once for the rule; meshgate's are per mutation); `name` and `names`
+//! together; `celPreconditions`, `mutate.targets` / `mutateExistingOnPolicyUpdate`,
+//! `match`/`exclude` on the requesting user (`subjects`, `roles`, `clusterRoles`), `spec.webhookConfiguration.matchConditions`, policies with
 //! `spec.admission: false`. Validate, generate and verifyImages rules are ignored with a note.
 //! `spec.applyRules: One` is not honoured (every converted rule applies; noted). Kyverno's
 //! installation-wide `resourceFilters` (by default excluding `kube-system` and Kyverno's own
 //! namespace) are not part of a policy and are not imported.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use meshgate_api::LabelSelector;
 use meshgate_api::mutation_policy::{
-    ConditionOperator, Conditions, ForEach, JsonPatchOp, JsonPatchOperation, JsonPatchOptions,
-    MatchResources, MetadataMutation, Mutation, MutationPolicySpec, OnConflict, Operation,
-    PreCondition,
+    ConditionOperator, Conditions, ContextEntry, ContextVariable, ForEach, ForEachOrder,
+    JsonPatchOp, JsonPatchOperation, JsonPatchOptions, MatchResources, MetadataMutation, Mutation,
+    MutationPolicySpec, OnConflict, Operation, PreCondition,
 };
 use serde_json::Value;
 
@@ -370,17 +377,21 @@ fn convert_rule(
 
     let mut reasons = Vec::new();
     let non_empty = |v: Option<&Value>| v.is_some_and(|v| !is_empty_value(v));
-    for (field, why) in [
-        (
-            "context",
-            "context entries are not converted: configMap, apiCall, globalReference and imageRegistry entries need the cluster at admission, and variable entries are not supported",
-        ),
-        ("celPreconditions", "CEL preconditions are not supported"),
-    ] {
-        if non_empty(rule.get(field)) {
-            reasons.push(format!("{path}.{field}: {why}"));
-        }
+    if non_empty(rule.get("celPreconditions")) {
+        reasons.push(format!(
+            "{path}.celPreconditions: CEL preconditions are not supported"
+        ));
     }
+    let rule_context = match rule.get("context").filter(|v| !is_empty_value(v)) {
+        Some(c) => match context_entries(c, &format!("{path}.context")) {
+            Ok(entries) => entries,
+            Err(e) => {
+                reasons.push(e);
+                Vec::new()
+            }
+        },
+        None => Vec::new(),
+    };
     let preconditions = match rule.get("preconditions").filter(|v| !is_empty_value(v)) {
         Some(p) => match conditions(p, &format!("{path}.preconditions")) {
             Ok(c) => Some(c),
@@ -584,6 +595,12 @@ fn convert_rule(
         }
     }
 
+    if !rule_context.is_empty() {
+        for m in &mut mutations {
+            m.context = rule_context.clone();
+        }
+    }
+
     // Pod controllers.
     let mut pod_templates = false;
     if only_pods {
@@ -668,6 +685,8 @@ struct Desc {
     namespace_selector: Option<LabelSelector>,
     selector: Option<LabelSelector>,
     operations: Vec<Operation>,
+    names: Vec<String>,
+    annotations: BTreeMap<String, String>,
     /// Every kind (or operation) it names is one meshgate never sees: it matches nothing.
     matches_nothing: bool,
 }
@@ -680,6 +699,8 @@ impl Desc {
             namespace_selector: self.namespace_selector,
             object_selector: self.selector,
             operations: self.operations,
+            names: self.names,
+            annotations: self.annotations,
         }
     }
 }
@@ -790,11 +811,32 @@ fn selector(v: Option<&Value>, path: &str) -> Result<Option<LabelSelector>, Stri
 
 /// One `resources` block.
 fn description(r: &Value, path: &str, notes: &mut Vec<String>) -> Result<Desc, String> {
-    for f in ["name", "names", "annotations"] {
-        if r.get(f).is_some_and(|v| !v.is_null()) {
-            return Err(format!("{path}.{f}: matching by {f} is not supported"));
+    let mut names = string_list(r.get("names"), &format!("{path}.names"))?;
+    match r.get("name") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(n)) if n.is_empty() => {}
+        Some(Value::String(n)) => {
+            if !names.is_empty() {
+                return Err(format!(
+                    "{path}.name: set together with names (both must hold); not converted"
+                ));
+            }
+            names.push(n.clone());
         }
+        Some(_) => return Err(format!("{path}.name: must be a string")),
     }
+    let annotations = match r.get("annotations") {
+        None | Some(Value::Null) => BTreeMap::new(),
+        Some(Value::Object(m)) => m
+            .iter()
+            .map(|(k, v)| {
+                v.as_str()
+                    .map(|v| (k.clone(), v.to_owned()))
+                    .ok_or_else(|| format!("{path}.annotations[{k:?}]: must be a string"))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(format!("{path}.annotations: must be a map of strings")),
+    };
     let raw_kinds = string_list(r.get("kinds"), &format!("{path}.kinds"))?;
     let mut kinds = Vec::new();
     for (i, raw) in raw_kinds.iter().enumerate() {
@@ -830,6 +872,8 @@ fn description(r: &Value, path: &str, notes: &mut Vec<String>) -> Result<Desc, S
         )?,
         selector: selector(r.get("selector"), &format!("{path}.selector"))?,
         operations,
+        names,
+        annotations,
     })
 }
 
@@ -896,6 +940,12 @@ fn differing(descs: &[Desc]) -> Vec<&'static str> {
     if !all_equal(&|d| d.operations == first.operations) {
         out.push("operations");
     }
+    if !all_equal(&|d| d.names == first.names) {
+        out.push("names");
+    }
+    if !all_equal(&|d| d.annotations == first.annotations) {
+        out.push("annotations");
+    }
     out
 }
 
@@ -923,19 +973,20 @@ fn union(descs: Vec<Desc>, path: &str) -> Result<Desc, String> {
     };
     match diff.as_slice() {
         [] => Ok(first),
-        [field @ ("kinds" | "namespaces" | "operations")] => {
+        [field @ ("kinds" | "namespaces" | "operations" | "names")] => {
             let mut out = first;
             match *field {
                 "kinds" => out.kinds = union_list(descs.into_iter().map(|d| d.kinds)),
                 "namespaces" => {
                     out.namespaces = union_list(descs.into_iter().map(|d| d.namespaces));
                 }
+                "names" => out.names = union_list(descs.into_iter().map(|d| d.names)),
                 _ => out.operations = union_list(descs.into_iter().map(|d| d.operations)),
             }
             Ok(out)
         }
         fields => Err(format!(
-            "{path}: its {} entries differ in {}; a MutationPolicy has one match block whose fields must all hold, so an OR of entries is only converted when they differ in kinds, namespaces or operations alone (split the Kyverno rule into one rule per entry)",
+            "{path}: its {} entries differ in {}; a MutationPolicy has one match block whose fields must all hold, so an OR of entries is only converted when they differ in kinds, namespaces, operations or names alone (split the Kyverno rule into one rule per entry)",
             descs.len(),
             fields.join(" and ")
         )),
@@ -1013,6 +1064,24 @@ fn intersect(descs: Vec<Desc>, path: &str) -> Result<Desc, String> {
             }
         } else if out.namespaces.is_empty() {
             out.namespaces = d.namespaces;
+        }
+        if !out.names.is_empty() && !d.names.is_empty() && out.names != d.names {
+            return Err(format!(
+                "{path}: names in several entries cannot be intersected"
+            ));
+        }
+        if out.names.is_empty() {
+            out.names = d.names;
+        }
+        for (k, v) in d.annotations {
+            if let Some(existing) = out.annotations.get(&k)
+                && existing != &v
+            {
+                return Err(format!(
+                    "{path}: entries require annotation {k:?} to match both {existing:?} and {v:?}; not converted"
+                ));
+            }
+            out.annotations.insert(k, v);
         }
         out.namespace_selector =
             combine_selectors(out.namespace_selector, d.namespace_selector, path)?;
@@ -1200,6 +1269,61 @@ fn condition(v: &Value, path: &str) -> Result<PreCondition, String> {
     })
 }
 
+/// Kyverno `context` entries: `variable` entries convert; the others need the cluster at
+/// admission and are refused, naming the entry.
+fn context_entries(v: &Value, path: &str) -> Result<Vec<ContextEntry>, String> {
+    let list = v
+        .as_array()
+        .ok_or_else(|| format!("{path}: must be a list"))?;
+    let mut out = Vec::new();
+    for (i, e) in list.iter().enumerate() {
+        let name = e.get("name").and_then(Value::as_str).unwrap_or_default();
+        let at = format!("{path}[{i}]");
+        if name.is_empty() {
+            return Err(format!("{at}.name: required"));
+        }
+        let at = format!("{at} ({name})");
+        for (kind, why) in [
+            ("configMap", "reads a ConfigMap at admission"),
+            ("apiCall", "calls the API server at admission"),
+            ("globalReference", "reads a Kyverno GlobalContextEntry"),
+            ("imageRegistry", "reads an image registry at admission"),
+        ] {
+            if e.get(kind).is_some_and(|v| !v.is_null()) {
+                return Err(format!(
+                    "{at}.{kind}: not converted: the entry {why}, which meshgate does not do (only variable entries convert)"
+                ));
+            }
+        }
+        let Some(var) = e.get("variable").filter(|v| v.is_object()) else {
+            return Err(format!("{at}: no variable (only variable entries convert)"));
+        };
+        if let Some(other) = var
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, _)| k)
+            .find(|k| !["value", "jmesPath", "default"].contains(&k.as_str()))
+        {
+            return Err(format!("{at}.variable.{other}: not a variable field"));
+        }
+        let jmes_path = match var.get("jmesPath") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(p)) => Some(p.clone()),
+            Some(_) => return Err(format!("{at}.variable.jmesPath: must be a string")),
+        };
+        out.push(ContextEntry {
+            name: name.to_owned(),
+            variable: ContextVariable {
+                value: var.get("value").filter(|v| !v.is_null()).cloned(),
+                jmes_path,
+                default: var.get("default").filter(|v| !v.is_null()).cloned(),
+            },
+        });
+    }
+    Ok(out)
+}
+
 /// `mutate.foreach` entries as mutations, one each.
 fn foreach_mutations(v: &Value, path: &str) -> Result<Vec<Mutation>, String> {
     let entries = v
@@ -1208,19 +1332,25 @@ fn foreach_mutations(v: &Value, path: &str) -> Result<Vec<Mutation>, String> {
     let mut out = Vec::new();
     for (i, e) in entries.iter().enumerate() {
         let at = format!("{path}[{i}]");
-        for (field, why) in [
-            ("foreach", "nested foreach is not supported"),
-            ("context", "context entries are not converted"),
-        ] {
-            if e.get(field).is_some_and(|v| !is_empty_value(v)) {
-                return Err(format!("{at}.{field}: {why}"));
+        if e.get("foreach").is_some_and(|v| !is_empty_value(v)) {
+            return Err(format!("{at}.foreach: nested foreach is not supported"));
+        }
+        let context = match e.get("context").filter(|v| !is_empty_value(v)) {
+            Some(c) => context_entries(c, &format!("{at}.context"))?,
+            None => Vec::new(),
+        };
+        // Kyverno (`pkg/engine/handlers/mutation/common.go`): a patchStrategicMerge foreach
+        // visits its list last element first unless `order` says otherwise.
+        let explicit = match e.get("order") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(o)) if o == "Ascending" => Some(ForEachOrder::Ascending),
+            Some(Value::String(o)) if o == "Descending" => Some(ForEachOrder::Descending),
+            Some(other) => {
+                return Err(format!(
+                    "{at}.order: {other} is not an order (Ascending, Descending)"
+                ));
             }
-        }
-        if e.get("order").and_then(Value::as_str) == Some("Descending") {
-            return Err(format!(
-                "{at}.order: Descending is not supported (meshgate applies the elements in list order)"
-            ));
-        }
+        };
         let list = e
             .get("list")
             .and_then(Value::as_str)
@@ -1254,9 +1384,16 @@ fn foreach_mutations(v: &Value, path: &str) -> Result<Vec<Mutation>, String> {
                 ));
             }
         };
+        let order = match explicit {
+            Some(o) => o,
+            None if m.strategic_merge.is_some() => ForEachOrder::Descending,
+            None => ForEachOrder::Ascending,
+        };
         m.foreach = Some(ForEach {
             list,
             preconditions,
+            order: (order == ForEachOrder::Descending).then_some(order),
+            context,
         });
         out.push(m);
     }

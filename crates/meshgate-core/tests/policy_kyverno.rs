@@ -97,7 +97,7 @@ fn variables_and_foreach_convert_and_context_is_reported() {
     assert_eq!(out.notes.len(), 1, "{:#?}", out.notes);
     assert!(
         out.notes[0].starts_with(
-            "spec.rules[2] (with-context): not converted: spec.rules[2].context: context entries are not converted: configMap, apiCall"
+            "spec.rules[2] (with-context): not converted: spec.rules[2].context[0] (cm).configMap: not converted: the entry reads a ConfigMap at admission"
         ),
         "{}",
         out.notes[0]
@@ -536,4 +536,199 @@ spec:
     let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "x", "namespace": "shop", "labels": {"mesh": "true"}}});
     let out_secret = run(&out.policies[1..], &secret, Operation::Create);
     assert_eq!(out_secret["metadata"]["annotations"]["seen"], "yes");
+}
+
+/// Issue #30, causes 1, 2, 3, 5: variable context entries (rule and foreach), nested variables,
+/// `images`, and a variable that resolves to null, as a Kyverno author writes them.
+#[test]
+fn context_nested_variables_images_and_nulls_convert_and_apply() {
+    let policy = doc(r#"
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata: {name: mirror}
+spec:
+  rules:
+  - name: rewrite
+    match:
+      any:
+      - resources: {kinds: [Pod]}
+    context:
+    - name: mirror
+      variable: {value: mirror.example.com}
+    - name: team
+      variable:
+        jmesPath: request.object.metadata.labels.team
+        default: none
+    mutate:
+      foreach:
+      - list: request.object.spec.containers
+        context:
+        - name: registry
+          variable:
+            jmesPath: images.containers."{{element.name}}".registry
+        preconditions:
+          all:
+          - {key: "{{ registry }}", operator: Equals, value: docker.io}
+        patchStrategicMerge:
+          metadata:
+            labels:
+              team: "{{ team }}"
+          spec:
+            containers:
+            - name: "{{ element.name }}"
+              image: "{{ mirror }}/{{ images.containers.\"{{element.name}}\".path }}:{{ images.containers.\"{{element.name}}\".tag }}"
+      - list: request.object.spec.containers
+        patchStrategicMerge:
+          spec:
+            containers:
+            - name: "{{ element.name }}"
+              resources:
+                limits:
+                  memory: "{{ element.resources.limits.memory || element.resources.requests.memory }}"
+"#);
+    let out = import(&policy).expect("converts");
+    assert!(out.notes.is_empty(), "{:#?}", out.notes);
+    let (_, spec) = &out.policies[0];
+    assert_eq!(validate(spec), Ok(()));
+    assert_eq!(spec.mutations[0].context.len(), 2);
+    assert_eq!(spec.mutations[1].context.len(), 2);
+    let pod = doc("
+apiVersion: v1
+kind: Pod
+metadata: {name: web}
+spec:
+  containers:
+  - {name: app, image: nginx:1.27, resources: {requests: {memory: 64Mi}}}
+  - {name: side, image: ghcr.io/x/side:2}
+  - {name: bare, image: busybox}
+");
+    let got = run(&out.policies, &pod, Operation::Create);
+    let c = &got["spec"]["containers"];
+    assert_eq!(got["metadata"]["labels"]["team"], "none");
+    // Kyverno's order: a strategic-merge foreach runs last element first, and each patch puts
+    // the container it names first (kustomize's merge). The first entry names bare, then app
+    // (side fails the precondition): app, bare, side. The second entry lists the containers
+    // as the first left them and names all three: the order stays.
+    let names: Vec<&str> = c
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["name"].as_str())
+        .collect();
+    assert_eq!(names, ["app", "bare", "side"]);
+    assert_eq!(c[0]["image"], "mirror.example.com/nginx:1.27");
+    assert_eq!(c[1]["image"], "mirror.example.com/busybox:latest");
+    assert_eq!(
+        c[2]["image"], "ghcr.io/x/side:2",
+        "not on docker.io: unchanged"
+    );
+    // The memory limit: from the request where there is one; a null (no limit, no request)
+    // is no change, not an error.
+    assert_eq!(c[0]["resources"]["limits"]["memory"], "64Mi");
+    assert_eq!(c[1].get("resources"), None, "{c:#}");
+    assert_eq!(c[2].get("resources"), None, "{c:#}");
+}
+
+/// Issue #30, cause 6: `order`, the default order of a strategic-merge foreach, and match by
+/// `names` and `annotations`.
+#[test]
+fn foreach_order_names_and_annotations_convert() {
+    let policy = doc(r#"
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata: {name: order}
+spec:
+  rules:
+  - name: mark
+    match:
+      any:
+      - resources:
+          kinds: [Pod]
+          names: ["web-*"]
+          annotations: {"team.example.com/*": "pay?"}
+    mutate:
+      foreach:
+      - list: request.object.spec.containers
+        order: Ascending
+        patchStrategicMerge:
+          spec:
+            containers:
+            - {name: "{{ element.name }}", env: [{name: INDEX, value: "i{{ elementIndex }}"}]}
+      - list: request.object.spec.containers
+        order: Descending
+        patchesJson6902: |-
+          - op: add
+            path: /metadata/labels/visit-{{ elementIndex }}
+            value: "{{ element.name }}"
+"#);
+    let out = import(&policy).expect("converts");
+    assert!(out.notes.is_empty(), "{:#?}", out.notes);
+    let (_, spec) = &out.policies[0];
+    assert_eq!(spec.match_.names, ["web-*"]);
+    assert_eq!(spec.match_.annotations["team.example.com/*"], "pay?");
+    assert!(
+        !spec.pod_templates,
+        "names and annotations turn Kyverno's autogen off"
+    );
+    let pod = |name: &str, team: &str| {
+        doc(&format!(
+            "
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, labels: {{}}, annotations: {{team.example.com/owner: {team}}}}}
+spec:
+  containers: [{{name: a}}, {{name: b}}]
+"
+        ))
+    };
+    let got = run(&out.policies, &pod("web-1", "pays"), Operation::Create);
+    let names: Vec<&str> = got["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["name"].as_str())
+        .collect();
+    // Ascending: each element's patch puts its container first (kustomize's merge), so the
+    // last one visited ends first.
+    assert_eq!(names, ["b", "a"]);
+    assert_eq!(got["spec"]["containers"][0]["env"][0]["value"], "i1");
+    // The second entry lists the containers as the first entry left them (b, a), and each
+    // element keeps its index when visited in descending order.
+    assert_eq!(got["metadata"]["labels"]["visit-0"], "b");
+    assert_eq!(got["metadata"]["labels"]["visit-1"], "a");
+    for (name, team) in [("api-1", "pays"), ("web-1", "other")] {
+        let untouched = pod(name, team);
+        assert_eq!(
+            run(&out.policies, &untouched, Operation::Create),
+            untouched,
+            "{name} {team}"
+        );
+    }
+}
+
+/// Context entries that need the cluster stay refused, naming the entry.
+#[test]
+fn api_call_context_is_refused_by_name() {
+    let policy = doc(r#"
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata: {name: calls}
+spec:
+  rules:
+  - name: r
+    match: {any: [{resources: {kinds: [Pod]}}]}
+    mutate:
+      foreach:
+      - list: request.object.spec.containers
+        context:
+        - name: svc
+          apiCall: {urlPath: /api/v1/services}
+        patchStrategicMerge: {metadata: {labels: {x: "y"}}}
+"#);
+    let err = import(&policy).expect_err("nothing converts");
+    let text = err.to_string();
+    assert!(
+        text.contains("spec.rules[0].mutate.foreach[0].context[0] (svc).apiCall: not converted"),
+        "{text}"
+    );
 }

@@ -216,6 +216,7 @@ fn block_matches(
     block: &MatchResources,
     exclude: bool,
     t: &ObjectType<'_>,
+    object: &Value,
     labels: &BTreeMap<String, String>,
     pod_templates: bool,
     ctx: &MatchContext<'_>,
@@ -248,8 +249,45 @@ fn block_matches(
         && block
             .object_selector
             .as_ref()
-            .is_none_or(|s| s.matches(labels));
+            .is_none_or(|s| s.matches(labels))
+        && names_match(&block.names, object)
+        && annotations_match(&block.annotations, object);
     holds.then_some(selected)
+}
+
+/// Kyverno's `names`: one pattern matches the object's name, or its `generateName` when it has
+/// no name yet (`pkg/engine/utils/match.go`).
+fn names_match(names: &[String], object: &Value) -> bool {
+    if names.is_empty() {
+        return true;
+    }
+    let meta = |f: &str| {
+        object
+            .pointer(&format!("/metadata/{f}"))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+    };
+    let name = match meta("name") {
+        "" => meta("generateName"),
+        n => n,
+    };
+    names.iter().any(|p| wildcard_match(p, name))
+}
+
+/// Kyverno's `annotations`: every expected pair matches some annotation of the object, key and
+/// value as wildcard patterns (`pkg/utils/match/annotations.go`).
+fn annotations_match(expected: &BTreeMap<String, String>, object: &Value) -> bool {
+    if expected.is_empty() {
+        return true;
+    }
+    let actual = object
+        .pointer("/metadata/annotations")
+        .and_then(Value::as_object);
+    expected.iter().all(|(k, v)| {
+        actual.into_iter().flatten().any(|(k1, v1)| {
+            wildcard_match(k, k1) && v1.as_str().is_some_and(|v1| wildcard_match(v, v1))
+        })
+    })
 }
 
 /// Where `spec`'s mutations land on `object` in this request, when it applies: `match` holds
@@ -264,11 +302,19 @@ pub fn policy_target(
 ) -> Option<&'static [&'static str]> {
     let t = ObjectType::of(object)?;
     let labels = object_labels(object);
-    let selected = block_matches(&spec.match_, false, &t, &labels, spec.pod_templates, ctx)?;
+    let selected = block_matches(
+        &spec.match_,
+        false,
+        &t,
+        object,
+        &labels,
+        spec.pod_templates,
+        ctx,
+    )?;
     if spec
         .exclude
         .as_ref()
-        .and_then(|e| block_matches(e, true, &t, &labels, spec.pod_templates, ctx))
+        .and_then(|e| block_matches(e, true, &t, object, &labels, spec.pod_templates, ctx))
         .is_some()
     {
         return None;

@@ -48,9 +48,13 @@
 //!
 //! * Variables, `preconditions` and `foreach` (Kyverno's, with the variables that need no API
 //!   call): see the `variables` module. A mutation with `preconditions` applies only when they
-//!   hold; with `foreach`, once per element of its list, in order; strings with `{{ }}` are
-//!   substituted before the mutation applies. An evaluation error (a variable that resolves to
-//!   nothing, a list that is not a list) is the policy's failure, like any other.
+//!   hold; with `foreach`, once per element of its list (`null` elements skipped), in
+//!   `order` (`Descending`: last first, each element keeping its `elementIndex`); `context`
+//!   entries are evaluated first (a foreach's per element, before its preconditions); strings
+//!   with `{{ }}` are substituted before the mutation applies. An evaluation error (a missing
+//!   key, a list that is not a list) is the policy's failure, like any other.
+//! * `match`/`exclude` `names` (the object's name, or `generateName`) and `annotations` (every
+//!   pair matches some annotation) are wildcard patterns, as Kyverno's, on the object itself.
 //! * `annotations` / `labels`: set each value; `onConflict: Keep` leaves a key that already has
 //!   a value, `Overwrite` (the default) replaces it.
 //! * `jsonPatch`: RFC 6902, strictly (an `add` under a missing parent, a `remove` of a missing
@@ -125,6 +129,7 @@
 //! documents offline, each as a CREATE of that object, with the patch the webhook would return.
 
 pub mod admission;
+mod images;
 pub mod json6902;
 mod matching;
 pub mod native;
@@ -134,7 +139,9 @@ mod strategic;
 mod validate;
 pub mod variables;
 
-use meshgate_api::mutation_policy::{MetadataMutation, Mutation, MutationPolicySpec, OnConflict};
+use meshgate_api::mutation_policy::{
+    ForEachOrder, MetadataMutation, Mutation, MutationPolicySpec, OnConflict,
+};
 use meshgate_api::names;
 use serde_json::{Map, Value};
 
@@ -328,6 +335,7 @@ pub fn apply_mutations(
     for (index, mutation) in spec.mutations.iter().enumerate() {
         if mutation.preconditions.is_none()
             && mutation.foreach.is_none()
+            && mutation.context.is_empty()
             && !mutation_has_variables(mutation)
         {
             apply_mutation(policy, index, mutation, &mut work)?;
@@ -338,8 +346,10 @@ pub fn apply_mutations(
             mutation: index,
             message,
         };
-        // `request.object` is the target as this mutation finds it.
-        let vars = variables::Vars::new(&work, request.operation, request.namespace);
+        // `request.object` is the target as this mutation finds it; then the context
+        // entries, before the preconditions (Kyverno loads a rule's context first).
+        let vars = variables::Vars::new(&work, request.operation, request.namespace)
+            .with_context(&mutation.context);
         if let Some(p) = &mutation.preconditions
             && !vars
                 .holds(p)
@@ -366,8 +376,20 @@ pub fn apply_mutations(
                 )));
             }
         };
-        for (i, element) in list.iter().enumerate() {
-            let each = vars.with_element(element, i);
+        // Kyverno's order: `Descending` visits the last element first, each keeping its
+        // `elementIndex`; `null` elements are skipped.
+        let descending = foreach.order == Some(ForEachOrder::Descending);
+        let order: Vec<usize> = if descending {
+            (0..list.len()).rev().collect()
+        } else {
+            (0..list.len()).collect()
+        };
+        for i in order {
+            let element = &list[i];
+            if element.is_null() {
+                continue;
+            }
+            let each = vars.with_element(element, i).with_context(&foreach.context);
             if let Some(p) = &foreach.preconditions
                 && !each
                     .holds(p)
@@ -471,6 +493,7 @@ fn substituted(m: &Mutation, vars: &variables::Vars) -> Result<Mutation, String>
         json_patch_options: m.json_patch_options.clone(),
         preconditions: None,
         foreach: None,
+        context: Vec::new(),
     })
 }
 

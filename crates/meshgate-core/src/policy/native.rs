@@ -111,11 +111,32 @@ fn writes(spec: &MutationPolicySpec) -> Result<Vec<Write>, NotNative> {
             "spec.warning: a MutatingAdmissionPolicy cannot return admission warnings".into(),
         ));
     }
+    for (at, block) in [
+        ("match", Some(&spec.match_)),
+        ("exclude", spec.exclude.as_ref()),
+    ] {
+        if let Some(b) = block
+            && (!b.names.is_empty() || !b.annotations.is_empty())
+        {
+            let field = if b.names.is_empty() {
+                "annotations"
+            } else {
+                "names"
+            };
+            return Err(NotNative(format!(
+                "spec.{at}.{field}: matching by names and annotations (Kyverno's wildcards) is done by the webhook"
+            )));
+        }
+    }
     let mut out = Vec::new();
     for (i, m) in spec.mutations.iter().enumerate() {
-        if m.preconditions.is_some() || m.foreach.is_some() || super::mutation_has_variables(m) {
+        if m.preconditions.is_some()
+            || m.foreach.is_some()
+            || !m.context.is_empty()
+            || super::mutation_has_variables(m)
+        {
             return Err(NotNative(format!(
-                "spec.mutations[{i}]: variables, preconditions and foreach are evaluated by the webhook (JMESPath, Kyverno's semantics)"
+                "spec.mutations[{i}]: variables, context, preconditions and foreach are evaluated by the webhook (JMESPath, Kyverno's semantics)"
             )));
         }
         match m {

@@ -1193,7 +1193,8 @@ mutations:
     }
     assert_eq!(errors.len(), 3, "{errors:#?}");
 
-    // A variable that resolves to nothing fails its policy; the other policy still applies.
+    // A variable whose key is missing fails its policy (Kyverno's "Unknown key"); the other
+    // policy still applies.
     let missing = spec(
         "
 match: {}
@@ -1217,7 +1218,7 @@ mutations:
     assert_eq!(applied.failed.len(), 1);
     let message = applied.failed[0].to_string();
     assert!(
-        message.starts_with("policy a-missing: spec.mutations[0]: variable {{ request.object.metadata.labels.team }} resolves to nothing"),
+        message.starts_with("policy a-missing: spec.mutations[0]: {{ request.object.metadata.labels.team }}: unknown key \"labels\""),
         "{message}"
     );
 }

@@ -68,6 +68,14 @@ fn match_resources(m: &MatchResources, path: &str, errors: &mut Vec<String>) {
     {
         errors.push(format!("{path}.objectSelector: {e}"));
     }
+    for (i, n) in m.names.iter().enumerate() {
+        if n.is_empty() {
+            errors.push(format!("{path}.names[{i}]: must not be empty"));
+        }
+    }
+    if m.annotations.keys().any(String::is_empty) {
+        errors.push(format!("{path}.annotations: a key must not be empty"));
+    }
 }
 
 fn mutation(m: &Mutation, path: &str, errors: &mut Vec<String>) {
@@ -113,19 +121,85 @@ fn mutation(m: &Mutation, path: &str, errors: &mut Vec<String>) {
     variables(m, path, errors);
 }
 
-/// Every variable compiles and names a root meshgate provides; `element` only in a foreach.
+/// Every variable compiles and names a root meshgate provides or a context entry in scope;
+/// `element` only in a foreach.
 fn variables(m: &Mutation, path: &str, errors: &mut Vec<String>) {
-    use super::variables::{check, variables_in};
-    let foreach = m.foreach.is_some();
-    let mut check_value = |value: &Value, at: String, in_foreach: bool| match variables_in(value) {
-        Ok(exprs) => {
-            for e in exprs {
-                if let Err(msg) = check(&e, in_foreach) {
-                    errors.push(format!("{at}: {msg}"));
-                }
+    use super::variables::{Scope, check, variables_in};
+    let check_value = |value: &Value, at: String, scope: Scope<'_>, errors: &mut Vec<String>| {
+        for found in variables_in(value) {
+            if let Err(msg) = check(&found, scope) {
+                errors.push(format!("{at}: {msg}"));
             }
         }
-        Err(msg) => errors.push(format!("{at}: {msg}")),
+    };
+    // Context entries: each sees the earlier ones (and, in a foreach, the rule's).
+    let entries = |list: &[meshgate_api::mutation_policy::ContextEntry],
+                   at: &str,
+                   outer: &[String],
+                   foreach: bool,
+                   errors: &mut Vec<String>|
+     -> Vec<String> {
+        let mut names: Vec<String> = outer.to_vec();
+        for (i, e) in list.iter().enumerate() {
+            let here = format!("{at}[{i}]");
+            if e.name.is_empty() {
+                errors.push(format!("{here}.name: required"));
+            } else if super::variables::ROOTS.contains(&e.name.as_str()) {
+                errors.push(format!(
+                    "{here}.name: {:?} is a built-in variable and cannot be redefined",
+                    e.name
+                ));
+            }
+            let scope = Scope {
+                foreach,
+                context: &names,
+            };
+            let v = &e.variable;
+            if v.value.is_none() && v.jmes_path.is_none() && v.default.is_none() {
+                errors.push(format!("{here}.variable: set value, jmesPath or default"));
+            }
+            if let Some(value) = &v.value {
+                check_value(value, format!("{here}.variable.value"), scope, errors);
+            }
+            if let Some(d) = &v.default {
+                check_value(d, format!("{here}.variable.default"), scope, errors);
+            }
+            if let Some(p) = &v.jmes_path {
+                check_value(
+                    &Value::String(p.clone()),
+                    format!("{here}.variable.jmesPath"),
+                    scope,
+                    errors,
+                );
+                // Without a value, jmesPath is an expression over the variables.
+                if v.value.is_none() && !p.contains("{{") {
+                    let found = super::variables::Found {
+                        expression: p.clone(),
+                        templated: false,
+                    };
+                    if let Err(msg) = check(&found, scope) {
+                        errors.push(format!("{here}.variable.jmesPath: {msg}"));
+                    }
+                }
+            }
+            names.push(e.name.clone());
+        }
+        names
+    };
+    let rule_names = entries(&m.context, &format!("{path}.context"), &[], false, errors);
+    let foreach_names = match &m.foreach {
+        Some(f) => entries(
+            &f.context,
+            &format!("{path}.foreach.context"),
+            &rule_names,
+            true,
+            errors,
+        ),
+        None => rule_names.clone(),
+    };
+    let scope = Scope {
+        foreach: m.foreach.is_some(),
+        context: &foreach_names,
     };
     for (field, meta) in [("labels", &m.labels), ("annotations", &m.annotations)] {
         if let Some(meta) = meta {
@@ -133,52 +207,70 @@ fn variables(m: &Mutation, path: &str, errors: &mut Vec<String>) {
                 check_value(
                     &Value::String(k.clone()),
                     format!("{path}.{field}.values"),
-                    foreach,
+                    scope,
+                    errors,
                 );
                 check_value(
                     &Value::String(v.clone()),
                     format!("{path}.{field}.values[{k:?}]"),
-                    foreach,
+                    scope,
+                    errors,
                 );
             }
         }
     }
     if let Some(p) = &m.strategic_merge {
-        check_value(p, format!("{path}.strategicMerge"), foreach);
+        check_value(p, format!("{path}.strategicMerge"), scope, errors);
     }
     for (i, op) in m.json_patch.iter().flatten().enumerate() {
         let at = format!("{path}.jsonPatch[{i}]");
         check_value(
             &Value::String(op.path.clone()),
             format!("{at}.path"),
-            foreach,
+            scope,
+            errors,
         );
         if let Some(from) = &op.from {
-            check_value(&Value::String(from.clone()), format!("{at}.from"), foreach);
+            check_value(
+                &Value::String(from.clone()),
+                format!("{at}.from"),
+                scope,
+                errors,
+            );
         }
         if let Some(v) = &op.value {
-            check_value(v, format!("{at}.value"), foreach);
+            check_value(v, format!("{at}.value"), scope, errors);
         }
     }
-    let mut conditions =
-        |c: &meshgate_api::mutation_policy::Conditions, at: &str, in_foreach: bool| {
-            for (group, list) in [("any", &c.any), ("all", &c.all)] {
-                for (i, cond) in list.iter().enumerate() {
-                    check_value(&cond.key, format!("{at}.{group}[{i}].key"), in_foreach);
-                    if let Some(v) = &cond.value {
-                        check_value(v, format!("{at}.{group}[{i}].value"), in_foreach);
-                    }
+    let conditions = |c: &meshgate_api::mutation_policy::Conditions,
+                      at: &str,
+                      scope: Scope<'_>,
+                      errors: &mut Vec<String>| {
+        for (group, list) in [("any", &c.any), ("all", &c.all)] {
+            for (i, cond) in list.iter().enumerate() {
+                check_value(&cond.key, format!("{at}.{group}[{i}].key"), scope, errors);
+                if let Some(v) = &cond.value {
+                    check_value(v, format!("{at}.{group}[{i}].value"), scope, errors);
                 }
             }
-        };
+        }
+    };
+    let rule_scope = Scope {
+        foreach: false,
+        context: &rule_names,
+    };
     if let Some(c) = &m.preconditions {
-        conditions(c, &format!("{path}.preconditions"), false);
+        conditions(c, &format!("{path}.preconditions"), rule_scope, errors);
     }
     if let Some(f) = &m.foreach {
         if let Some(c) = &f.preconditions {
-            conditions(c, &format!("{path}.foreach.preconditions"), true);
+            conditions(c, &format!("{path}.foreach.preconditions"), scope, errors);
         }
-        if let Err(msg) = check(&f.list, false) {
+        let found = super::variables::Found {
+            expression: f.list.clone(),
+            templated: false,
+        };
+        if let Err(msg) = check(&found, rule_scope) {
             errors.push(format!("{path}.foreach.list: {msg}"));
         }
     }

@@ -12,14 +12,30 @@
 //!   rules rewrite `request.object.spec` to the template's the same way), or the object itself
 //!   for any other kind;
 //! * `request.operation` (`CREATE`, `UPDATE`), `request.namespace`;
+//! * `images`: the parsed image references of the object's containers, init containers and
+//!   ephemeral containers (see the `images` module);
+//! * the mutation's `context` entries (Kyverno's `variable` entries: `value`, `jmesPath`,
+//!   `default`), evaluated in order, each seeing the earlier ones; in a foreach, its own entries
+//!   per element, after `element` is set;
 //! * in a `foreach`: `element` and `elementIndex`.
 //!
-//! A string that is one variable and nothing else takes the variable's value with its type
-//! (`"{{ request.object.spec.containers }}"` is a list); variables inside a longer string are
-//! written as text (a string as is, any other value as JSON). `\{{` is a literal `{{`. A variable
-//! that resolves to nothing (`null`) is an error naming it, as in Kyverno ("variable substitution
-//! failed"); the policy then fails on that object, alone. Any other root (Kyverno's
-//! `serviceAccountName`, `images`, `request.userInfo`, context entries) is rejected by
+//! Substitution is Kyverno's (`pkg/engine/variables/vars.go`): a variable is `{{`, characters
+//! other than braces (or one-level `{...}` groups), `}}`, not preceded by `\`; the innermost
+//! variables are substituted first, pass after pass, so `{{ images.containers."{{ element.name
+//! }}".tag }}` and `'{{ element.image }}'` inside a function call work. A string that is one
+//! variable and nothing else takes the variable's value with its type (`null` included);
+//! variables inside a longer string are written as text (a string as is, any other value as
+//! JSON, `null` as `null`). `{{- x }}` substitutes once (its value is not searched for
+//! variables). `\{{` is a literal `{{`. A `{{` that does not form a variable is text.
+//!
+//! Evaluation is Kyverno's JMESPath (`kyverno/go-jmespath`): a key missing from an object on
+//! the expression's path is an error ("unknown key", the policy fails on that object, alone),
+//! but not under `||`, in function arguments, comparisons or projections, and a field of a
+//! `null` value is `null`: `{{ element.resources.limits.memory ||
+//! element.resources.requests.memory }}` is `null` for a container with neither, and a
+//! strategic-merge `null` then changes nothing. A context entry or `images` that cannot be
+//! evaluated is an error only for the expressions that name it (Kyverno loads them lazily).
+//! Any other root (Kyverno's `serviceAccountName`, `request.userInfo`) is rejected by
 //! `validate`.
 //!
 //! # Conditions
@@ -33,24 +49,29 @@
 
 use std::sync::OnceLock;
 
+use jmespath::ast::Ast;
 use jmespath::functions::{ArgumentType, CustomFunction, Signature};
 use jmespath::{Rcvar, Runtime, Variable};
-use meshgate_api::mutation_policy::{ConditionOperator, Conditions, PreCondition};
+use meshgate_api::mutation_policy::{ConditionOperator, Conditions, ContextEntry, PreCondition};
 use serde_json::{Map, Value};
 
 use super::pattern::wildcard_match;
 
-/// The variable roots meshgate provides.
-pub const ROOTS: [&str; 3] = ["request", "element", "elementIndex"];
+/// The variable roots meshgate provides (besides the mutation's context entries).
+pub const ROOTS: [&str; 4] = ["request", "element", "elementIndex", "images"];
 
 /// The variables of one evaluation.
 #[derive(Clone, Debug)]
 pub struct Vars {
     json: Value,
+    /// Variables that could not be loaded (`images` of an object with an invalid image, a
+    /// context entry that failed), by name, with the reason: an error for an expression that
+    /// names them, nothing otherwise (Kyverno loads them lazily).
+    failed: Vec<(String, String)>,
 }
 
 impl Vars {
-    /// `request.object`, `request.operation`, `request.namespace`.
+    /// `request.object`, `request.operation`, `request.namespace`, and `images` of the object.
     pub fn new(object: &Value, operation: &str, namespace: &str) -> Self {
         let mut request = Map::new();
         request.insert("object".into(), object.clone());
@@ -58,28 +79,114 @@ impl Vars {
         request.insert("namespace".into(), Value::String(namespace.into()));
         let mut root = Map::new();
         root.insert("request".into(), Value::Object(request));
+        let mut failed = Vec::new();
+        match super::images::images(object) {
+            Ok(images) if images.is_empty() => {}
+            Ok(images) => {
+                root.insert("images".into(), Value::Object(images));
+            }
+            Err(e) => failed.push(("images".to_owned(), e)),
+        }
         Self {
             json: Value::Object(root),
+            failed,
         }
     }
 
     /// These variables with `element` and `elementIndex`.
     pub fn with_element(&self, element: &Value, index: usize) -> Self {
-        let mut json = self.json.clone();
-        if let Value::Object(m) = &mut json {
-            m.insert("element".into(), element.clone());
-            m.insert("elementIndex".into(), Value::from(index));
-        }
-        Self { json }
+        let mut out = self.clone();
+        out.set("element", element.clone());
+        out.set("elementIndex", Value::from(index));
+        out
     }
 
-    /// Evaluates one JMESPath expression.
+    fn set(&mut self, name: &str, value: Value) {
+        self.failed.retain(|(n, _)| n != name);
+        if let Value::Object(m) = &mut self.json {
+            m.insert(name.to_owned(), value);
+        }
+    }
+
+    /// These variables with the `context` entries, evaluated in order, each seeing the earlier
+    /// ones (Kyverno's `variable` entries). An entry that fails is an error only for the
+    /// expressions that name it, as Kyverno loads entries when a variable names them.
+    pub fn with_context(&self, entries: &[ContextEntry]) -> Self {
+        let mut out = self.clone();
+        for entry in entries {
+            match out.context_value(entry) {
+                Ok(v) => out.set(&entry.name, v),
+                Err(e) => {
+                    if let Value::Object(m) = &mut out.json {
+                        m.remove(&entry.name);
+                    }
+                    out.failed.retain(|(n, _)| n != &entry.name);
+                    out.failed.push((
+                        entry.name.clone(),
+                        format!("context entry {:?}: {e}", entry.name),
+                    ));
+                }
+            }
+        }
+        out
+    }
+
+    /// Kyverno's variable loader (`pkg/engine/context/loaders/variable.go`).
+    fn context_value(&self, entry: &ContextEntry) -> Result<Value, String> {
+        let var = &entry.variable;
+        let path = match &var.jmes_path {
+            Some(p) if !p.is_empty() => match self.substitute_str(p)? {
+                Value::String(p) => Some(p),
+                other => return Err(format!("jmesPath must be a string, not {other}")),
+            },
+            _ => None,
+        };
+        let default = var
+            .default
+            .as_ref()
+            .map(|d| self.substitute(d))
+            .transpose()?
+            .filter(|d| !d.is_null());
+        let output = match (&var.value, &path) {
+            (Some(value), Some(path)) => {
+                let value = self.substitute(value)?;
+                match query(path, &value) {
+                    Ok(v) => v,
+                    Err(e) => default.ok_or(e)?,
+                }
+            }
+            (Some(value), None) => self.substitute(value)?,
+            (None, Some(path)) => match self.query(path) {
+                Ok(Value::Null) => default.unwrap_or(Value::Null),
+                Ok(v) => v,
+                Err(e) => default.ok_or(e)?,
+            },
+            (None, None) => default.unwrap_or(Value::Null),
+        };
+        if output.is_null() {
+            return Err("it evaluates to nothing (null)".to_owned());
+        }
+        Ok(output)
+    }
+
+    /// Evaluates one JMESPath expression as Kyverno does: a key missing from an object on the
+    /// expression's path is an error ("Unknown key"), except under `||`, function arguments,
+    /// comparisons and projections; a value that is `null` is `null`.
+    pub fn query(&self, expression: &str) -> Result<Value, String> {
+        if let Some((_, why)) = self.failed.iter().find(|(n, _)| names(expression, n)) {
+            return Err(format!("{{{{ {expression} }}}}: {why}"));
+        }
+        query(expression, &self.json)
+    }
+
+    /// Evaluates one JMESPath expression; a missing key gives `null`.
     pub fn eval(&self, expression: &str) -> Result<Value, String> {
-        let compiled = runtime()
-            .compile(expression)
-            .map_err(|e| format!("{{{{ {expression} }}}}: {}", first_line(&e.to_string())))?;
+        if let Some((_, why)) = self.failed.iter().find(|(n, _)| names(expression, n)) {
+            return Err(format!("{{{{ {expression} }}}}: {why}"));
+        }
+        let (compiled, data) = compile(expression, &self.json)?;
         let result = compiled
-            .search(&self.json)
+            .search(&data)
             .map_err(|e| format!("{{{{ {expression} }}}}: {}", first_line(&e.to_string())))?;
         serde_json::to_value(&*result).map_err(|e| format!("{{{{ {expression} }}}}: {e}"))
     }
@@ -108,36 +215,9 @@ impl Vars {
         }
     }
 
-    /// A string with its variables substituted: the variable's value when the string is one
-    /// variable, else text.
+    /// A string with its variables substituted, as Kyverno's `substituteVariablesIfAny`.
     pub fn substitute_str(&self, s: &str) -> Result<Value, String> {
-        if !s.contains("{{") {
-            return Ok(Value::String(s.to_owned()));
-        }
-        let parts = split(s)?;
-        if let [Part::Variable(expr)] = parts.as_slice() {
-            return self.resolved(expr);
-        }
-        let mut out = String::new();
-        for part in parts {
-            match part {
-                Part::Text(t) => out.push_str(&t),
-                Part::Variable(expr) => match self.resolved(&expr)? {
-                    Value::String(v) => out.push_str(&v),
-                    other => out.push_str(&other.to_string()),
-                },
-            }
-        }
-        Ok(Value::String(out))
-    }
-
-    fn resolved(&self, expr: &str) -> Result<Value, String> {
-        match self.eval(expr)? {
-            Value::Null => Err(format!(
-                "variable {{{{ {expr} }}}} resolves to nothing (null)"
-            )),
-            v => Ok(v),
-        }
+        substitute_text(s, &|e| self.query(e))
     }
 
     /// Whether `conditions` hold.
@@ -159,8 +239,8 @@ impl Vars {
     }
 
     fn condition(&self, c: &PreCondition) -> Result<bool, String> {
-        // A key that resolves to nothing compares as null (Kyverno: an absent field in a
-        // precondition is not an error).
+        // A key that resolves to nothing compares as null (an absent field in a precondition
+        // is not an error).
         let key = self.lenient(&c.key)?;
         let value = match &c.value {
             Some(v) => self.lenient(v)?,
@@ -171,13 +251,216 @@ impl Vars {
 
     fn lenient(&self, v: &Value) -> Result<Value, String> {
         match v {
-            Value::String(s) if s.contains("{{") => match split(s)?.as_slice() {
-                [Part::Variable(expr)] => self.eval(expr),
-                _ => self.substitute_str(s),
-            },
-            other => self.substitute(other),
+            Value::String(s) => substitute_text(s, &|e| self.eval(e)),
+            Value::Array(items) => items
+                .iter()
+                .map(|v| self.lenient(v))
+                .collect::<Result<Vec<_>, _>>()
+                .map(Value::Array),
+            Value::Object(m) => {
+                let mut out = Map::new();
+                for (k, v) in m {
+                    let key = match substitute_text(k, &|e| self.eval(e))? {
+                        Value::String(s) => s,
+                        other => other.to_string(),
+                    };
+                    out.insert(key, self.lenient(v)?);
+                }
+                Ok(Value::Object(out))
+            }
+            other => Ok(other.clone()),
         }
     }
+}
+
+/// Whether `expression` names the variable `name`: Kyverno's deferred loader's test
+/// (`(?:\A|\z|\s|[^.0-9A-Za-z])NAME\b`).
+fn names(expression: &str, name: &str) -> bool {
+    if name.is_empty() {
+        return false;
+    }
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    expression.match_indices(name).any(|(at, _)| {
+        let before = expression[..at].chars().next_back();
+        let after = expression[at + name.len()..].chars().next();
+        let starts =
+            before.is_none_or(|c| c.is_whitespace() || !(c == '.' || c.is_ascii_alphanumeric()));
+        let first_word = name.chars().next().is_some_and(word);
+        let last_word = name.chars().next_back().is_some_and(word);
+        // `\b` after the name: a change between word and non-word characters.
+        let boundary = match after {
+            None => last_word,
+            Some(c) => word(c) != last_word,
+        };
+        starts && boundary && (first_word || before.is_some())
+    })
+}
+
+fn compile<'a>(
+    expression: &str,
+    data: &Value,
+) -> Result<(jmespath::Expression<'a>, Rcvar), String> {
+    let compiled = runtime()
+        .compile(expression)
+        .map_err(|e| format!("{{{{ {expression} }}}}: {}", first_line(&e.to_string())))?;
+    let data = Rcvar::new(
+        Variable::from_serializable(data).map_err(|e| format!("{{{{ {expression} }}}}: {e}"))?,
+    );
+    Ok((compiled, data))
+}
+
+/// One JMESPath expression over `data`, with Kyverno's "Unknown key" errors.
+fn query(expression: &str, data: &Value) -> Result<Value, String> {
+    let (compiled, data) = compile(expression, data)?;
+    let fail = |e: &dyn std::fmt::Display| {
+        format!("{{{{ {expression} }}}}: {}", first_line(&e.to_string()))
+    };
+    let result = compiled.search(&data).map_err(|e| fail(&e))?;
+    if let Some(key) = missing(compiled.as_ast(), &data).map_err(|e| fail(&e))? {
+        return Err(format!(
+            "{{{{ {expression} }}}}: unknown key {key:?} in path (the field is missing; Kyverno does not substitute it)"
+        ));
+    }
+    serde_json::to_value(&*result).map_err(|e| fail(&e))
+}
+
+/// The key whose absence makes the expression fail in Kyverno's JMESPath
+/// (`kyverno/go-jmespath`: a field missing from an object is `NotFoundError`, which
+/// subexpressions and the right side of `&&` pass on, and everything else swallows).
+fn missing(ast: &Ast, data: &Rcvar) -> Result<Option<String>, jmespath::JmespathError> {
+    match ast {
+        Ast::Field { name, .. } => Ok(match &**data {
+            Variable::Object(m) if !m.contains_key(name) => Some(name.clone()),
+            _ => None,
+        }),
+        Ast::Subexpr { lhs, rhs, .. } => {
+            if let Some(key) = missing(lhs, data)? {
+                return Ok(Some(key));
+            }
+            let left = part(lhs, data)?;
+            missing(rhs, &left)
+        }
+        Ast::And { lhs, rhs, .. } => {
+            if !part(lhs, data)?.is_truthy() {
+                return Ok(None);
+            }
+            missing(rhs, data)
+        }
+        _ => Ok(None),
+    }
+}
+
+/// One part of an expression, evaluated on its own.
+fn part(ast: &Ast, data: &Rcvar) -> Result<Rcvar, jmespath::JmespathError> {
+    jmespath::Expression::new(String::new(), ast.clone(), runtime()).search(data)
+}
+
+/// Kyverno's variable pattern: `{{`, then characters other than braces or one-level `{...}`
+/// groups, then `}}`, at the start of the string or after a character other than `\`
+/// (`pkg/engine/variables/regex`). Each match: (start of the preceding character or of the
+/// variable, start of the variable, end).
+fn find_variables(s: &str) -> Vec<(usize, usize, usize)> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::new();
+    let mut last_end = 0;
+    let mut i = 0;
+    while i + 1 < bytes.len() {
+        if !(bytes[i] == b'{' && bytes[i + 1] == b'{') {
+            i += 1;
+            continue;
+        }
+        let prefix = if i == 0 {
+            Some(0)
+        } else {
+            let prev = s[..i].char_indices().next_back();
+            prev.filter(|(at, c)| *c != '\\' && *at >= last_end)
+                .map(|(at, _)| at)
+        };
+        let Some(prefix) = prefix else {
+            i += 1;
+            continue;
+        };
+        // The body: non-brace characters, or `{...}` without braces inside.
+        let mut j = i + 2;
+        let end = loop {
+            match bytes.get(j) {
+                None => break None,
+                Some(b'}') => break (bytes.get(j + 1) == Some(&b'}')).then_some(j + 2),
+                Some(b'{') => match bytes[j + 1..].iter().position(|b| *b == b'{' || *b == b'}') {
+                    Some(k) if bytes[j + 1 + k] == b'}' => j += k + 2,
+                    _ => break None,
+                },
+                Some(_) => j += 1,
+            }
+        };
+        match end {
+            Some(end) => {
+                out.push((prefix, i, end));
+                last_end = end;
+                i = end;
+            }
+            None => i += 1,
+        }
+    }
+    out
+}
+
+/// `{{ expr }}` → `expr`, and whether it is shallow (`{{- expr }}`: what it gives is not
+/// substituted again).
+fn expression_of(variable: &str) -> (String, bool) {
+    let inner = variable.replace("{{", "").replace("}}", "");
+    let inner = inner.trim();
+    match inner.strip_prefix('-') {
+        Some(rest) => (rest.trim().to_owned(), true),
+        None => (inner.to_owned(), false),
+    }
+}
+
+/// Kyverno's substitution of one string (`substituteVariablesIfAny`): the innermost variables
+/// first, pass after pass until none is left; a string that is one variable takes its value
+/// with its type (`null` included); a variable inside text is written as text (a string as
+/// is, any other value as JSON, `null` as `null`); `\{{` is a literal `{{`.
+fn substitute_text(
+    s: &str,
+    resolve: &dyn Fn(&str) -> Result<Value, String>,
+) -> Result<Value, String> {
+    let mut value = s.to_owned();
+    let mut found = find_variables(&value);
+    while !found.is_empty() {
+        let original = value.clone();
+        let mut shallow = false;
+        for (prefix_at, at, end) in found {
+            let prefix = original[prefix_at..at].to_owned();
+            let variable = original[at..end].to_owned();
+            let (expression, is_shallow) = expression_of(&variable);
+            shallow = is_shallow;
+            if expression.is_empty() {
+                return Err(format!("{s:?}: an empty variable"));
+            }
+            let resolved = resolve(&expression)?;
+            if original == variable {
+                return Ok(resolved);
+            }
+            let mut text = match resolved {
+                Value::String(v) => v,
+                other => other.to_string(),
+            };
+            if shallow {
+                text = text.replace("{{", "\\{{");
+            }
+            value = value.replacen(
+                &format!("{prefix}{variable}"),
+                &format!("{prefix}{text}"),
+                1,
+            );
+        }
+        found = if shallow {
+            Vec::new()
+        } else {
+            find_variables(&value)
+        };
+    }
+    Ok(Value::String(value.replace("\\{{", "{{")))
 }
 
 /// `Equals` and friends on resolved values.
@@ -241,81 +524,70 @@ fn number(v: &Value) -> Option<f64> {
     }
 }
 
-#[derive(Debug, PartialEq)]
-enum Part {
-    Text(String),
-    Variable(String),
+/// A variable found in a string, as validation sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Found {
+    /// The expression between the braces.
+    pub expression: String,
+    /// Whether it holds inner variables (`{{ images.containers."{{ element.name }}".tag }}`),
+    /// substituted first: its text is only known at admission.
+    pub templated: bool,
 }
 
-/// Splits a string into text and `{{ }}` variables; `\{{` is literal.
-fn split(s: &str) -> Result<Vec<Part>, String> {
-    let mut parts = Vec::new();
-    let mut text = String::new();
-    let mut rest = s;
-    while let Some(at) = rest.find("{{") {
-        if rest[..at].ends_with('\\') {
-            text.push_str(&rest[..at - 1]);
-            text.push_str("{{");
-            rest = &rest[at + 2..];
-            continue;
-        }
-        text.push_str(&rest[..at]);
-        let after = &rest[at + 2..];
-        let end = after
-            .find("}}")
-            .ok_or_else(|| format!("{s:?}: a variable '{{{{' without its '}}}}'"))?;
-        let expr = after[..end].trim();
-        if expr.is_empty() {
-            return Err(format!("{s:?}: an empty variable"));
-        }
-        if !text.is_empty() {
-            parts.push(Part::Text(std::mem::take(&mut text)));
-        }
-        parts.push(Part::Variable(expr.to_owned()));
-        rest = &after[end + 2..];
-    }
-    text.push_str(rest);
-    if !text.is_empty() {
-        parts.push(Part::Text(text));
-    }
-    Ok(parts)
-}
-
-/// The variables of `value` (strings and keys, recursively).
-pub fn variables_in(value: &Value) -> Result<Vec<String>, String> {
+/// The variables of `value` (strings and keys, recursively), innermost first.
+pub fn variables_in(value: &Value) -> Vec<Found> {
     let mut out = Vec::new();
-    collect(value, &mut out)?;
-    Ok(out)
+    collect(value, &mut out);
+    out
 }
 
-fn collect(value: &Value, out: &mut Vec<String>) -> Result<(), String> {
-    let mut of = |s: &str| -> Result<(), String> {
-        for p in split(s)? {
-            if let Part::Variable(e) = p {
-                out.push(e);
-            }
+fn variables_of(s: &str, out: &mut Vec<Found>) {
+    // Each pass finds the innermost variables and replaces them with a placeholder; a
+    // variable holding a placeholder is templated.
+    const MARK: &str = "\u{1}";
+    let mut value = s.to_owned();
+    loop {
+        let found = find_variables(&value);
+        if found.is_empty() {
+            return;
         }
-        Ok(())
-    };
+        let mut shallow = false;
+        let mut next = String::new();
+        let mut copied = 0;
+        for (_, at, end) in found {
+            let (expression, is_shallow) = expression_of(&value[at..end]);
+            shallow |= is_shallow;
+            out.push(Found {
+                templated: expression.contains(MARK),
+                expression,
+            });
+            next.push_str(&value[copied..at]);
+            next.push_str(MARK);
+            copied = end;
+        }
+        next.push_str(&value[copied..]);
+        if shallow {
+            return;
+        }
+        value = next;
+    }
+}
+
+fn collect(value: &Value, out: &mut Vec<Found>) {
     match value {
-        Value::String(s) => of(s),
-        Value::Array(a) => a.iter().try_for_each(|v| collect(v, out)),
+        Value::String(s) => variables_of(s, out),
+        Value::Array(a) => a.iter().for_each(|v| collect(v, out)),
         Value::Object(m) => {
             for (k, v) in m {
-                for p in split(k)? {
-                    if let Part::Variable(e) = p {
-                        out.push(e);
-                    }
-                }
-                collect(v, out)?;
+                variables_of(k, out);
+                collect(v, out);
             }
-            Ok(())
         }
-        _ => Ok(()),
+        _ => {}
     }
 }
 
-/// Whether `value` holds a variable anywhere.
+/// Whether `value` holds a variable (or an escaped `\{{`) anywhere.
 pub fn has_variables(value: &Value) -> bool {
     match value {
         Value::String(s) => s.contains("{{"),
@@ -325,12 +597,24 @@ pub fn has_variables(value: &Value) -> bool {
     }
 }
 
-/// Checks one expression: it compiles, and its root is one meshgate provides (`foreach`:
-/// whether `element` and `elementIndex` are in scope).
-pub fn check(expression: &str, foreach: bool) -> Result<(), String> {
-    runtime()
-        .compile(expression)
-        .map_err(|e| format!("{{{{ {expression} }}}}: {}", first_line(&e.to_string())))?;
+/// What an expression may name.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Scope<'a> {
+    /// Inside a foreach: `element` and `elementIndex`.
+    pub foreach: bool,
+    /// The context entries defined so far.
+    pub context: &'a [String],
+}
+
+/// Checks one variable: it compiles (unless it holds inner variables), and its root is one
+/// meshgate provides or a context entry in scope.
+pub fn check(found: &Found, scope: Scope<'_>) -> Result<(), String> {
+    let expression = found.expression.as_str();
+    if !found.templated {
+        runtime()
+            .compile(expression)
+            .map_err(|e| format!("{{{{ {expression} }}}}: {}", first_line(&e.to_string())))?;
+    }
     let root: String = expression
         .trim_start()
         .chars()
@@ -341,12 +625,12 @@ pub fn check(expression: &str, foreach: bool) -> Result<(), String> {
         // A literal, `@`, or a function call: its arguments name the roots.
         return Ok(());
     }
-    if !ROOTS.contains(&root.as_str()) {
+    if !ROOTS.contains(&root.as_str()) && !scope.context.contains(&root) {
         return Err(format!(
-            "{{{{ {expression} }}}}: variable {root:?} is not available (meshgate provides request.object, request.operation, request.namespace, and element and elementIndex in a foreach; context entries and other Kyverno variables are not supported)"
+            "{{{{ {expression} }}}}: variable {root:?} is not available (meshgate provides request.object, request.operation, request.namespace, images, the mutation's context entries, and element and elementIndex in a foreach)"
         ));
     }
-    if !foreach && root.starts_with("element") {
+    if !scope.foreach && root.starts_with("element") {
         return Err(format!(
             "{{{{ {expression} }}}}: {root} is only defined inside a foreach"
         ));
@@ -512,19 +796,160 @@ mod tests {
         );
         let err = v
             .substitute_str("{{ request.object.metadata.missing }}")
-            .expect_err("null");
-        assert!(err.contains("resolves to nothing"), "{err}");
-        assert!(v.substitute_str("{{ request.").is_err());
+            .expect_err("missing");
+        assert!(err.contains("unknown key \"missing\""), "{err}");
+    }
+
+    fn checked(expression: &str, foreach: bool, context: &[String]) -> Result<(), String> {
+        let found = Found {
+            expression: expression.to_owned(),
+            templated: false,
+        };
+        check(&found, Scope { foreach, context })
     }
 
     #[test]
     fn checks_name_unknown_roots_and_element_outside_foreach() {
-        assert_eq!(check("request.object.metadata.name", false), Ok(()));
-        assert_eq!(check("to_upper(request.namespace)", false), Ok(()));
-        assert!(check("serviceAccountName", false).is_err());
-        assert!(check("element.name", false).is_err());
-        assert_eq!(check("element.name", true), Ok(()));
-        assert!(check("request.object.[", false).is_err());
+        assert_eq!(checked("request.object.metadata.name", false, &[]), Ok(()));
+        assert_eq!(checked("to_upper(request.namespace)", false, &[]), Ok(()));
+        assert_eq!(checked("images.containers.app.tag", false, &[]), Ok(()));
+        assert!(checked("serviceAccountName", false, &[]).is_err());
+        assert!(checked("team", false, &[]).is_err());
+        assert_eq!(checked("team.name", false, &["team".to_owned()]), Ok(()));
+        assert!(checked("element.name", false, &[]).is_err());
+        assert_eq!(checked("element.name", true, &[]), Ok(()));
+        assert!(checked("request.object.[", false, &[]).is_err());
+        // Nested variables: the inner one is checked, the outer one by its root only.
+        let found = variables_in(&json!(
+            r#"{{ images.containers."{{ element.name }}".registry }}"#
+        ));
+        assert_eq!(
+            found,
+            vec![
+                Found {
+                    expression: "element.name".into(),
+                    templated: false
+                },
+                Found {
+                    expression: "images.containers.\"\u{1}\".registry".into(),
+                    templated: true
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn nested_variables_are_substituted_inner_first() {
+        let v = vars();
+        let e = v.with_element(&json!({"name": "b", "image": "b:2"}), 1);
+        assert_eq!(
+            e.substitute_str(r#"{{ images.containers."{{element.name}}".tag }}"#),
+            Ok(json!("2"))
+        );
+        assert_eq!(
+            e.substitute_str(r#"{{ images.containers."{{element.name}}".registry }}"#),
+            Ok(json!("docker.io"))
+        );
+        // An inner variable inside a quoted function argument.
+        assert_eq!(
+            e.substitute_str(
+                r"{{ regex_replace_all('^([^:]+):.*$', '{{element.image}}', 'mirror.local/$1') }}"
+            )
+            .map_err(|e| e.contains("regex_replace_all")),
+            Err(true),
+            "regex_replace_all is not a function meshgate knows: the error names it"
+        );
+        assert_eq!(
+            e.substitute_str("{{ to_upper('{{element.name}}') }}-{{elementIndex}}"),
+            Ok(json!("B-1"))
+        );
+        // Escaped: left as text, unescaped once.
+        assert_eq!(
+            e.substitute_str(r"\{{ element.name }} is {{ element.name }}"),
+            Ok(json!("{{ element.name }} is b"))
+        );
+        // Shallow: what it gives is not substituted again.
+        let w = v.with_element(&json!("{{ request.namespace }}"), 0);
+        assert_eq!(
+            w.substitute_str("x {{- element }}"),
+            Ok(json!("x {{ request.namespace }}"))
+        );
+        assert_eq!(w.substitute_str("x {{ element }}"), Ok(json!("x team-a")));
+        // Two adjacent variables.
+        assert_eq!(
+            v.substitute_str("{{request.namespace}}{{request.operation}}"),
+            Ok(json!("team-aCREATE"))
+        );
+        // Not a variable at all: text.
+        assert_eq!(v.substitute_str("{{ request."), Ok(json!("{{ request.")));
+    }
+
+    #[test]
+    fn null_and_missing_keys_follow_kyvernos_jmespath() {
+        let v = vars().with_element(&json!({"name": "a", "resources": {"limits": null}}), 0);
+        // A value that is null: the whole string becomes null, embedded it is the text null.
+        assert_eq!(
+            v.substitute_str("{{ element.resources.limits }}"),
+            Ok(Value::Null)
+        );
+        assert_eq!(
+            v.substitute_str("{{ element.resources.limits.memory }}"),
+            Ok(Value::Null),
+            "a field of a null value is null, not an error"
+        );
+        assert_eq!(
+            v.substitute_str("m={{ element.resources.limits }}"),
+            Ok(json!("m=null"))
+        );
+        // `||` over missing keys gives null, not an error.
+        assert_eq!(
+            v.substitute_str(
+                "{{ element.resources.requests.memory || element.resources.requests.cpu }}"
+            ),
+            Ok(Value::Null)
+        );
+        assert_eq!(
+            v.substitute_str("{{ element.resources.requests.memory || '1Gi' }}"),
+            Ok(json!("1Gi"))
+        );
+        // A missing key on the path is Kyverno's "Unknown key" error.
+        let err = v
+            .substitute_str("{{ element.resources.requests.memory }}")
+            .expect_err("missing key");
+        assert!(err.contains("\"requests\""), "{err}");
+        assert!(v.substitute_str("{{ element.missing && 'x' }}").is_ok());
+        assert!(
+            v.substitute_str("{{ element.name && element.missing }}")
+                .is_err()
+        );
+        assert_eq!(
+            v.substitute_str("{{ length(element.missing || `[]`) }}"),
+            Ok(json!(0))
+        );
+    }
+
+    #[test]
+    fn context_entries_are_evaluated_in_order() {
+        let entries: Vec<ContextEntry> = serde_json::from_value(json!([
+            {"name": "app", "variable": {"jmesPath": "request.object.metadata.labels.app"}},
+            {"name": "tier", "variable": {"jmesPath": "request.object.metadata.labels.tier", "default": "{{ app }}-default"}},
+            {"name": "names", "variable": {"value": {"all": "{{ request.object.spec.containers[].name }}"}, "jmesPath": "all[0]"}},
+            {"name": "gone", "variable": {"jmesPath": "request.object.metadata.labels.none"}},
+            {"name": "fixed", "variable": {"value": "v-{{ tier }}"}},
+        ]))
+        .expect("entries");
+        let v = vars().with_context(&entries);
+        assert_eq!(v.substitute_str("{{ app }}"), Ok(json!("shop")));
+        assert_eq!(v.substitute_str("{{ tier }}"), Ok(json!("shop-default")));
+        assert_eq!(v.substitute_str("{{ names }}"), Ok(json!("a")));
+        assert_eq!(v.substitute_str("{{ fixed }}"), Ok(json!("v-shop-default")));
+        // A failing entry is an error only where it is named.
+        let err = v.substitute_str("{{ gone }}").expect_err("failed entry");
+        assert!(err.contains("context entry \"gone\""), "{err}");
+        assert_eq!(
+            v.substitute_str("{{ request.object.metadata.name }}"),
+            Ok(json!("web"))
+        );
     }
 
     #[test]
