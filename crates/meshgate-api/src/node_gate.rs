@@ -34,8 +34,10 @@ use crate::selector::LabelSelector;
 }]))]
 pub struct NodeGateSpec {
     /// The startup taint this gate owns. meshgate never touches another taint. Keys of
-    /// Kubernetes, the kubelet, cloud providers and autoscalers are refused, except the cluster
-    /// autoscaler's startup-taint prefix (`startup-taint.cluster-autoscaler.kubernetes.io/`).
+    /// Kubernetes, the kubelet, cloud providers and autoscalers are refused, except the startup
+    /// taint prefixes autoscalers know: the cluster autoscaler's
+    /// (`startup-taint.cluster-autoscaler.kubernetes.io/`) and the node readiness prefix that
+    /// Karpenter treats as startup taints (`readiness.k8s.io/`).
     #[serde(default)]
     pub taint: GateTaint,
     /// `taint.effect: NoExecute` evicts the pods already running on a node when the taint is
@@ -134,9 +136,19 @@ pub const RESERVED_TAINT_KEYS: &[&str] = &[
 /// scale-up from zero): allowed for gate keys.
 pub const AUTOSCALER_STARTUP_TAINT_PREFIX: &str = "startup-taint.cluster-autoscaler.kubernetes.io/";
 
+/// The node readiness prefix: Karpenter treats taints with it as known startup taints (no
+/// `startupTaints` to configure), and the SIG node-readiness-controller keys its rules' taints
+/// with it. Allowed for gate keys; a key of it that another controller put on a node is left
+/// alone, as any key meshgate did not add.
+pub const READINESS_TAINT_PREFIX: &str = "readiness.k8s.io/";
+
+/// The prefixes of reserved domains a gate key may have.
+pub const ALLOWED_TAINT_PREFIXES: [&str; 2] =
+    [AUTOSCALER_STARTUP_TAINT_PREFIX, READINESS_TAINT_PREFIX];
+
 /// Why a taint key may not be a gate's: it belongs to someone else. `None` when it may.
 pub fn reserved_taint_key(key: &str) -> Option<String> {
-    if key.starts_with(AUTOSCALER_STARTUP_TAINT_PREFIX) {
+    if ALLOWED_TAINT_PREFIXES.iter().any(|p| key.starts_with(p)) {
         return None;
     }
     if RESERVED_TAINT_KEYS.contains(&key) {
@@ -150,7 +162,7 @@ pub fn reserved_taint_key(key: &str) -> Option<String> {
         .find(|r| domain == **r || domain.ends_with(&format!(".{r}")))
         .map(|r| {
             format!(
-                "taint key {key:?} is in the {r} domain, which belongs to Kubernetes, the kubelet, cloud providers or autoscalers (allowed prefix: {AUTOSCALER_STARTUP_TAINT_PREFIX})"
+                "taint key {key:?} is in the {r} domain, which belongs to Kubernetes, the kubelet, cloud providers or autoscalers (allowed prefixes: {AUTOSCALER_STARTUP_TAINT_PREFIX}, {READINESS_TAINT_PREFIX})"
             )
         })
 }
@@ -253,8 +265,8 @@ pub struct GateTaint {
     #[serde(default = "default_taint_key")]
     #[schemars(length(min = 1, max = 316))]
     #[schemars(extend("x-kubernetes-validations" = [{
-        "rule": "self.startsWith('startup-taint.cluster-autoscaler.kubernetes.io/') || !(self.matches('^([^/]*[.])?(kubernetes[.]io|k8s[.]io|karpenter[.]sh|amazonaws[.]com|cloud[.]google[.]com|gke[.]io|azure[.]com|cilium[.]io)/') || self in ['ToBeDeletedByClusterAutoscaler', 'DeletionCandidateOfClusterAutoscaler', 'CriticalAddonsOnly'])",
-        "message": "the taint key belongs to Kubernetes, the kubelet, a cloud provider or an autoscaler; use your own domain or the startup-taint.cluster-autoscaler.kubernetes.io/ prefix"
+        "rule": "self.startsWith('startup-taint.cluster-autoscaler.kubernetes.io/') || self.startsWith('readiness.k8s.io/') || !(self.matches('^([^/]*[.])?(kubernetes[.]io|k8s[.]io|karpenter[.]sh|amazonaws[.]com|cloud[.]google[.]com|gke[.]io|azure[.]com|cilium[.]io)/') || self in ['ToBeDeletedByClusterAutoscaler', 'DeletionCandidateOfClusterAutoscaler', 'CriticalAddonsOnly'])",
+        "message": "the taint key belongs to Kubernetes, the kubelet, a cloud provider or an autoscaler; use your own domain, or the prefix startup-taint.cluster-autoscaler.kubernetes.io/ or readiness.k8s.io/"
     }]))]
     pub key: String,
     #[serde(default)]
@@ -422,6 +434,28 @@ mod tests {
             "a/b/c",
         ] {
             assert!(!is_extended_resource(own), "{own}");
+        }
+    }
+
+    #[test]
+    fn the_autoscalers_startup_prefixes_are_allowed_and_the_rest_of_their_domains_reserved() {
+        for ok in [
+            "startup-taint.cluster-autoscaler.kubernetes.io/mesh",
+            "readiness.k8s.io/mesh",
+            "node.meshgate.dev/agent-not-ready",
+            "example.com/mesh",
+        ] {
+            assert_eq!(reserved_taint_key(ok), None, "{ok}");
+        }
+        for reserved in [
+            "node.kubernetes.io/not-ready",
+            "k8s.io/mesh",
+            "other.k8s.io/mesh",
+            "sub.readiness.k8s.io/mesh",
+            "karpenter.sh/disrupted",
+            "CriticalAddonsOnly",
+        ] {
+            assert!(reserved_taint_key(reserved).is_some(), "{reserved}");
         }
     }
 

@@ -8,6 +8,9 @@
 //! * deleting a gate lifts its taints and resource from every node, and nothing meshgate does
 //!   not own;
 //! * the API server refuses gates keyed with reserved taints, and NoExecute without opt-in;
+//! * a gate keyed `readiness.k8s.io/<name>` (Karpenter's known startup taints, the
+//!   node-readiness-controller's prefix) taints and lifts its key, and leaves the key alone on a
+//!   node where another controller set it;
 //! * a gate whose agent DaemonSet does not exist goes Degraded and releases the node after
 //!   `missingAgentTimeoutSeconds`;
 //! * a mass agent failure re-taints at most `maxRetainted` nodes and reports the rest;
@@ -647,6 +650,84 @@ async fn the_api_server_refuses_reserved_keys_unconfirmed_no_execute_and_own_res
         .delete("autoscaler-prefix", &DeleteParams::default())
         .await
         .expect("delete");
+}
+
+/// The node condition the gate's controller writes once it reconciled the node with every agent
+/// Ready (it writes it after any taint change of that reconcile).
+async fn gate_condition_true(client: &kube::Client, node: &str, gate: &str) -> bool {
+    let ctype = format!("meshgate.dev/{gate}Ready");
+    get_node(client, node)
+        .await
+        .status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .iter()
+        .any(|c| c.type_ == ctype && c.status == "True")
+}
+
+#[tokio::test]
+async fn a_readiness_prefix_key_is_lifted_where_meshgate_set_it_and_left_where_another_controller_did()
+ {
+    let (env, client) = setup().await;
+    let client = &client;
+    let agents_ns = env.cp.namespace("readiness-agents", &[]).await.expect("ns");
+    let pool = format!("readiness-{agents_ns}");
+    let key = "readiness.k8s.io/mesh";
+    let spec = gate(&pool, &agents_ns, &["cni"], json!({"taint": {"key": key}}));
+    assert_eq!(spec.problems(), Vec::<String>::new(), "a valid gate key");
+    create_gate(client, &pool, spec).await;
+    // ours: registers without the key; meshgate taints it and records the key as its own.
+    let ours = format!("{pool}-ours");
+    create_node(client, &ours, &pool, json!([])).await;
+    // theirs: registers with the key already set by another controller (a node-readiness rule).
+    let theirs = format!("{pool}-theirs");
+    create_node(
+        client,
+        &theirs,
+        &pool,
+        json!([{"key": key, "effect": "NoSchedule"}]),
+    )
+    .await;
+    wait_for(
+        "meshgate to taint the node it gates",
+        Duration::from_secs(30),
+        || async { has_taint(client, &ours, key).await },
+    )
+    .await;
+    let annotations = |n: Node| n.metadata.annotations.unwrap_or_default();
+    assert_eq!(
+        annotations(get_node(client, &ours).await)
+            .get("meshgate.dev/owned-taints")
+            .map(String::as_str),
+        Some(key),
+        "meshgate recorded the key it added"
+    );
+    assert!(
+        !annotations(get_node(client, &theirs).await).contains_key("meshgate.dev/owned-taints"),
+        "the key another controller set is not recorded as meshgate's"
+    );
+
+    agent(client, &agents_ns, "cni-ours", "cni", &ours, true).await;
+    agent(client, &agents_ns, "cni-theirs", "cni", &theirs, true).await;
+    wait_for(
+        "meshgate to lift its key once the agent is Ready",
+        Duration::from_secs(30),
+        || async { !has_taint(client, &ours, key).await },
+    )
+    .await;
+    // The controller reconciled `theirs` with its agent Ready (its condition comes after any taint
+    // write of that pass): the key is still there.
+    wait_for(
+        "the controller to report theirs Ready",
+        Duration::from_secs(30),
+        || async { gate_condition_true(client, &theirs, &pool).await },
+    )
+    .await;
+    assert!(
+        has_taint(client, &theirs, key).await,
+        "a readiness key another controller set is not meshgate's to remove: {:?}",
+        taint_keys(&get_node(client, &theirs).await)
+    );
 }
 
 #[tokio::test]
