@@ -4,8 +4,9 @@
 //!
 //! [`static_binaries`] builds meshgate's two binaries (`meshgate`, `meshgate-wait`), the test
 //! programs of `meshgate-testbins` (`pause`, `app`) and the mesh-like stand-ins as static
-//! executables once (Cargo caches them in a target directory of their
-//! own under the cache); [`TestImages::write`] puts each into an image.
+//! executables once per source state (in a target directory of their own under the cache, the
+//! state they were built from recorded beside them); [`TestImages::write`] puts each into an
+//! image.
 
 use std::path::{Path, PathBuf};
 
@@ -77,79 +78,234 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache/meshgate")
 }
 
-/// Builds `meshgate`, `meshgate-wait`, `pause`, `app` and the stand-ins as static executables (glibc, static PIE, as
-/// crates/meshgate-wait/README.md describes) into `<cache>/static-target`, or returns
-/// `MESHGATE_STATIC_BIN` when that names a directory holding all of them. Cargo makes the second
-/// call a no-op.
+/// The target the static binaries are built for.
+const TARGET: &str = "x86_64-unknown-linux-gnu";
+/// The packages built static.
+const STATIC_PACKAGES: [&str; 4] = [
+    "meshgate",
+    "meshgate-wait",
+    "meshgate-testbins",
+    "meshgate-standins",
+];
+/// How they are linked: glibc, static PIE.
+const STATIC_RUSTFLAGS: &str = "-C target-feature=+crt-static";
+/// Beside the binaries: the source state ([`source_state`]) they were built from.
+const SOURCE_STATE_FILE: &str = ".meshgate-source-state";
+
+fn workspace_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn static_target_dir() -> PathBuf {
+    cache_dir().join("static-target")
+}
+
+/// Where [`static_binaries`] puts them.
+fn static_bin_dir() -> PathBuf {
+    static_target_dir().join(TARGET).join("release")
+}
+
+/// The first of the static binaries missing from `bins`.
+fn first_missing(bins: &StaticBinaries) -> Option<PathBuf> {
+    let mut all = vec![
+        bins.meshgate(),
+        bins.meshgate_wait(),
+        bins.pause(),
+        bins.app(),
+    ];
+    all.extend(
+        STANDINS
+            .iter()
+            .chain(&[PROXY_STANDIN])
+            .map(|s| bins.standin(s)),
+    );
+    all.into_iter().find(|p| !p.is_file())
+}
+
+/// A digest of what the static binaries are built from: `Cargo.lock`, the workspace's
+/// `Cargo.toml`, every file of `crates/` except the crates' `tests/` and `benches/` (they are not
+/// in the binaries), `deploy/` (compiled in with `include_str!`), the toolchain (`rustc -vV`)
+/// and the build's flags. One build per source state: [`static_binaries`] skips Cargo entirely
+/// while it is unchanged.
+pub fn source_state() -> Result<String, Error> {
+    let workspace = workspace_dir();
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let version = std::process::Command::new(&rustc)
+        .current_dir(&workspace)
+        .arg("-vV")
+        .output()
+        .map_err(io(format!(
+            "running {} -vV",
+            PathBuf::from(&rustc).display()
+        )))?;
+    if !version.status.success() {
+        return Err(Error::Build {
+            script: format!("{} -vV", PathBuf::from(&rustc).display()),
+            message: format!("exit {}", version.status),
+        });
+    }
+    ctx.update(&version.stdout);
+    ctx.update(format!("{TARGET} {STATIC_RUSTFLAGS} {STATIC_PACKAGES:?}").as_bytes());
+    let mut files = Vec::new();
+    for top in ["Cargo.lock", "Cargo.toml", "crates", "deploy"] {
+        collect_sources(&workspace, Path::new(top), &mut files)?;
+    }
+    files.sort();
+    for rel in files {
+        let data = std::fs::read(workspace.join(&rel))
+            .map_err(io(format!("reading {}", rel.display())))?;
+        ctx.update(rel.to_string_lossy().as_bytes());
+        ctx.update(&[0]);
+        ctx.update(&(data.len() as u64).to_le_bytes());
+        ctx.update(&data);
+    }
+    Ok(ctx
+        .finish()
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// The files under `rel` (relative to `workspace`) that [`source_state`] reads.
+fn collect_sources(workspace: &Path, rel: &Path, out: &mut Vec<PathBuf>) -> Result<(), Error> {
+    let path = workspace.join(rel);
+    let meta =
+        std::fs::symlink_metadata(&path).map_err(io(format!("reading {}", path.display())))?;
+    if meta.is_file() {
+        out.push(rel.to_owned());
+        return Ok(());
+    }
+    if !meta.is_dir() {
+        return Ok(());
+    }
+    let entries = std::fs::read_dir(&path).map_err(io(format!("listing {}", path.display())))?;
+    for entry in entries {
+        let entry = entry.map_err(io(format!("listing {}", path.display())))?;
+        let name = entry.file_name();
+        let skipped = name
+            .to_str()
+            .is_none_or(|n| n.starts_with('.') || matches!(n, "target" | "tests" | "benches"));
+        if !skipped {
+            collect_sources(workspace, &rel.join(name), out)?;
+        }
+    }
+    Ok(())
+}
+
+/// The static binaries, when they were built from the current source state ([`source_state`]);
+/// `None` when [`static_binaries`] would build. Runs no build.
+pub fn current_static_binaries() -> Option<StaticBinaries> {
+    let bins = StaticBinaries {
+        dir: static_bin_dir(),
+    };
+    let recorded = std::fs::read_to_string(bins.dir.join(SOURCE_STATE_FILE)).ok()?;
+    (first_missing(&bins).is_none() && source_state().ok()? == recorded.trim()).then_some(bins)
+}
+
+/// Builds `meshgate`, `meshgate-wait`, `pause`, `app` and the stand-ins as static executables
+/// (glibc, static PIE, as crates/meshgate-wait/README.md describes) into `<cache>/static-target`,
+/// or returns `MESHGATE_STATIC_BIN` when that names a directory holding all of them. Once per
+/// source state ([`source_state`], recorded beside the binaries): while it is unchanged no Cargo
+/// runs at all. Cargo's output goes to this process's stderr.
 pub fn static_binaries() -> Result<StaticBinaries, Error> {
-    const TARGET: &str = "x86_64-unknown-linux-gnu";
+    static_binaries_logged(None)
+}
+
+/// [`static_binaries`], with Cargo's output appended to `log` when given (the demo keeps it out
+/// of its story).
+pub fn static_binaries_logged(log: Option<&Path>) -> Result<StaticBinaries, Error> {
     if let Some(dir) = std::env::var_os("MESHGATE_STATIC_BIN") {
         let bins = StaticBinaries {
             dir: PathBuf::from(dir),
         };
-        let standins: Vec<PathBuf> = STANDINS
-            .iter()
-            .chain(&[PROXY_STANDIN])
-            .map(|s| bins.standin(s))
-            .collect();
-        for p in [
-            bins.meshgate(),
-            bins.meshgate_wait(),
-            bins.pause(),
-            bins.app(),
-        ]
-        .iter()
-        .chain(&standins)
-        {
-            if !p.is_file() {
-                return Err(Error::Build {
-                    script: "MESHGATE_STATIC_BIN".into(),
-                    message: format!("{} is missing", p.display()),
-                });
-            }
+        if let Some(p) = first_missing(&bins) {
+            return Err(Error::Build {
+                script: "MESHGATE_STATIC_BIN".into(),
+                message: format!("{} is missing", p.display()),
+            });
         }
         return Ok(bins);
     }
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let target_dir = cache_dir().join("static-target");
+    if let Some(bins) = current_static_binaries() {
+        return Ok(bins);
+    }
+    // Read before the build: a change made while it runs is a new state, built next time.
+    let state = source_state()?;
+    let target_dir = static_target_dir();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let status = std::process::Command::new(&cargo)
-        .current_dir(&workspace)
-        .args(["build", "--release", "--locked", "--target", TARGET])
-        .args([
-            "-p",
-            "meshgate",
-            "-p",
-            "meshgate-wait",
-            "-p",
-            "meshgate-testbins",
-            "-p",
-            "meshgate-standins",
-        ])
+    let (stdout, stderr) = match log {
+        Some(path) => {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(io(format!("opening {}", path.display())))?;
+            let copy = file
+                .try_clone()
+                .map_err(io(format!("opening {}", path.display())))?;
+            (
+                std::process::Stdio::from(file),
+                std::process::Stdio::from(copy),
+            )
+        }
+        None => (
+            std::process::Stdio::inherit(),
+            std::process::Stdio::inherit(),
+        ),
+    };
+    let mut command = std::process::Command::new(&cargo);
+    command.current_dir(workspace_dir()).args([
+        "build",
+        "--release",
+        "--locked",
+        "--target",
+        TARGET,
+    ]);
+    if log.is_some() {
+        command.args(["--color", "never"]);
+    }
+    for p in STATIC_PACKAGES {
+        command.args(["-p", p]);
+    }
+    let status = command
         .env("CARGO_TARGET_DIR", &target_dir)
-        .env("RUSTFLAGS", "-C target-feature=+crt-static")
+        .env("RUSTFLAGS", STATIC_RUSTFLAGS)
         .env_remove("CARGO_ENCODED_RUSTFLAGS")
         .env_remove("CARGO_BUILD_TARGET")
-        .stdout(std::process::Stdio::inherit())
-        .stderr(std::process::Stdio::inherit())
+        .stdout(stdout)
+        .stderr(stderr)
         .status()
         .map_err(io(format!(
             "running {} build (static binaries)",
             PathBuf::from(&cargo).display()
         )))?;
+    let packages = STATIC_PACKAGES.map(|p| format!("-p {p}")).join(" ");
     if !status.success() {
         return Err(Error::Build {
             script: format!(
-                "cargo build --release --target {TARGET} -p meshgate -p meshgate-wait -p meshgate-testbins -p meshgate-standins \
-                 (RUSTFLAGS=\"-C target-feature=+crt-static\", CARGO_TARGET_DIR={})",
+                "cargo build --release --target {TARGET} {packages} \
+                 (RUSTFLAGS=\"{STATIC_RUSTFLAGS}\", CARGO_TARGET_DIR={})",
                 target_dir.display()
             ),
-            message: format!("exit {status}"),
+            message: match log {
+                Some(path) => format!("exit {status}; its output is in {}", path.display()),
+                None => format!("exit {status}"),
+            },
         });
     }
-    Ok(StaticBinaries {
-        dir: target_dir.join(TARGET).join("release"),
-    })
+    let bins = StaticBinaries {
+        dir: static_bin_dir(),
+    };
+    let stamp = bins.dir.join(SOURCE_STATE_FILE);
+    let tmp = bins
+        .dir
+        .join(format!("{SOURCE_STATE_FILE}.{}", std::process::id()));
+    std::fs::write(&tmp, format!("{state}\n"))
+        .and_then(|()| std::fs::rename(&tmp, &stamp))
+        .map_err(io(format!("writing {}", stamp.display())))?;
+    Ok(bins)
 }
 
 /// The images a real node imports, written into one directory.
@@ -410,6 +566,27 @@ impl Tar {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_source_state_reads_the_binaries_sources_not_the_tests() {
+        let mut files = Vec::new();
+        collect_sources(&workspace_dir(), Path::new("crates"), &mut files).expect("sources");
+        assert!(files.contains(&PathBuf::from("crates/meshgate/src/main.rs")));
+        assert!(files.contains(&PathBuf::from("crates/meshgate-node/build.rs")));
+        assert!(
+            !files.iter().any(|f| f
+                .components()
+                .any(|c| matches!(c.as_os_str().to_str(), Some("tests" | "benches")))),
+            "tests and benches are not in the binaries"
+        );
+        let state = source_state().expect("source state");
+        assert_eq!(state.len(), 64);
+        assert_eq!(
+            source_state().expect("again"),
+            state,
+            "stable while unchanged"
+        );
+    }
 
     #[test]
     fn sha256_of_known_input() {
