@@ -7,6 +7,11 @@
 //! (`meshgate_testenv::node`), a real node joins: a kubelet with containerd and a CNI bridge, the
 //! mesh-like agents as DaemonSets, and a gated pod that really runs; the host is compared with
 //! its state before afterwards.
+//!
+//! Every build happens before the story: the real node's images need meshgate's static binaries
+//! (`meshgate_testenv::image::static_binaries`, once per source state), built first with one
+//! progress line and Cargo's output in a log file (`MESHGATE_BUILD_LOG`, else
+//! `<cache>/demo-build.log`), named at the end.
 
 use std::time::{Duration, Instant};
 
@@ -76,13 +81,78 @@ fn taint_keys(n: &Node) -> Vec<String> {
 /// The kubeflow policy shipped in `deploy/policies/kubeflow.yaml` (embedded).
 const KUBEFLOW_POLICY: &str = include_str!("../../../deploy/policies/kubeflow.yaml");
 
+/// Where the builds' output goes: `MESHGATE_BUILD_LOG` (set by `tools/demo.sh`, which writes
+/// its own builds' output there too), else `<cache>/demo-build.log`.
+fn build_log() -> std::path::PathBuf {
+    std::env::var_os("MESHGATE_BUILD_LOG").map_or_else(
+        || meshgate_testenv::image::cache_dir().join("demo-build.log"),
+        std::path::PathBuf::from,
+    )
+}
+
+/// Whether this host runs the real node part: `MESHGATE_SKIP_REAL_NODE=1` says not to (the
+/// tests' switch), else `meshgate_testenv::node::prerequisites` decides.
+fn real_node_prerequisites() -> Result<(), String> {
+    if std::env::var_os("MESHGATE_SKIP_REAL_NODE").is_some_and(|v| v == "1") {
+        return Err("skipped (MESHGATE_SKIP_REAL_NODE=1)".into());
+    }
+    meshgate_testenv::node::prerequisites()
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// Builds what the real node needs before the story starts: one progress line (prefixed with
+/// `MESHGATE_BUILD_STEP`, e.g. `5/5`, when `tools/demo.sh` numbers its builds; `current` when
+/// the binaries were built from this source state), Cargo's output to the log. Returns whether
+/// it built.
+async fn build_static_binaries(log: &std::path::Path) -> anyhow::Result<bool> {
+    use std::io::Write as _;
+    let step = std::env::var("MESHGATE_BUILD_STEP")
+        .map(|s| format!("[{s}] "))
+        .unwrap_or_default();
+    print!(
+        "build {step}meshgate's static binaries for the real node's images (cargo, release, static; cold: about 5-10 min on 2 cores) ... "
+    );
+    let _ = std::io::stdout().flush();
+    if tokio::task::spawn_blocking(meshgate_testenv::image::current_static_binaries)
+        .await?
+        .is_some()
+    {
+        println!("current (built from this source state)");
+        return Ok(false);
+    }
+    let start = Instant::now();
+    if let Some(dir) = log.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    if std::env::var_os("MESHGATE_BUILD_LOG").is_none() {
+        // The demo's own log: this run's build only.
+        std::fs::write(log, "")?;
+    }
+    let owned = log.to_owned();
+    tokio::task::spawn_blocking(move || {
+        meshgate_testenv::image::static_binaries_logged(Some(&owned))
+    })
+    .await??;
+    println!("done in {} s", start.elapsed().as_secs());
+    Ok(true)
+}
+
 /// Runs the demo.
 pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    // A real node (kubelet, containerd, CNI) joins later where this host can run one; its gate
+    // image is written and imported by the test environment, never pulled.
+    let real_node = tokio::task::spawn_blocking(real_node_prerequisites).await?;
+    let log = build_log();
+    let built = match &real_node {
+        Ok(()) => build_static_binaries(&log).await?,
+        Err(_) => false,
+    };
     let mut story = Story {
         start: Instant::now(),
         step: 0,
     };
-    let _ = rustls::crypto::ring::default_provider().install_default();
     story.say("Starting a local control plane: etcd, kube-apiserver, kube-scheduler (built from source, cached)");
     let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
         scheduler: true,
@@ -99,9 +169,6 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     let (cert, key) = (cp.dir().join("webhook.crt"), cp.dir().join("webhook.key"));
     std::fs::write(&cert, &serving.cert_pem)?;
     std::fs::write(&key, &serving.key_pem)?;
-    // A real node (kubelet, containerd, CNI) joins later where this host can run one; its gate
-    // image is written and imported by the test environment, never pulled.
-    let real_node = meshgate_testenv::node::prerequisites();
     let mut config = GateConfig {
         profiles: vec![Profile::IstioAmbient, Profile::IstioSidecar],
         ..GateConfig::default()
@@ -429,7 +496,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         }
         Err(e) => {
             story.say("A real node: not on this host");
-            story.detail(&format!("{e}"));
+            story.detail(e);
             None
         }
     };
@@ -483,6 +550,10 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     webhook.shutdown(Duration::from_secs(5)).await?;
     drop(cp);
     println!("Done: the control plane and meshgate are stopped; nothing is left running.");
+    let logged = std::fs::metadata(&log).is_ok_and(|m| m.len() > 0);
+    if built || (logged && std::env::var_os("MESHGATE_BUILD_LOG").is_some()) {
+        println!("The builds' output: {}", log.display());
+    }
     Ok(())
 }
 
