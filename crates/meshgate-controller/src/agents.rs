@@ -287,7 +287,7 @@ async fn watch_pods(
                 let pods = std::mem::take(&mut relist);
                 send_all(&trigger, index.replace_namespace(&namespace, pods));
             }
-            Err(e) => tracing::warn!(namespace, error = %e, "agent pod watch failed; retrying"),
+            Err(e) => crate::watch::log(&format!("agent pods in {namespace}"), &e),
         }
     }
 }
@@ -327,7 +327,7 @@ async fn watch_daemonsets(
             }
             Ok(_) => false,
             Err(e) => {
-                tracing::warn!(namespace, error = %e, "DaemonSet watch failed; retrying");
+                crate::watch::log(&format!("agent DaemonSets in {namespace}"), &e);
                 false
             }
         };

@@ -27,6 +27,7 @@ pub mod policies;
 pub mod registration;
 pub mod repair;
 pub mod run;
+pub mod watch;
 
 pub use metrics::Metrics;
 

@@ -208,6 +208,9 @@ pub async fn run(
         .default_backoff()
         .touched_objects()
         .for_each(move |g| {
+            if let Err(e) = &g {
+                crate::watch::log("NodeGates", e);
+            }
             if let Ok(gate) = g {
                 for a in &gate.spec.agents {
                     agents.ensure_watch(&client, &a.namespace, &trigger);
@@ -367,8 +370,12 @@ pub async fn run(
         .graceful_shutdown_on(shutdown)
         .run(reconcile, error_policy, ctx)
         .for_each(|r| {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "reconcile failed");
+            match r {
+                Err(kube::runtime::controller::Error::QueueError(e)) => {
+                    crate::watch::log("nodes", &e);
+                }
+                Err(e) => tracing::debug!(error = %e, "reconcile failed"),
+                Ok(_) => {}
             }
             futures::future::ready(())
         });

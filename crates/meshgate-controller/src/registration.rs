@@ -190,7 +190,7 @@ pub async fn run(
                 Some(Ok(Seen::Changed)) => {}
                 Some(Ok(Seen::Other)) => continue,
                 Some(Err(e)) => {
-                    tracing::warn!(error = %e, "MutationPolicy watch");
+                    crate::watch::log("MutationPolicies (webhook rules)", &e);
                     continue;
                 }
                 None => return,

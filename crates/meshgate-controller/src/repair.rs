@@ -391,11 +391,9 @@ impl State {
         match input {
             Input::Pod(Ok(event)) => self.pod_event(event),
             Input::Node(Ok(event)) => self.node_event(event),
-            Input::Pod(Err(e)) => {
-                tracing::warn!(error = %e, "repair loop: pod watch failed; retrying")
-            }
+            Input::Pod(Err(e)) => crate::watch::log("pods (repair loop)", &e),
             Input::Node(Err(e)) => {
-                tracing::warn!(error = %e, "repair loop: node watch failed; retrying");
+                crate::watch::log("nodes (repair loop)", &e);
             }
         }
         self.metrics

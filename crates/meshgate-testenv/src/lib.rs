@@ -487,17 +487,30 @@ impl ControlPlane {
         pids
     }
 
+    /// Polls `/readyz` until it says `ok`. An API server that is not ready yet (refused
+    /// connections, `500` while its post-start hooks run) is the expected state here: each try
+    /// is logged at debug, and only the deadline is an error. The kube client logs every failed
+    /// request at ERROR, so the probe's requests run with no log subscriber.
     async fn wait_ready(&self, timeout: Duration) -> Result<(), Error> {
+        use tracing::instrument::WithSubscriber;
         let start = Instant::now();
         let client = self.client().await?;
         loop {
             self.apiserver.check_alive()?;
-            let req = http::Request::get("/readyz").body(Vec::new());
-            if let Ok(req) = req
-                && let Ok(text) = client.request_text(req).await
-                && text.trim() == "ok"
-            {
-                return Ok(());
+            let probe = match http::Request::get("/readyz").body(Vec::new()) {
+                Ok(req) => client
+                    .request_text(req)
+                    .with_subscriber(tracing::subscriber::NoSubscriber::default())
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match probe {
+                Ok(text) if text.trim() == "ok" => return Ok(()),
+                Ok(text) => {
+                    tracing::debug!(readyz = %text.trim(), "kube-apiserver not ready yet; retrying")
+                }
+                Err(e) => tracing::debug!(error = %e, "kube-apiserver not ready yet; retrying"),
             }
             if start.elapsed() > timeout {
                 return Err(Error::NotReady {

@@ -2,9 +2,18 @@
 
 use tracing_subscriber::EnvFilter;
 
-/// `RUST_LOG` filters (else `default`); `json` selects JSON lines on stderr.
+/// The kube client's own request log: its tracing layer logs every failed request (a refused
+/// connection while the API server or the Service route is not there yet, a 5xx) at ERROR, before
+/// the caller sees the error. meshgate's callers report each failure once, at the level its
+/// meaning calls for (a watch that reconnects is info, a refused list a warning saying what to
+/// grant), so the layer's lines are off unless `RUST_LOG` asks for them.
+const KUBE_REQUEST_LOG_OFF: &str = "kube_client::client::builder=off";
+
+/// `RUST_LOG` filters (else `default`, without the kube client's request log); `json` selects
+/// JSON lines on stderr.
 pub fn init(json: bool, default: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(format!("{default},{KUBE_REQUEST_LOG_OFF}")));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
