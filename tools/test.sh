@@ -16,8 +16,8 @@
 # 2. cargo fmt --check, cargo clippy --all-targets -D warnings, the CRD manifests and the Helm
 #    chart are current;
 # 3. cargo test --workspace: unit tests, the end-to-end tests against the real control plane, and
-#    real_node and real_istio on a real node (it builds meshgate-wait, pause and app static,
-#    once).
+#    real_node and real_istio on a real node (it builds meshgate's static binaries once per
+#    source state); then the demo's test (`--features demo`: no ERROR or WARN in its run).
 #
 # Env: MESHGATE_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate) holds the control plane,
 # the node binaries, yamlcheck, helm, the static test binaries (static-target) and, unless CARGO_TARGET_DIR is set,
@@ -74,3 +74,6 @@ cargo run --quiet --locked -p meshgate -- chart --check deploy/helm/meshgate
 step "cargo test --workspace"
 # The end-to-end test binaries each start their own control plane; two at a time fit 2 cores.
 cargo test --workspace --locked -- --test-threads 4
+
+step "meshgate demo: its story, and no ERROR or WARN line (cargo test --features demo --test demo)"
+cargo test --locked -p meshgate --features demo --test demo

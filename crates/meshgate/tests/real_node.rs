@@ -25,7 +25,8 @@
 //!     (exit 1); the in-cluster controller deletes the Deployment's; once the agent is Ready
 //!     the taint lifts, new pods are redirected and their gates pass, and the Deployment's
 //!     replacement runs.
-//!   - No component's log shows a refused request.
+//!   - No component's log shows a refused request; in the ambient install (a healthy run)
+//!     none logs an ERROR or WARN line.
 //!
 //! Needs root, the node binaries (`MESHGATE_NODE_BIN`, from tools/node/build.sh, which the test
 //! runs when the variable is unset) and the packages of tools/node/packages.sh. Without them
@@ -1152,6 +1153,7 @@ async fn ambient_meshgate_installed_from_its_image_gates_the_real_node() {
         "the controller may patch nodes"
     );
     assert_no_refused_requests(&client, &node).await;
+    assert_no_warnings_or_errors(&client, &node).await;
     eprintln!(
         "measured: in-cluster set-up {setup_took:.2?} (install, node, meshgate Ready, taint lifted); whole local cluster: {}",
         cluster_memory(&cp, &node)

@@ -299,6 +299,31 @@ pub async fn assert_no_refused_requests(client: &kube::Client, node: &RealNode) 
     );
 }
 
+/// The level of a component's log line: JSON lines (`"level":"WARN"`, as installed) or text
+/// (`… WARN target: …`), after the container runtime's prefix.
+pub fn log_level(line: &str) -> Option<&'static str> {
+    ["ERROR", "WARN"].into_iter().find(|level| {
+        line.contains(&format!("\"level\":\"{level}\""))
+            || line.split_whitespace().any(|w| w == *level)
+    })
+}
+
+/// No meshgate component logged an ERROR or WARN line: a healthy run says nothing a reader
+/// would take for a fault (a watch that reconnects is info; the API server not ready yet is
+/// debug).
+pub async fn assert_no_warnings_or_errors(client: &kube::Client, node: &RealNode) {
+    let logs = component_logs(client, node, "app.kubernetes.io/name=meshgate").await;
+    assert!(!logs.is_empty(), "the components logged");
+    let bad: Vec<_> = logs
+        .iter()
+        .filter(|(_, l)| log_level(l).is_some())
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "the components logged ERROR or WARN lines in a healthy run:\n{bad:#?}"
+    );
+}
+
 /// Whether `system:serviceaccount:meshgate-system:<sa>` may `verb` core `resource`s (a
 /// SubjectAccessReview, what `kubectl auth can-i --as` asks).
 pub async fn service_account_may(
