@@ -8,6 +8,9 @@
 #                                /usr/lib/cni
 #   iptables                     the kubelet's canary chains, kube-proxy's iptables mode, and the
 #                                bridge plugin's ipMasq / portmap rules
+#   ipset                        ipset, for the tests' teardown: Istio's ambient node agent creates
+#                                IP sets in the host's network namespace (over netlink; it needs no
+#                                tool), which only the tool deletes again
 #   nftables                     nft, for the tests' teardown: iptables-nft creates the ip/ip6
 #                                filter, nat and mangle tables when the node first writes a rule,
 #                                and only nft can delete them again (without it a fresh host is
@@ -32,6 +35,7 @@ wanted=(
   "containernetworking-plugins file:/usr/lib/cni/bridge"
   "iptables command:iptables"
   "nftables command:nft"
+  "ipset command:ipset"
 )
 
 present() {

@@ -56,6 +56,10 @@ pub struct HostSnapshot {
     pub paths: BTreeMap<String, bool>,
     /// `<hierarchy>/kubepods` for every mounted cgroup hierarchy: did it exist.
     pub cgroups: BTreeMap<String, bool>,
+    /// IP sets of the host's network namespace (`ipset list -n`; Istio's ambient node agent
+    /// creates `istio-inpod-probes-v4`/`-v6` there). Empty without the `ipset` tool.
+    #[serde(default)]
+    pub ipsets: BTreeSet<String>,
 }
 
 /// Where a command is, searched in `PATH` and the sbin directories (root's tools).
@@ -356,6 +360,7 @@ impl HostSnapshot {
                 &run("nft", &["list", "ruleset"]).map_err(Error::Node)?,
             ));
         }
+        s.ipsets = ipsets();
         s.links = dir_names(Path::new("/sys/class/net"))
             .into_iter()
             .filter(|l| !is_api_link(l))
@@ -416,6 +421,7 @@ impl HostSnapshot {
             ("link", &self.links, &now.links),
             ("netns", &self.netns, &now.netns),
             ("mount", &self.mounts, &now.mounts),
+            ("ipset", &self.ipsets, &now.ipsets),
         ];
         for (what, before, after) in sets {
             for x in after.difference(before) {
@@ -596,6 +602,13 @@ pub fn restore(before: &HostSnapshot, run_dir: &Path, socket: &Path, log: &mut V
         }
     }
     clean_iptables(before, log);
+    // After the rules that match on them are gone.
+    for set in ipsets().difference(&before.ipsets) {
+        match run("ipset", &["destroy", set]) {
+            Ok(_) => log.push(format!("destroyed ipset {set}")),
+            Err(e) => log.push(format!("ipset {set} left: {e}")),
+        }
+    }
     clean_nft(before, log);
     restore_sysctls(before, log);
     remove_cgroups(before, log);
@@ -659,11 +672,29 @@ fn remove_tree(path: &Path, log: &mut Vec<String>) {
     }
 }
 
+/// Chains a node puts into the host's tables: the kubelet's and kube-proxy's, the CNI plugins',
+/// and Istio's ambient node agent's (`ISTIO_POSTRT`, its probe SNAT).
 fn is_ours(chain: &str) -> bool {
-    chain.starts_with("KUBE-") || chain.starts_with("CNI-")
+    chain.starts_with("KUBE-") || chain.starts_with("CNI-") || chain.starts_with("ISTIO_")
 }
 
-/// Deletes the rules that jump to `KUBE-*`/`CNI-*` chains and those chains, in every table of
+/// The host's IP sets by name (none without the `ipset` tool).
+fn ipsets() -> BTreeSet<String> {
+    if which("ipset").is_none() {
+        return BTreeSet::new();
+    }
+    run("ipset", &["list", "-n"])
+        .map(|out| {
+            out.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Deletes the rules that jump to `KUBE-*`/`CNI-*`/`ISTIO_*` chains and those chains, in every table of
 /// iptables and ip6tables, when they were not in the snapshot.
 fn clean_iptables(before: &HostSnapshot, log: &mut Vec<String>) {
     for bin in ["iptables", "ip6tables"] {

@@ -67,6 +67,15 @@ pub struct NodeOptions {
     /// Taint keys (effect `NoSchedule`) the kubelet registers its Node with, as a node pool's
     /// `--register-with-taints` does.
     pub register_with_taints: Vec<String>,
+    /// containerd and the kubelet run in a PID and a mount namespace of the node's own (as a
+    /// kind node's do), with `/proc` that namespace's and its mounts shared among themselves.
+    /// For node agents that read the node's `/proc` through a hostPath and need its PID 1
+    /// (Istio's ambient node agent stats `/proc/1/ns/net` at start, which the init of some
+    /// hosts lets no one open, this test VM's among them), or that mount the node's netns
+    /// directory `HostToContainer` (containerd requires its source to be a shared or slave
+    /// mount). The mounts the node makes vanish with it. The kubelet is then stopped with
+    /// SIGKILL, not SIGTERM. Off by default: the host's namespaces.
+    pub own_namespaces: bool,
 }
 
 impl Default for NodeOptions {
@@ -77,6 +86,7 @@ impl Default for NodeOptions {
             proxy: false,
             ready_timeout: Duration::from_secs(120),
             register_with_taints: Vec::new(),
+            own_namespaces: false,
         }
     }
 }
@@ -89,6 +99,7 @@ pub struct NodeTools {
     pub containerd: PathBuf,
     pub ctr: PathBuf,
     pub nsenter: PathBuf,
+    pub unshare: PathBuf,
     /// The CNI plugins' directory.
     pub cni_bin: PathBuf,
 }
@@ -139,6 +150,7 @@ pub fn prerequisites() -> Result<NodeTools, Error> {
     }
     find("ip", "iproute2");
     let nsenter = find("nsenter", "util-linux");
+    let unshare = find("unshare", "util-linux");
     for t in ["mount", "umount"] {
         find(t, "mount");
     }
@@ -165,6 +177,7 @@ pub fn prerequisites() -> Result<NodeTools, Error> {
         containerd,
         ctr,
         nsenter,
+        unshare,
         cni_bin,
     })
 }
@@ -291,6 +304,9 @@ pub struct RealNode {
     images: Option<TestImages>,
     admin_kubeconfig: PathBuf,
     containerd: Option<Process>,
+    /// With [`NodeOptions::own_namespaces`]: the host pid of the node's PID 1 (containerd),
+    /// whose namespaces the kubelet enters.
+    node_init: Option<u32>,
     kubelet: Option<Process>,
     /// How the kubelet was started, to start it again ([`RealNode::restart_kubelet`]).
     kubelet_args: Vec<String>,
@@ -378,6 +394,7 @@ impl RealNode {
             images: None,
             admin_kubeconfig: cp.kubeconfig_path.clone(),
             containerd: None,
+            node_init: None,
             kubelet: None,
             kubelet_args: Vec::new(),
             controller_manager: None,
@@ -476,13 +493,49 @@ impl RealNode {
         let path = host::child_path();
         let env = [("PATH", path.as_os_str())];
         let t = Instant::now();
-        let containerd = Process::spawn_with_env(
-            "containerd",
-            &self.tools.containerd,
-            &["--config".into(), config.display().to_string()],
-            &env,
-            &d.join("logs/containerd.log"),
-        )?;
+        let containerd_args = ["--config".into(), config.display().to_string()];
+        let containerd = if options.own_namespaces {
+            // unshare forks containerd as PID 1 of a new PID namespace, with that namespace's
+            // /proc in a new mount namespace, its mounts first made private (nothing the node
+            // mounts reaches the host), then shared among themselves, so that pods may mount
+            // node paths HostToContainer (containerd looks up the mount of the path as written:
+            // `/var/run/netns`, under the symlink `/var/run`, is on `/`). The child dies with
+            // unshare (--kill-child).
+            let mut args: Vec<String> = [
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount",
+                "--mount-proc",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                "mkdir -p /run/netns && mount --make-rshared / && exec \"$0\" \"$@\"",
+            ]
+            .map(String::from)
+            .to_vec();
+            args.push(self.tools.containerd.display().to_string());
+            args.extend(containerd_args);
+            let p = Process::spawn_with_env(
+                "containerd",
+                &self.tools.unshare,
+                &args,
+                &env,
+                &d.join("logs/containerd.log"),
+            )?;
+            self.node_init = Some(child_of(p.pid())?);
+            p
+        } else {
+            Process::spawn_with_env(
+                "containerd",
+                &self.tools.containerd,
+                &containerd_args,
+                &env,
+                &d.join("logs/containerd.log"),
+            )?
+        };
         self.containerd = Some(containerd);
         loop {
             if let Some(p) = &self.containerd {
@@ -640,10 +693,32 @@ impl RealNode {
 
     fn spawn_kubelet(&self) -> Result<Process, Error> {
         let path = host::child_path();
+        let kubelet = self.tools.node_bin.join("kubelet");
+        let (program, args) = match self.node_init {
+            // The kubelet in the node's namespaces: nsenter forks it there, and it dies with
+            // nsenter (setpriv's parent-death signal).
+            Some(init) => {
+                let mut args: Vec<String> = vec![
+                    "-t".into(),
+                    init.to_string(),
+                    "-m".into(),
+                    "-p".into(),
+                    "--".into(),
+                    "/usr/bin/setpriv".into(),
+                    "--pdeathsig".into(),
+                    "KILL".into(),
+                    "--".into(),
+                    kubelet.display().to_string(),
+                ];
+                args.extend(self.kubelet_args.iter().cloned());
+                (self.tools.nsenter.clone(), args)
+            }
+            None => (kubelet, self.kubelet_args.clone()),
+        };
         Process::spawn_with_env(
             "kubelet",
-            &self.tools.node_bin.join("kubelet"),
-            &self.kubelet_args,
+            &program,
+            &args,
             &[("PATH", path.as_os_str())],
             &self.run_dir.join("logs/kubelet.log"),
         )
@@ -784,13 +859,18 @@ impl RealNode {
     /// without the `containerd://` prefix of a pod status).
     pub fn task_pid(&self, container_id: &str) -> Result<Option<u32>, Error> {
         let id = container_id.trim_start_matches("containerd://");
-        Ok(self.ctr(&["tasks", "ls"])?.lines().skip(1).find_map(|l| {
+        let pid = self.ctr(&["tasks", "ls"])?.lines().skip(1).find_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
             match f[..] {
-                [task, pid, "RUNNING"] if task == id => pid.parse().ok(),
+                [task, pid, "RUNNING"] if task == id => pid.parse::<u32>().ok(),
                 _ => None,
             }
-        }))
+        });
+        Ok(match (pid, self.node_init) {
+            // containerd reports pids of the node's PID namespace.
+            (Some(pid), Some(init)) => host_pid_in(init, pid),
+            (pid, _) => pid,
+        })
     }
 
     /// The host pid of the running pause process of a pod's sandbox, found by the pod's uid in
@@ -1207,4 +1287,68 @@ iptables: {{localhostNodePorts: false}}
 ",
         kc = kubeconfig.display()
     )
+}
+
+/// The one child of `pid` (unshare's forked command), waiting briefly for the fork.
+fn child_of(pid: u32) -> Result<u32, Error> {
+    let path = format!("/proc/{pid}/task/{pid}/children");
+    for _ in 0..500 {
+        let children = std::fs::read_to_string(&path).unwrap_or_default();
+        if let Some(child) = children.split_whitespace().find_map(|c| c.parse().ok()) {
+            return Ok(child);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Err(Error::Node(format!(
+        "pid {pid} forked no child in 5 s ({path})"
+    )))
+}
+
+/// The host pid of the process whose pid is `pid` in the PID namespace of `init` (a host pid,
+/// that namespace's PID 1), from the `NSpid` lines of the host's `/proc`: the process at that
+/// namespace's level with that pid which descends from `init` (every process of the node does;
+/// orphans are reparented to it).
+fn host_pid_in(init: u32, pid: u32) -> Option<u32> {
+    let level = nspid(init)?.len();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let host: u32 = e.file_name().to_str()?.parse().ok()?;
+        (nspid(host)?.get(level - 1) == Some(&pid) && descends_from(host, init)).then_some(host)
+    })
+}
+
+/// A process's pids, from the outermost PID namespace this `/proc` shows to its own (`NSpid:`).
+fn nspid(pid: u32) -> Option<Vec<u32>> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
+    line.split_whitespace()
+        .skip(1)
+        .map(|p| p.parse().ok())
+        .collect()
+}
+
+fn descends_from(mut pid: u32, ancestor: u32) -> bool {
+    for _ in 0..64 {
+        if pid == ancestor {
+            return true;
+        }
+        // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+        let Some(parent) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')?
+                    .1
+                    .split_whitespace()
+                    .nth(1)?
+                    .parse()
+                    .ok()
+            })
+        else {
+            return false;
+        };
+        if parent <= 1 {
+            return false;
+        }
+        pid = parent;
+    }
+    false
 }
