@@ -9,7 +9,9 @@
 //! its readiness, repairs pods), and the CNI plugin (`istio-cni`, which programs the pod's
 //! iptables with the host's `iptables-restore`). A stand-in: only the proxy process that Envoy
 //! would be (`mesh-proxy` of `meshgate-standins`, the proxy image's entry point; it runs the
-//! real `pilot-agent` for every command but `proxy`). The node agent's image carries the
+//! real `pilot-agent` for every command but `proxy`), and in ambient mode the node proxy that
+//! ztunnel (Rust, not a crate) would be: `mesh-node-proxy`, fed by the real node agent over ZDS
+//! (`meshgate_standins::zds`), in the image Istio's `ztunnel` chart runs. The node agent's image carries the
 //! host's iptables (the Debian package's multi-call binaries, their extensions and libraries),
 //! as Istio's own image carries its base image's: the agent's repair and ambient mode run
 //! them inside its container.
@@ -30,6 +32,9 @@ pub const PROXY_IMAGE: &str = "meshgate.local/istio-proxyv2:1";
 /// The node agent's image: `/usr/local/bin/install-cni` and the plugin at
 /// `/opt/cni/bin/istio-cni` (the node agent copies every file of that directory to the node).
 pub const CNI_IMAGE: &str = "meshgate.local/istio-install-cni:1";
+/// The ambient node proxy's image (Istio's `ztunnel`): the `mesh-node-proxy` stand-in as its
+/// entry point, which takes the chart's `proxy ztunnel` arguments as ztunnel does.
+pub const NODE_PROXY_IMAGE: &str = "meshgate.local/istio-ztunnel:1";
 
 /// A build of Istio: binaries, charts and version.
 #[derive(Clone, Debug)]
@@ -68,7 +73,7 @@ impl Istio {
         self.dir.join("charts").join(name)
     }
 
-    /// Writes the three images into `dir` (for `ctr images import`).
+    /// Writes the four images into `dir` (for `ctr images import`).
     pub fn write_images(
         &self,
         dir: &Path,
@@ -79,6 +84,7 @@ impl Istio {
         let pilot = self.bin("pilot-discovery");
         let agent = self.bin("pilot-agent");
         let proxy = binaries.standin(crate::image::PROXY_STANDIN);
+        let node_proxy = binaries.standin("mesh-node-proxy");
         let install = self.bin("install-cni");
         let plugin = self.bin("istio-cni");
         let iptables = host_iptables()?;
@@ -120,6 +126,16 @@ impl Istio {
                     env: &[PATH],
                 },
                 &dir.join("istio-install-cni.tar"),
+            )?,
+            write_image(
+                NODE_PROXY_IMAGE,
+                &[("usr/local/bin/mesh-node-proxy", &node_proxy)],
+                &ImageConfig {
+                    entrypoint: &["/usr/local/bin/mesh-node-proxy"],
+                    user: None,
+                    env: &[PATH],
+                },
+                &dir.join("istio-ztunnel.tar"),
             )?,
         ])
     }
