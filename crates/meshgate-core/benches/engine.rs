@@ -24,10 +24,10 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use meshgate_api::mutation_policy::{MutationPolicySpec, Operation};
 use meshgate_api::{GateConfig, Profile};
-use meshgate_core::gate::{self, PodPlan, PodRequest};
+use meshgate_core::object::Meta;
+use meshgate_core::object::view::read_pod;
+use meshgate_core::pod_gate::gate::{self, PodPlan, PodRequest};
 use meshgate_core::policy::{self, MatchContext};
-use meshgate_core::select::Meta;
-use meshgate_core::view::read_pod;
 use serde_json::{Value, json};
 
 /// The Pod both benchmarks (this one and the webhook's) use: ~3.2 KB of JSON.

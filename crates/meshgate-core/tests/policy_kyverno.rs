@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use meshgate_api::mutation_policy::{MutationPolicySpec, Operation};
-use meshgate_core::kyverno::{KyvernoError, import};
+use meshgate_core::policy::kyverno::{KyvernoError, import};
 use meshgate_core::policy::{MatchContext, apply, validate};
 use serde_json::{Value, json};
 

@@ -21,13 +21,13 @@ use meshgate_api::node_gate::{
     Agent, GateMode, GateResource, GateTaint, NodeGateSpec, TaintEffect,
 };
 use meshgate_api::{LabelSelector, Profile, names};
-use meshgate_core::gate::{Planner, PodPlan, PodRequest, plan_pod};
-use meshgate_core::nodegate::{
+use meshgate_core::node_gate::nodegate::{
     AgentState, NodeObservation, decide, orphaned_taints, selects, taint_patch, taints_on_create,
 };
+use meshgate_core::object::Meta;
+use meshgate_core::object::view::read_pod;
+use meshgate_core::pod_gate::gate::{Planner, PodPlan, PodRequest, plan_pod};
 use meshgate_core::policy::{self, MatchContext};
-use meshgate_core::select::Meta;
-use meshgate_core::view::read_pod;
 use proptest::collection::{btree_map, vec};
 use proptest::option;
 use proptest::prelude::*;
@@ -238,7 +238,7 @@ proptest! {
         let annotations: BTreeMap<String, String> = if recorded.is_empty() {
             BTreeMap::new()
         } else {
-            [(meshgate_core::nodegate::OWNED_TAINTS.to_owned(), recorded.join(","))].into()
+            [(meshgate_core::node_gate::nodegate::OWNED_TAINTS.to_owned(), recorded.join(","))].into()
         };
         let orphans = orphaned_taints(gates.iter(), &labels, &annotations, &taints);
         for key in &orphans {
@@ -249,7 +249,7 @@ proptest! {
             );
             prop_assert!(taints.iter().any(|t| &t.key == key), "{} is not on the node", key);
             prop_assert!(
-                meshgate_core::nodegate::owns_key(key, &annotations),
+                meshgate_core::node_gate::nodegate::owns_key(key, &annotations),
                 "{} is not meshgate's", key
             );
         }
@@ -257,7 +257,7 @@ proptest! {
         for g in &gates {
             let key = &g.taint.key;
             let held = gates.iter().any(|h| &h.taint.key == key && selects(h, &labels));
-            let owned = meshgate_core::nodegate::owns_key(key, &annotations);
+            let owned = meshgate_core::node_gate::nodegate::owns_key(key, &annotations);
             if !held && owned && taints.iter().any(|t| &t.key == key) {
                 prop_assert!(orphans.contains(key), "{} is an orphan", key);
             }

@@ -6,6 +6,7 @@ use meshgate_api::mutation_policy::{MatchResources, MutationPolicySpec, Operatio
 use serde_json::Value;
 
 use super::pattern::wildcard_match;
+pub use crate::object::pod_template_path;
 
 /// Workload kinds whose pod template a policy can mutate, in Kyverno's autogen set (minus
 /// ReplicationController).
@@ -51,20 +52,6 @@ pub const CLUSTER_SCOPED_KINDS: [&str; 16] = [
     "ValidatingAdmissionPolicy",
     "APIService",
 ];
-
-/// Where the Pod-shaped part of an object of `kind` lives: `[]` for a Pod (the object itself),
-/// `spec.template` for Deployment/StatefulSet/DaemonSet/ReplicaSet/Job,
-/// `spec.jobTemplate.spec.template` for CronJob. `None` for any other kind.
-pub fn pod_template_path(kind: &str) -> Option<&'static [&'static str]> {
-    match kind {
-        "Pod" => Some(&[]),
-        "Deployment" | "StatefulSet" | "DaemonSet" | "ReplicaSet" | "Job" => {
-            Some(&["spec", "template"])
-        }
-        "CronJob" => Some(&["spec", "jobTemplate", "spec", "template"]),
-        _ => None,
-    }
-}
 
 /// The API group of a supported kind (`""` is the core group).
 fn api_group(kind: &str) -> &'static str {

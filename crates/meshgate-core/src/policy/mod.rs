@@ -127,10 +127,17 @@
 //! [`validate`] checks a spec and names the field of each problem
 //! (`spec.mutations[2].jsonPatch[0].path: must start with '/'`). [`render`] applies policies to
 //! documents offline, each as a CREATE of that object, with the patch the webhook would return.
+//!
+//! # Beside the engine
+//! [`native`] compiles a policy to a `MutatingAdmissionPolicy` the API server evaluates itself;
+//! [`kyverno`] imports Kyverno's mutate rules as policies. The domain uses only
+//! [`crate::object`] (`tests/layers.rs`); the registrations that route policies are
+//! [`crate::admission`]'s.
 
 pub mod admission;
 mod images;
 pub mod json6902;
+pub mod kyverno;
 mod matching;
 pub mod native;
 mod pattern;
@@ -145,7 +152,7 @@ use meshgate_api::mutation_policy::{
 use meshgate_api::names;
 use serde_json::{Map, Value};
 
-use crate::patch::JsonPatch;
+use crate::object::patch::JsonPatch;
 
 pub use matching::{
     MatchContext, ObjectType, SUPPORTED_KINDS, WORKLOAD_KINDS, object_labels, parse_kind,

@@ -44,11 +44,21 @@
 use std::collections::BTreeMap;
 
 use meshgate_api::mutation_policy::{MatchResources, Mutation, MutationPolicySpec, OnConflict};
-use meshgate_api::{LabelSelector, SelectorOperator, names};
+use meshgate_api::names;
 use serde_json::{Value, json};
 
 use super::matching::{SUPPORTED_KINDS, WORKLOAD_KINDS, parse_kind};
-use crate::registration::{PolicyApi, PolicyResource};
+use crate::object::cel::{PolicyApi, cel_list, cel_string, has_value, opted_out, selector_cel};
+
+/// A resource a policy names, resolved (by discovery) for the policies webhook's rules. `*`
+/// in a field matches everything (a wildcard kind).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct PolicyResource {
+    pub group: String,
+    pub version: String,
+    /// The plural resource name (`services`), or `*`.
+    pub resource: String,
+}
 
 /// The prefix of the objects a compiled policy becomes.
 pub const NAME_PREFIX: &str = "meshgate-policy-";
@@ -590,60 +600,6 @@ fn pattern_cel(text: &str, pattern: &str) -> String {
     format!("{text}.matches({})", cel_string(&re))
 }
 
-/// `meta.labels[key] == value`, false when absent.
-pub(crate) fn has_value(meta: &str, field: &str, key: &str) -> String {
-    format!(
-        "(has({meta}.{field}) && {k} in {meta}.{field})",
-        k = cel_string(key)
-    )
-}
-
-/// A label selector over `meta.labels`, with the API server's semantics.
-pub(crate) fn selector_cel(meta: &str, selector: &LabelSelector) -> String {
-    let mut terms = Vec::new();
-    let value = |key: &str| format!("{meta}.labels[{}]", cel_string(key));
-    for (k, v) in &selector.match_labels {
-        terms.push(format!(
-            "({} && {} == {})",
-            has_value(meta, "labels", k),
-            value(k),
-            cel_string(v)
-        ));
-    }
-    for r in &selector.match_expressions {
-        let present = has_value(meta, "labels", &r.key);
-        terms.push(match r.operator {
-            SelectorOperator::In => format!(
-                "({present} && {} in {})",
-                value(&r.key),
-                cel_list(&r.values)
-            ),
-            SelectorOperator::NotIn => format!(
-                "!({present} && {} in {})",
-                value(&r.key),
-                cel_list(&r.values)
-            ),
-            SelectorOperator::Exists => present,
-            SelectorOperator::DoesNotExist => format!("!{present}"),
-        });
-    }
-    if terms.is_empty() {
-        "true".into()
-    } else {
-        format!("({})", terms.join(" && "))
-    }
-}
-
-/// The opt-out (`meshgate.dev/inject: "false"` as a label or an annotation) on `meta`.
-pub(crate) fn opted_out(meta: &str) -> String {
-    let key = cel_string(names::OPT_OUT);
-    format!(
-        "(({l} && {meta}.labels[{key}] == \"false\") || ({a} && {meta}.annotations[{key}] == \"false\"))",
-        l = has_value(meta, "labels", names::OPT_OUT),
-        a = has_value(meta, "annotations", names::OPT_OUT),
-    )
-}
-
 /// One write as an ApplyConfiguration expression on the object at `path` (empty: the object).
 fn write_cel(write: &Write, path: &[&str]) -> String {
     let target = std::iter::once("object")
@@ -699,30 +655,6 @@ fn write_cel(write: &Write, path: &[&str]) -> String {
     } else {
         format!("(({}) ? {patch} : Object{{}})", guards.join(" && "))
     }
-}
-
-pub(crate) fn cel_list<S: AsRef<str>>(items: &[S]) -> String {
-    let items: Vec<String> = items.iter().map(|s| cel_string(s.as_ref())).collect();
-    format!("[{}]", items.join(", "))
-}
-
-/// A CEL string literal.
-pub(crate) fn cel_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for ch in s.chars() {
-        match ch {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c.is_control() => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 #[cfg(test)]

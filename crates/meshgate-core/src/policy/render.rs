@@ -6,7 +6,7 @@ use meshgate_api::mutation_policy::{MutationPolicySpec, Operation};
 use serde_json::Value;
 
 use super::{MatchContext, PolicyError, admission_patch, apply, validate};
-use crate::patch::JsonPatch;
+use crate::object::patch::JsonPatch;
 
 /// One rendered document.
 #[derive(Clone, Debug, PartialEq)]

@@ -515,11 +515,9 @@ fn equals(key: &Value, value: &Value) -> bool {
 fn number(v: &Value) -> Option<f64> {
     match v {
         Value::Number(n) => n.as_f64(),
-        Value::String(s) => {
-            s.trim().parse::<f64>().ok().or_else(|| {
-                crate::quantity::Quantity::parse(s.trim()).map(|q| q.nanos() as f64 / 1e9)
-            })
-        }
+        Value::String(s) => s.trim().parse::<f64>().ok().or_else(|| {
+            crate::object::quantity::Quantity::parse(s.trim()).map(|q| q.nanos() as f64 / 1e9)
+        }),
         _ => None,
     }
 }

@@ -14,7 +14,9 @@ use meshgate_api::node_gate::NodeGateSpec;
 use meshgate_api::{LabelSelector, SelectorOperator, names};
 use serde_json::{Value, json};
 
-use crate::policy::native::cel_string;
+pub use crate::object::cel::PolicyApi;
+use crate::object::cel::cel_string;
+pub use crate::policy::native::PolicyResource;
 
 /// Paths served by the webhook, one per purpose.
 pub mod paths {
@@ -48,9 +50,9 @@ pub struct Registration<'a> {
     pub policies: bool,
     /// Register the node-taint path (when admission policies are not used for it).
     pub node_taint: bool,
-    /// The native gate is installed (`crate::native_gate`): the webhook entries of the native
-    /// clauses are called only for these namespaces.
-    pub native_gate: Option<&'a crate::native_gate::Routes>,
+    /// The native gate is installed (`crate::admission::native_gate`): the webhook entries of the
+    /// native clauses are called only for these namespaces.
+    pub native_gate: Option<&'a crate::admission::native_gate::Routes>,
 }
 
 /// The webhook's client configuration; no `caBundle` when `ca_bundle_pem` is empty (the
@@ -96,16 +98,6 @@ pub(crate) fn failure_policy(p: FailurePolicy) -> &'static str {
 /// The name of the policies webhook in the configuration.
 pub fn policies_webhook_name() -> String {
     format!("policies.{}", meshgate_api::DOMAIN)
-}
-
-/// A resource a policy names, resolved (by discovery) for the policies webhook's rules. `*`
-/// in a field matches everything (a wildcard kind).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct PolicyResource {
-    pub group: String,
-    pub version: String,
-    /// The plural resource name (`services`), or `*`.
-    pub resource: String,
 }
 
 /// The `kinds` entries of `policies` that name other kinds than Pods and the workloads (those
@@ -166,7 +158,7 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
     }]);
     if c.init_gate.enabled || c.resource_gate.enabled {
         let native = match r.native_gate {
-            Some(_) => crate::native_gate::native_clauses(c),
+            Some(_) => crate::admission::native_gate::native_clauses(c),
             None => Vec::new(),
         };
         for clause in c.clauses() {
@@ -231,11 +223,11 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
 
 /// The `namespaceSelector` of a clause's gate webhook entry: the clause's, without the
 /// excluded namespaces, and for a native clause (`routes` given) only the routed namespaces
-/// (`crate::native_gate`).
+/// (`crate::admission::native_gate`).
 fn gate_namespace_selector(
     c: &GateConfig,
     clause: &meshgate_api::config::SelectorClause,
-    routes: Option<&crate::native_gate::Routes>,
+    routes: Option<&crate::admission::native_gate::Routes>,
 ) -> Value {
     let selector = with_exclusions(clause.namespace_selector.clone(), &c.excluded_namespaces);
     let selector = match routes {
@@ -246,12 +238,12 @@ fn gate_namespace_selector(
 }
 
 /// The gate webhook entries of the native clauses, by name, with their `namespaceSelector` for
-/// `routes` (what the controller keeps current, `crate::native_gate`).
+/// `routes` (what the controller keeps current, `crate::admission::native_gate`).
 pub fn native_gate_entries(
     c: &GateConfig,
-    routes: &crate::native_gate::Routes,
+    routes: &crate::admission::native_gate::Routes,
 ) -> Vec<(String, Value)> {
-    let native = crate::native_gate::native_clauses(c);
+    let native = crate::admission::native_gate::native_clauses(c);
     c.clauses()
         .into_iter()
         .filter(|clause| native.contains(&clause.name))
@@ -267,24 +259,6 @@ pub fn native_gate_entries(
 /// The name of a clause's gate webhook entry.
 fn gate_entry_name(clause: &str) -> String {
     format!("{clause}.gate.{}", meshgate_api::DOMAIN)
-}
-
-/// The admission-policy API versions an API server may serve.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PolicyApi {
-    /// `admissionregistration.k8s.io/v1` (Kubernetes 1.36+).
-    V1,
-    /// `admissionregistration.k8s.io/v1beta1` (behind its feature gate before 1.36).
-    V1beta1,
-}
-
-impl PolicyApi {
-    pub fn api_version(self) -> &'static str {
-        match self {
-            PolicyApi::V1 => "admissionregistration.k8s.io/v1",
-            PolicyApi::V1beta1 => "admissionregistration.k8s.io/v1beta1",
-        }
-    }
 }
 
 /// A `MutatingAdmissionPolicy` and its binding that add the gate's taint to new nodes the gate
@@ -305,10 +279,10 @@ pub fn node_taint_policy(gate_name: &str, gate: &NodeGateSpec, api: PolicyApi) -
     let record = if own_domain {
         String::new()
     } else {
-        let ann = cel_string(crate::nodegate::OWNED_TAINTS);
+        let ann = cel_string(crate::node_gate::nodegate::OWNED_TAINTS);
         let path = cel_string(&format!(
             "/metadata/annotations/{}",
-            crate::patch::escape(crate::nodegate::OWNED_TAINTS)
+            crate::object::patch::escape(crate::node_gate::nodegate::OWNED_TAINTS)
         ));
         format!(
             " + (!has(object.metadata.annotations) ? \
@@ -411,7 +385,7 @@ mod tests {
     fn the_generated_selectors_agree_with_the_webhooks_own_decision() {
         // For label-only clauses, the API server's pre-filter and the webhook's predicate are
         // the same selectors: check a few pods against both.
-        use crate::select::{Meta, clause_matches};
+        use crate::pod_gate::select::{Meta, clause_matches};
         let config = GateConfig {
             profiles: vec![Profile::IstioAmbient],
             ..GateConfig::default()

@@ -27,8 +27,8 @@
 //!
 //! # Namespaces with LimitRanges stay on the webhook
 //! The gate's cpu and memory must fit the namespace's `Container` LimitRanges
-//! ([`crate::resources`]); CEL cannot read them. A namespace in which a LimitRange constrains cpu
-//! or memory ([`routed_namespace`]) is routed to the webhook: its name is in the webhook's
+//! ([`crate::pod_gate::resources`]); CEL cannot read them. A namespace in which a LimitRange
+//! constrains cpu or memory ([`routed_namespace`]) is routed to the webhook: its name is in the webhook's
 //! `matchConditions` and excluded by the policy's. The controller keeps that list
 //! (`meshgate_controller::native_gate`); until it has listed every LimitRange the list is
 //! [`Routes::All`]: every pod goes to the webhook, as without the native gate. The residual
@@ -38,8 +38,8 @@
 //! LimitRange cache has the same milliseconds.
 //!
 //! # What the policy computes
-//! Everything the webhook's [`crate::gate::Planner`] computes for these clauses, from the same
-//! code: the notes (`meshgate.dev/gate` values), the arguments and the container come from the
+//! Everything the webhook's [`crate::pod_gate::gate::Planner`] computes for these clauses, from the
+//! same code: the notes (`meshgate.dev/gate` values), the arguments and the container come from the
 //! core functions run on representative pods; CEL chooses among them by the pod's shape:
 //! selection (the clauses' label selectors and annotations over the namespace and the pod),
 //! opt-out, `hostNetwork`, Windows, sidecar pods, the QoS class (the kubelet's rule: no cpu or
@@ -54,13 +54,13 @@ use meshgate_api::config::GateConfig;
 use meshgate_api::{LabelSelector, Profile, SelectorOperator, names};
 use serde_json::{Value, json};
 
-use crate::gate::Planner;
-use crate::mesh::{NoGate, Verdict};
-use crate::policy::native::{NotNative, cel_list, cel_string, has_value, opted_out, selector_cel};
-use crate::registration::PolicyApi;
-use crate::resources::ContainerLimits;
-use crate::select::Meta;
-use crate::view::PodView;
+use crate::object::Meta;
+use crate::object::cel::{PolicyApi, cel_list, cel_string, has_value, opted_out, selector_cel};
+use crate::object::view::PodView;
+use crate::pod_gate::gate::Planner;
+use crate::pod_gate::mesh::{NoGate, Verdict};
+use crate::pod_gate::resources::ContainerLimits;
+use crate::policy::native::NotNative;
 
 /// The name of the policy and its binding.
 pub const POLICY_NAME: &str = "meshgate-pod-gate";
@@ -114,7 +114,7 @@ pub fn native_profile(profile: Profile) -> bool {
 
 /// The names of the clauses that go native, in the configuration's order.
 pub fn native_clauses(config: &GateConfig) -> Vec<String> {
-    crate::gate::profile_clauses(config)
+    crate::pod_gate::gate::profile_clauses(config)
         .into_iter()
         .filter(|(_, p)| p.is_none_or(native_profile))
         .map(|(c, _)| c.name)
@@ -157,7 +157,7 @@ fn representative(
         .spec
         .get()
         .ok_or_else(|| NotNative("representative pod".into()))?;
-    let verdict = crate::gate::clause_verdict(
+    let verdict = crate::pod_gate::gate::clause_verdict(
         planner.config(),
         profile,
         spec,
@@ -172,7 +172,7 @@ fn representative(
                 ));
             }
             let resources =
-                crate::resources::gate_resources(&planner.config().init_gate, spec, &[])
+                crate::pod_gate::resources::gate_resources(&planner.config().init_gate, spec, &[])
                     .map_err(|e| NotNative(e.0))?;
             Some(planner.gate_container(spec, plan, &resources).to_json())
         }
@@ -278,8 +278,8 @@ pub fn policy(
         ),
         ("windows", "has(object.spec.os) && object.spec.os.name == \"windows\"".to_owned()),
     ];
-    // The QoS class (crate::resources::qos_class), and the gate's resources for it. The type
-    // checker declares quantities, the object holds strings: `quantity(dyn(..))` takes both.
+    // The QoS class (crate::pod_gate::resources::qos_class), and the gate's resources for it. The
+    // type checker declares quantities, the object holds strings: `quantity(dyn(..))` takes both.
     let positive = |c: &str, field: &str, r: &str| {
         format!(
             "(has({c}.resources) && has({c}.resources.{field}) && {r} in {c}.resources.{field} && quantity(dyn({c}.resources.{field}[{r}])).isGreaterThan(quantity(\"0\")))"
@@ -330,7 +330,7 @@ pub fn policy(
     ));
 
     // Per clause: selected, and its verdict by the pod's shape.
-    let all = crate::gate::profile_clauses(config);
+    let all = crate::pod_gate::gate::profile_clauses(config);
     let mut webhook_selected = Vec::new();
     let mut verdicts = Vec::new();
     let mut args_lists = Vec::new();
@@ -486,7 +486,7 @@ pub fn policy(
     let key = cel_string(names::GATE_VERDICT);
     let note_path = cel_string(&format!(
         "/metadata/annotations/{}",
-        crate::patch::escape(names::GATE_VERDICT)
+        crate::object::patch::escape(names::GATE_VERDICT)
     ));
     let note_ops = format!(
         "(({key} in variables.ann && variables.ann[{key}] == variables.note) ? [] : \
@@ -504,17 +504,18 @@ pub fn policy(
         opted_out("object.metadata")
     );
 
-    let namespace_selector = routes.policy_selector(crate::registration::with_exclusions(
-        LabelSelector::default(),
-        &config.excluded_namespaces,
-    ));
+    let namespace_selector =
+        routes.policy_selector(crate::admission::registration::with_exclusions(
+            LabelSelector::default(),
+            &config.excluded_namespaces,
+        ));
     let object_selector = meshgate_api::LabelSelector::default().with(
         names::OPT_OUT,
         SelectorOperator::NotIn,
         &["false"],
     );
     let labels = json!({names::MANAGED_BY: "meshgate"});
-    let failure = crate::registration::failure_policy(config.failure_policy);
+    let failure = crate::admission::registration::failure_policy(config.failure_policy);
     let policy = json!({
         "apiVersion": api.api_version(),
         "kind": "MutatingAdmissionPolicy",

@@ -9,9 +9,9 @@ use std::net::SocketAddr;
 use meshgate_api::config::{GateCheck, IpFamily};
 use meshgate_api::mesh::{Capture, Mesh, MeshProfile};
 
-use crate::capture::{Outbound, Ports, Ranges, parse_cidrs};
-use crate::select::Meta;
-use crate::view::{ContainerView, PodSpecView};
+use crate::object::Meta;
+use crate::object::view::{ContainerView, PodSpecView};
+use crate::pod_gate::capture::{Outbound, Ports, Ranges, parse_cidrs};
 
 /// Why a selected pod gets no gate.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -17,8 +17,8 @@ use std::collections::BTreeMap;
 
 use meshgate_api::config::InitGate;
 
-use crate::quantity::Quantity;
-use crate::view::PodSpecView;
+use crate::object::quantity::Quantity;
+use crate::object::view::PodSpecView;
 
 /// A pod's QoS class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,7 +38,7 @@ pub fn qos_class(spec: &PodSpecView<'_>) -> QosClass {
     let containers = spec.inits().map(|(_, c)| c).chain(spec.apps());
     for c in containers {
         let (req, lim) = c.resources();
-        let read = |list: &[crate::view::Member<'_>], name: &str| {
+        let read = |list: &[crate::object::view::Member<'_>], name: &str| {
             list.iter()
                 .rev()
                 .find(|(k, _)| k == name)
@@ -240,7 +240,7 @@ impl GateResources {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::view::PodView;
+    use crate::object::view::PodView;
     use serde_json::json;
 
     fn spec_of(v: &serde_json::Value) -> PodSpecView<'_> {

@@ -3,8 +3,8 @@
 //!
 //! # Whether a pod gets a gate
 //! A pod a profile selects gets a gate only where its mesh will capture its traffic and a check
-//! can see that happen: [`crate::mesh::verdict`] reads the pod as the mesh's injector left it
-//! (the webhook is reinvoked after other injectors, so it decides on the injected pod). Every
+//! can see that happen: [`crate::pod_gate::mesh::verdict`] reads the pod as the mesh's injector left
+//! it (the webhook is reinvoked after other injectors, so it decides on the injected pod). Every
 //! selected pod carries the verdict in the annotation `meshgate.dev/gate`.
 //!
 //! # Where the gate goes
@@ -23,7 +23,7 @@
 //! # The container
 //! Its user is the pod's (pod `securityContext`, else the first container that sets one) unless
 //! that is root or a uid the mesh does not redirect; else `initGate.runAsUser`. Its resources
-//! keep the pod's QoS class and fit the namespace's LimitRanges ([`crate::resources`]).
+//! keep the pod's QoS class and fit the namespace's LimitRanges ([`crate::pod_gate::resources`]).
 //!
 //! # What is left alone
 //! Operations other than CREATE, excluded namespaces, `hostNetwork` pods (they share the node's
@@ -36,12 +36,12 @@ use serde_json::{Value, json};
 
 use meshgate_api::config::SelectorClause;
 
-use crate::mesh::{GatePlan, NoGate, Options, Verdict};
-use crate::patch::{JsonPatch, escape};
-use crate::quantity::Quantity;
-use crate::resources::{ContainerLimits, GateResources, gate_resources};
-use crate::select::{Meta, clause_matches};
-use crate::view::{ContainerView, Obj, PodSpecView, PodView};
+use crate::object::patch::{JsonPatch, escape};
+use crate::object::quantity::Quantity;
+use crate::object::view::{ContainerView, Obj, PodSpecView, PodView};
+use crate::pod_gate::mesh::{GatePlan, NoGate, Options, Verdict};
+use crate::pod_gate::resources::{ContainerLimits, GateResources, gate_resources};
+use crate::pod_gate::select::{Meta, clause_matches};
 
 /// Why a pod was left untouched.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -162,7 +162,7 @@ impl Planner {
         )
     }
 
-    /// Plans for a pod given as a [`PodView`] (see [`crate::view::read_pod`]): the same
+    /// Plans for a pod given as a [`PodView`] (see [`crate::object::view::read_pod`]): the same
     /// decision as [`Planner::plan`] on the `Value` of the same JSON.
     pub fn plan_view(
         &self,
@@ -312,7 +312,7 @@ pub(crate) fn clause_verdict(
         primary_family: config.init_gate.primary_ip_family,
     };
     match profile {
-        Some(p) => crate::mesh::verdict(p.record(), spec, meta, namespace_meta, options),
+        Some(p) => crate::pod_gate::mesh::verdict(p.record(), spec, meta, namespace_meta, options),
         None if spec.os() == Some("windows") => Err(NoGate::Windows),
         None => Ok(GatePlan {
             checks: config.checks(),
@@ -344,7 +344,7 @@ impl Planner {
         limit_ranges: &dyn Fn(&str) -> Vec<ContainerLimits>,
     ) -> Option<ObjectPlan> {
         let kind = object.get("kind").and_then(Value::as_str)?;
-        let path = crate::policy::pod_template_path(kind)?;
+        let path = crate::object::pod_template_path(kind)?;
         let namespace = object
             .pointer("/metadata/namespace")
             .and_then(Value::as_str)
@@ -461,14 +461,15 @@ impl DesiredGate {
     /// Whether an existing gate container is this one (in what meshgate decides: the API
     /// server adds defaults to the rest).
     fn matches(&self, c: &ContainerView<'_>) -> bool {
-        let strs = |l: &crate::view::List<crate::view::Str<'_>>| -> Option<Vec<String>> {
-            l.get()?
-                .iter()
-                .map(|s| s.as_deref().map(str::to_owned))
-                .collect()
-        };
+        let strs =
+            |l: &crate::object::view::List<crate::object::view::Str<'_>>| -> Option<Vec<String>> {
+                l.get()?
+                    .iter()
+                    .map(|s| s.as_deref().map(str::to_owned))
+                    .collect()
+            };
         let (req, lim) = c.resources();
-        let same = |have: &[crate::view::Member<'_>],
+        let same = |have: &[crate::object::view::Member<'_>],
                     want: &std::collections::BTreeMap<&'static str, Quantity>| {
             have.len() == want.len()
                 && want.iter().all(|(k, q)| {

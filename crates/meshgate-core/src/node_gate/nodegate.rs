@@ -44,7 +44,7 @@ use meshgate_api::GateNode;
 use meshgate_api::node_gate::{GateMode, NodeGateSpec};
 use serde_json::{Value, json};
 
-use crate::patch::JsonPatch;
+use crate::object::patch::JsonPatch;
 
 /// The state of one agent on one node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1100,7 +1100,7 @@ pub fn taints_on_create<'s>(
     gates: impl IntoIterator<Item = &'s NodeGateSpec>,
     node: &Value,
 ) -> JsonPatch {
-    let labels = crate::select::Meta::of(node).labels;
+    let labels = crate::object::Meta::of(node).labels;
     let existing: Vec<&str> = node
         .pointer("/spec/taints")
         .and_then(Value::as_array)
@@ -1137,7 +1137,7 @@ pub fn taints_on_create<'s>(
         patch.add("/spec", json!({"taints": new}));
     }
     // Keys outside meshgate's domain are recorded as meshgate's (see the module docs).
-    let meta = crate::select::Meta::of(node);
+    let meta = crate::object::Meta::of(node);
     let added = new_keys(&patch);
     let mut owned: Vec<&str> = recorded_owned(&meta.annotations);
     let before = owned.len();
@@ -1155,7 +1155,7 @@ pub fn taints_on_create<'s>(
             patch.add(
                 format!(
                     "/metadata/annotations/{}",
-                    crate::patch::escape(OWNED_TAINTS)
+                    crate::object::patch::escape(OWNED_TAINTS)
                 ),
                 json!(value),
             );

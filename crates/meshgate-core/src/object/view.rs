@@ -24,7 +24,7 @@ use serde::Deserialize;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
-use crate::select::Meta;
+use crate::object::Meta;
 
 /// Skips a map's entries.
 fn skip_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
@@ -272,7 +272,7 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for List<T> {
 }
 
 /// A JSON object's string members (others dropped), or an empty map for any other JSON value:
-/// what [`crate::select::Meta::of`] reads of `labels` and `annotations`.
+/// what [`crate::object::Meta::of`] reads of `labels` and `annotations`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StrMap(pub BTreeMap<String, String>, pub IsObject);
 

@@ -1,0 +1,9 @@
+//! The node gate: when a node is tainted and when the taint is lifted, from its agents' states
+//! ([`nodegate`]); what to do about a pod that started before its node was ready ([`repair`]);
+//! and the readiness device a DRA driver publishes for a gated node ([`dra`]).
+//!
+//! Uses only [`crate::object`] (`tests/layers.rs`).
+
+pub mod dra;
+pub mod nodegate;
+pub mod repair;
