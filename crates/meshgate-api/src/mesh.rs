@@ -40,7 +40,28 @@ pub struct AgentRecord {
     /// The label that selects its pods.
     pub label: (&'static str, &'static str),
     pub daemon_set: &'static str,
+    /// The mesh's control plane, when the agent cannot become Ready without it (Istio's node
+    /// proxy takes its certificates and configuration from istiod). A gate that waits for such
+    /// an agent deadlocks wherever the control plane can only run on nodes the gate tainted,
+    /// unless the control plane tolerates the gate's taint (`meshgate check` says so).
+    pub needs: Option<ControlPlane>,
 }
+
+/// A Deployment of the mesh's control plane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ControlPlane {
+    pub namespace: &'static str,
+    pub deployment: &'static str,
+    /// Where the mesh's chart takes the Deployment's tolerations (for the hint).
+    pub tolerations_value: &'static str,
+}
+
+/// istiod, as Istio's `istio-discovery` chart installs it.
+pub const ISTIOD: ControlPlane = ControlPlane {
+    namespace: "istio-system",
+    deployment: "istiod",
+    tolerations_value: "pilot.tolerations",
+};
 
 /// Everything meshgate needs to know of one mesh mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +101,7 @@ const ISTIO_CNI: AgentRecord = AgentRecord {
     namespace: "istio-system",
     label: ("k8s-app", "istio-cni-node"),
     daemon_set: "istio-cni-node",
+    needs: None,
 };
 
 /// Istio ambient: the CNI agent enrols the pod and the node proxy opens 15001, 15006 and 15008
@@ -102,6 +124,7 @@ pub const ISTIO_AMBIENT: MeshProfile = MeshProfile {
             namespace: "istio-system",
             label: ("app", "ztunnel"),
             daemon_set: "ztunnel",
+            needs: Some(ISTIOD),
         },
     ],
     node_gate_mode: GateMode::Continuous,
@@ -144,6 +167,7 @@ pub const LINKERD: MeshProfile = MeshProfile {
         namespace: "linkerd-cni",
         label: ("k8s-app", "linkerd-cni"),
         daemon_set: "linkerd-cni",
+        needs: None,
     }],
     node_gate_mode: GateMode::Bootstrap,
     cni_plugin: "linkerd-cni",
@@ -162,6 +186,14 @@ impl MeshProfile {
             },
         }
     }
+}
+
+/// The record of the agent a NodeGate names by its DaemonSet, in any profile.
+pub fn agent_record(namespace: &str, daemon_set: &str) -> Option<&'static AgentRecord> {
+    Profile::ALL
+        .into_iter()
+        .flat_map(|p| p.record().agents)
+        .find(|a| a.namespace == namespace && a.daemon_set == daemon_set)
 }
 
 impl Profile {

@@ -14,6 +14,10 @@
 //! * `rbac`: SubjectAccessReviews of the components' ServiceAccounts for the writes and reads
 //!   their paths need.
 //! * `gates`: no NodeGate reports `Degraded`.
+//! * `control-plane`: where a gate waits for an agent that needs the mesh's control plane
+//!   (Istio's node proxy needs istiod), the control plane's pods tolerate the gate's taint;
+//!   otherwise a node that only the gate's taint keeps the control plane from never becomes
+//!   ready (docs/design.md, "Autoscalers and other controllers").
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
@@ -249,6 +253,47 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
                     format!("gate {gname}: {what} missing"),
                     format!(
                         "install the mesh's agent, or fix the gate's spec.agents (`kubectl get nodegate {gname} -o yaml`); until it appears, new nodes wait at most missingAgentTimeoutSeconds"
+                    ),
+                )
+            });
+        }
+        let taint = k8s_openapi::api::core::v1::Taint {
+            key: gate.spec.taint.key.clone(),
+            effect: gate.spec.taint.effect.as_str().to_owned(),
+            ..Default::default()
+        };
+        for needs in gate.spec.agents.iter().filter_map(|a| {
+            meshgate_api::mesh::agent_record(&a.namespace, a.daemon_set.as_deref()?)?.needs
+        }) {
+            let Some(deployment) = Api::<Deployment>::namespaced(client.clone(), needs.namespace)
+                .get_opt(needs.deployment)
+                .await?
+            else {
+                continue;
+            };
+            let tolerated = deployment
+                .spec
+                .and_then(|s| s.template.spec)
+                .and_then(|s| s.tolerations)
+                .unwrap_or_default()
+                .iter()
+                .any(|t| meshgate_core::nodegate::tolerates(t, &taint));
+            let what = format!("{}/{}", needs.namespace, needs.deployment);
+            out.push(if tolerated {
+                pass(
+                    "control-plane",
+                    format!("gate {gname}: {what} tolerates {}", taint.key),
+                )
+            } else {
+                fail(
+                    "control-plane",
+                    format!(
+                        "gate {gname} waits for an agent that needs {what}, which does not tolerate the gate's taint {}: on nodes that only this taint keeps {what} from, the agent never becomes Ready and the taint never lifts",
+                        taint.key
+                    ),
+                    format!(
+                        "give {what} the toleration {{key: {}, operator: Exists, effect: {}}} ({} in the mesh's chart)",
+                        taint.key, taint.effect, needs.tolerations_value
                     ),
                 )
             });

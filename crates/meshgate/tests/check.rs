@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{Value, json};
@@ -144,6 +144,59 @@ async fn check_names_each_failure_with_its_hint() {
     }
     // Without a running cluster node, the components have no available replica.
     assert!(!all_ok(&checks, "components"), "{checks:#?}");
+
+    // The ambient gate waits for the node proxy, which needs istiod: istiod as Istio's chart
+    // has it (tolerating only Istio's taint) would deadlock a node only the gate taints.
+    let istiod = |tolerations: Value| -> Deployment {
+        serde_json::from_value(json!({
+            "metadata": {"name": "istiod", "namespace": "istio-system"},
+            "spec": {"selector": {"matchLabels": {"app": "istiod"}},
+                     "template": {"metadata": {"labels": {"app": "istiod"}},
+                                  "spec": {"tolerations": tolerations,
+                                           "containers": [{"name": "discovery", "image": "registry.invalid/d:1"}]}}},
+        }))
+        .expect("deployment")
+    };
+    let deployments = Api::<Deployment>::namespaced(client.clone(), "istio-system");
+    let apply = |d: Deployment| {
+        let deployments = deployments.clone();
+        async move {
+            deployments
+                .patch(
+                    "istiod",
+                    &PatchParams::apply("check-test").force(),
+                    &Patch::Apply(&d),
+                )
+                .await
+                .expect("istiod");
+        }
+    };
+    apply(istiod(
+        json!([{"key": "cni.istio.io/not-ready", "operator": "Exists"}]),
+    ))
+    .await;
+    let (ok, checks) = check(&cp);
+    assert!(!ok);
+    let cp_check = named(&checks, "control-plane");
+    assert!(
+        cp_check.len() == 1
+            && cp_check[0]["ok"] == false
+            && cp_check[0]["message"].as_str().is_some_and(|m| {
+                m.contains("istio-system/istiod")
+                    && m.contains(meshgate_api::names::DEFAULT_TAINT_KEY)
+            })
+            && cp_check[0]["hint"]
+                .as_str()
+                .is_some_and(|h| h.contains("pilot.tolerations")),
+        "{cp_check:#?}"
+    );
+    apply(istiod(json!([
+        {"key": "cni.istio.io/not-ready", "operator": "Exists"},
+        {"key": meshgate_api::names::DEFAULT_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
+    ])))
+    .await;
+    let (_, checks) = check(&cp);
+    assert!(all_ok(&checks, "control-plane"), "{checks:#?}");
 
     // A caBundle of another CA.
     let other = meshgate_pki::Ca::new("other", Duration::from_secs(3600)).expect("ca");
