@@ -40,6 +40,43 @@ fn skip() -> bool {
     );
 }
 
+/// Runs meshgate's ambient gate (`--tcp-listening 15008`) in the network namespace `netns` as a
+/// non-root uid; its exit code and its line.
+fn run_gate(gate: &std::path::Path, netns: &str, timeout: &str) -> (Option<i32>, String) {
+    let out = Command::new("nsenter")
+        .arg(format!("--net={netns}"))
+        .args([
+            "setpriv",
+            "--reuid",
+            "65532",
+            "--regid",
+            "65532",
+            "--clear-groups",
+        ])
+        .arg(gate)
+        .args(["--tcp-listening", "15008", "--timeout", timeout])
+        .output()
+        .expect("gate ran");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+    )
+}
+
+/// The network namespace of `pid` once it is no longer this process's (unshare has entered
+/// its own).
+fn netns_of(pid: u32) -> String {
+    let netns = format!("/proc/{pid}/ns/net");
+    let own = std::fs::read_link("/proc/self/ns/net").expect("own netns");
+    for _ in 0..200 {
+        if std::fs::read_link(&netns).is_ok_and(|n| n != own) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    netns
+}
+
 fn meshgate_wait() -> std::path::PathBuf {
     meshgate_testenv::workspace_binary("meshgate-wait", "meshgate-wait")
 }
@@ -62,34 +99,8 @@ fn the_node_proxy_listens_inside_pods_once_ready() {
             .spawn()
             .expect("unshare"),
     );
-    let netns = format!("/proc/{}/ns/net", sandbox.0.id());
-    let own = std::fs::read_link("/proc/self/ns/net").expect("own netns");
-    for _ in 0..200 {
-        if std::fs::read_link(&netns).is_ok_and(|n| n != own) {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    let run_gate = |timeout: &str| {
-        let out = Command::new("nsenter")
-            .arg(format!("--net={netns}"))
-            .args([
-                "setpriv",
-                "--reuid",
-                "65532",
-                "--regid",
-                "65532",
-                "--clear-groups",
-            ])
-            .arg(&gate)
-            .args(["--tcp-listening", "15008", "--timeout", timeout])
-            .output()
-            .expect("gate ran");
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        )
-    };
+    let netns = netns_of(sandbox.0.id());
+    let run_gate = |timeout: &str| run_gate(&gate, &netns, timeout);
     // No node proxy yet: nothing listens in the pod.
     let (code, line) = run_gate("1s");
     assert_eq!(code, Some(1), "{line}");
@@ -162,23 +173,14 @@ fn fed_over_zds_the_node_proxy_listens_in_exactly_the_pods_handed_to_it() {
             .spawn()
             .expect("unshare"),
     );
-    let own = std::fs::read_link("/proc/self/ns/net").expect("own netns");
-    let proxy_netns = format!("/proc/{}/ns/net", proxy_ns.0.id());
     let sandbox = Kill(
         Command::new("unshare")
             .args(["--net", "--", "sleep", "60"])
             .spawn()
             .expect("unshare"),
     );
-    let netns = format!("/proc/{}/ns/net", sandbox.0.id());
-    for ns in [&proxy_netns, &netns] {
-        for _ in 0..200 {
-            if std::fs::read_link(ns).is_ok_and(|n| n != own) {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-    }
+    let proxy_netns = netns_of(proxy_ns.0.id());
+    let netns = netns_of(sandbox.0.id());
     let _proxy = Kill(
         Command::new("nsenter")
             .arg(format!("--net={proxy_netns}"))
@@ -205,26 +207,7 @@ fn fed_over_zds_the_node_proxy_listens_in_exactly_the_pods_handed_to_it() {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
             .unwrap_or_default()
     };
-    let run_gate = |timeout: &str| {
-        let out = Command::new("nsenter")
-            .arg(format!("--net={netns}"))
-            .args([
-                "setpriv",
-                "--reuid",
-                "65532",
-                "--regid",
-                "65532",
-                "--clear-groups",
-            ])
-            .arg(&gate)
-            .args(["--tcp-listening", "15008", "--timeout", timeout])
-            .output()
-            .expect("gate ran");
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        )
-    };
+    let run_gate = |timeout: &str| run_gate(&gate, &netns, timeout);
 
     let conn = rustix::net::accept(&server).expect("the node proxy connects");
     let mut buf = [0u8; 1024];
