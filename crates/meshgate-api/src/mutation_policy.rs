@@ -106,12 +106,13 @@ pub enum Operation {
     Update,
 }
 
-/// One mutation. Exactly one field is set.
+/// One mutation. Exactly one of `annotations`, `labels`, `strategicMerge`, `jsonPatch` and
+/// `mutations` is set.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [{
-    "rule": "(has(self.annotations) ? 1 : 0) + (has(self.labels) ? 1 : 0) + (has(self.strategicMerge) ? 1 : 0) + (has(self.jsonPatch) ? 1 : 0) == 1",
-    "message": "set exactly one of annotations, labels, strategicMerge, jsonPatch"
+    "rule": "(has(self.annotations) ? 1 : 0) + (has(self.labels) ? 1 : 0) + (has(self.strategicMerge) ? 1 : 0) + (has(self.jsonPatch) ? 1 : 0) + (has(self.mutations) && size(self.mutations) > 0 ? 1 : 0) == 1",
+    "message": "set exactly one of annotations, labels, strategicMerge, jsonPatch, mutations"
 }]))]
 pub struct Mutation {
     /// Set pod (or pod template) annotations.
@@ -146,6 +147,16 @@ pub struct Mutation {
     /// evaluated before `preconditions`, in order, each visible to the later ones.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub context: Vec<ContextEntry>,
+    /// Mutations applied in order instead of a patch, each to the result of the previous one,
+    /// seeing this mutation's variables: once, after its `context` and `preconditions`
+    /// (Kyverno's rule with several `foreach` entries), or, with `foreach`, once per element
+    /// (Kyverno's nested `foreach`: inside, `element` and `elementIndex` are the inner
+    /// element's, and `element0`, `elementIndex0`, `element1` … each level's). Each one's
+    /// `request.object` is the object as the previous one left it when that one changed it,
+    /// else as this mutation (or, with `foreach`, this element) found it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(schema_with = "any_object_list")]
+    pub mutations: Vec<Mutation>,
 }
 
 /// A named variable (Kyverno's `context` entry of kind `variable`).
@@ -369,6 +380,16 @@ fn any_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
         "type": "object",
         "x-kubernetes-preserve-unknown-fields": true
+    })
+}
+
+fn any_object_list(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "array",
+        "items": {
+            "type": "object",
+            "x-kubernetes-preserve-unknown-fields": true
+        }
     })
 }
 

@@ -590,8 +590,10 @@ spec:
     assert!(out.notes.is_empty(), "{:#?}", out.notes);
     let (_, spec) = &out.policies[0];
     assert_eq!(validate(spec), Ok(()));
+    // The rule's context once, for both foreach entries (Kyverno loads it once per rule).
+    assert_eq!(spec.mutations.len(), 1);
     assert_eq!(spec.mutations[0].context.len(), 2);
-    assert_eq!(spec.mutations[1].context.len(), 2);
+    assert_eq!(spec.mutations[0].mutations.len(), 2);
     let pod = doc("
 apiVersion: v1
 kind: Pod
@@ -729,6 +731,160 @@ spec:
     let text = err.to_string();
     assert!(
         text.contains("spec.rules[0].mutate.foreach[0].context[0] (svc).apiCall: not converted"),
+        "{text}"
+    );
+}
+
+/// Issue #30, cause 6: rule preconditions over several foreach entries are evaluated once, on
+/// the object as the rule finds it, before the first entry (Kyverno's `pkg/engine/engine.go`);
+/// a later entry runs although an earlier one changed what they test, and sees the object as
+/// the earlier entry left it; when they fail no entry applies.
+#[test]
+fn rule_preconditions_hold_once_for_every_foreach_entry() {
+    let policy = doc(r#"
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata: {name: stamp}
+spec:
+  rules:
+  - name: stamp-once
+    match: {any: [{resources: {kinds: [Pod]}}]}
+    preconditions:
+      all:
+      - {key: "{{ request.object.metadata.labels.stamped || '' }}", operator: Equals, value: ""}
+    mutate:
+      foreach:
+      - list: request.object.spec.containers
+        patchesJson6902: |-
+          - op: add
+            path: /metadata/labels/stamped
+            value: "by-{{ element.name }}"
+      - list: request.object.spec.containers
+        preconditions:
+          any:
+          - {key: "{{ element.name }}", operator: NotEquals, value: skip-me}
+        patchStrategicMerge:
+          spec:
+            containers:
+            - name: "{{ element.name }}"
+              env:
+              - {name: STAMP, value: "{{ request.object.metadata.labels.stamped }}"}
+"#);
+    let out = import(&policy).expect("converts");
+    assert!(out.notes.is_empty(), "{:#?}", out.notes);
+    let (_, spec) = &out.policies[0];
+    assert_eq!(validate(spec), Ok(()));
+    assert_eq!(spec.mutations.len(), 1, "{spec:#?}");
+    assert!(spec.mutations[0].preconditions.is_some());
+    assert_eq!(spec.mutations[0].mutations.len(), 2);
+    let pod = doc("
+apiVersion: v1
+kind: Pod
+metadata: {name: web, labels: {app: web}}
+spec:
+  containers:
+  - {name: app}
+  - {name: skip-me}
+");
+    let got = run(&out.policies, &pod, Operation::Create);
+    assert_eq!(got["metadata"]["labels"]["stamped"], "by-skip-me");
+    let env = |name: &str| {
+        got["spec"]["containers"]
+            .as_array()
+            .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+            .map(|c| c["env"].clone())
+    };
+    assert_eq!(
+        env("app"),
+        Some(json!([{"name": "STAMP", "value": "by-skip-me"}])),
+        "{got:#}"
+    );
+    assert_eq!(
+        env("skip-me"),
+        Some(Value::Null),
+        "the entry's own precondition, per element"
+    );
+    let mut stamped = pod.clone();
+    stamped["metadata"]["labels"]["stamped"] = json!("earlier");
+    assert_eq!(run(&out.policies, &stamped, Operation::Create), stamped);
+}
+
+/// Issue #30: a foreach of foreach (Kyverno's nested `foreach`): the inner entries per outer
+/// element, `element`/`elementIndex` the inner element's, `element0`/`elementIndex0` the outer
+/// one's, the inner entries' preconditions per inner element.
+#[test]
+fn nested_foreach_converts_and_applies_per_level() {
+    let policy = doc(r#"
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata: {name: env-case}
+spec:
+  rules:
+  - name: upper-app-env
+    match: {any: [{resources: {kinds: [Pod]}}]}
+    mutate:
+      foreach:
+      - list: request.object.spec.containers
+        foreach:
+        - list: "element.env || `[]`"
+          preconditions:
+            all:
+            - {key: "{{ element.name }}", operator: NotEquals, value: KEEP}
+          patchesJson6902: |-
+            - op: replace
+              path: /spec/containers/{{ elementIndex0 }}/env/{{ elementIndex1 }}/value
+              value: "{{ to_upper(element.value) }}"
+        - list: "element.env || `[]`"
+          patchStrategicMerge:
+            metadata:
+              annotations:
+                "env-{{ elementIndex0 }}-{{ elementIndex }}": "{{ element0.name }}/{{ element.name }}"
+"#);
+    let out = import(&policy).expect("converts");
+    assert!(out.notes.is_empty(), "{:#?}", out.notes);
+    let (_, spec) = &out.policies[0];
+    assert_eq!(validate(spec), Ok(()));
+    let outer = &spec.mutations[0];
+    assert_eq!(
+        outer.foreach.as_ref().map(|f| f.list.as_str()),
+        Some("request.object.spec.containers")
+    );
+    assert_eq!(outer.mutations.len(), 2);
+    let pod = doc("
+apiVersion: v1
+kind: Pod
+metadata: {name: web}
+spec:
+  containers:
+  - {name: app, env: [{name: MODE, value: fast}, {name: KEEP, value: low}]}
+  - {name: bare}
+  - {name: side, env: [{name: LEVEL, value: debug}]}
+");
+    let got = run(&out.policies, &pod, Operation::Create);
+    let c = &got["spec"]["containers"];
+    assert_eq!(c[0]["env"][0]["value"], "FAST");
+    assert_eq!(
+        c[0]["env"][1]["value"], "low",
+        "the inner precondition, per element"
+    );
+    assert_eq!(c[2]["env"][0]["value"], "DEBUG");
+    let a = &got["metadata"]["annotations"];
+    assert_eq!(a["env-0-0"], "app/MODE");
+    assert_eq!(a["env-0-1"], "app/KEEP");
+    assert_eq!(a["env-2-0"], "side/LEVEL");
+    assert_eq!(a.as_object().map(|a| a.len()), Some(3));
+    assert_eq!(run(&out.policies, &got, Operation::Create), got);
+
+    // Kyverno refuses an entry with a nested foreach and anything else; so does the import,
+    // naming the field.
+    let mut with_patch = policy.clone();
+    with_patch["spec"]["rules"][0]["mutate"]["foreach"][0]["patchStrategicMerge"] =
+        json!({"metadata": {"labels": {"x": "y"}}});
+    let text = import(&with_patch).expect_err("refused").to_string();
+    assert!(
+        text.contains(
+            "spec.rules[0].mutate.foreach[0].patchStrategicMerge: an entry with a nested foreach"
+        ),
         "{text}"
     );
 }

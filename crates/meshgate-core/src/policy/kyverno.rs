@@ -58,6 +58,13 @@
 //!   order is Kyverno's (`pkg/engine/handlers/mutation/common.go`): `order` when set, else
 //!   `Descending` for a strategic merge (Kyverno reverses those by default) and `Ascending` for
 //!   a JSON patch.
+//! * A foreach entry with a nested `foreach` becomes a mutation with the entry's `list` and
+//!   `order` whose `mutations` are the nested entries, per element (`element0`, `element1` …
+//!   per level, `element` the innermost); Kyverno refuses such an entry with its own context,
+//!   preconditions or patch, and so does the conversion.
+//! * Rule `preconditions` or `context` with several `foreach` entries: one mutation holding
+//!   them, evaluated once on the object as the rule finds it, whose `mutations` are the
+//!   entries (a failed precondition skips them all, as in Kyverno's `pkg/engine/engine.go`).
 //! * `context` entries of kind `variable` (rule and foreach) become the mutations' `context`
 //!   (`policy::variables`); `configMap`, `apiCall`, `globalReference` and `imageRegistry`
 //!   entries need the cluster at admission: the rule is refused, naming the entry.
@@ -72,8 +79,7 @@
 //! other than `variable` (a `configMap`, `apiCall`, `globalReference` or `imageRegistry` entry
 //! needs the cluster at admission): the rule is refused, naming the entry; variables and
 //! `foreach` in a rule that matches workloads only (their `request.object` would be the
-//! workload); a nested `foreach`, rule `preconditions` with several `foreach` entries (Kyverno
-//! evaluates them once for the rule; meshgate's are per mutation); `name` and `names`
+//! workload); `name` and `names`
 //! together; `celPreconditions`, `mutate.targets` / `mutateExistingOnPolicyUpdate`,
 //! `match`/`exclude` on the requesting user (`subjects`, `roles`, `clusterRoles`), `spec.webhookConfiguration.matchConditions`, policies with
 //! `spec.admission: false`. Validate, generate and verifyImages rules are ignored with a note.
@@ -582,12 +588,26 @@ fn convert_rule(
                 json_mutations(ops)
             }
         }
-        (None, None) => foreach.unwrap_or_default(),
+        (None, None) => match foreach {
+            // Several foreach entries with rule preconditions or context: one mutation that
+            // evaluates them once, on the object as the rule finds it, then applies the
+            // entries in order (Kyverno, `pkg/engine/engine.go`: the rule's context and
+            // preconditions before its handler; a failed precondition skips every entry).
+            Some(entries)
+                if entries.len() > 1 && (preconditions.is_some() || !rule_context.is_empty()) =>
+            {
+                vec![Mutation {
+                    mutations: entries,
+                    ..Default::default()
+                }]
+            }
+            other => other.unwrap_or_default(),
+        },
     };
     if let Some(p) = preconditions {
         if mutations.len() > 1 {
             return Err(format!(
-                "{path}: preconditions with several foreach entries are not converted (meshgate would evaluate them once per entry, on the object as the previous entry left it)"
+                "{path}: preconditions over several mutations are not converted (meshgate would evaluate them once per mutation)"
             ));
         }
         for m in &mut mutations {
@@ -1332,8 +1352,9 @@ fn foreach_mutations(v: &Value, path: &str) -> Result<Vec<Mutation>, String> {
     let mut out = Vec::new();
     for (i, e) in entries.iter().enumerate() {
         let at = format!("{path}[{i}]");
-        if e.get("foreach").is_some_and(|v| !is_empty_value(v)) {
-            return Err(format!("{at}.foreach: nested foreach is not supported"));
+        if let Some(nested) = e.get("foreach").filter(|v| !is_empty_value(v)) {
+            out.push(nested_foreach(e, nested, &at)?);
+            continue;
         }
         let context = match e.get("context").filter(|v| !is_empty_value(v)) {
             Some(c) => context_entries(c, &format!("{at}.context"))?,
@@ -1398,6 +1419,55 @@ fn foreach_mutations(v: &Value, path: &str) -> Result<Vec<Mutation>, String> {
         out.push(m);
     }
     Ok(out)
+}
+
+/// A foreach entry with a nested `foreach`: one mutation with the entry's `list` and `order`
+/// whose `mutations` are the nested entries, applied per element (Kyverno,
+/// `pkg/engine/handlers/mutation/common.go`: the nested entries run at the next nesting level,
+/// `element<N>` per level; not reversed unless `order` says so, as the entry has no strategic
+/// merge). Kyverno refuses such an entry with anything else ("a nested foreach cannot contain
+/// other declarations", `pkg/policy/mutate/validate.go`), and so does the conversion.
+fn nested_foreach(e: &Value, nested: &Value, at: &str) -> Result<Mutation, String> {
+    for field in [
+        "context",
+        "preconditions",
+        "patchStrategicMerge",
+        "patchesJson6902",
+    ] {
+        if e.get(field).is_some_and(|v| !is_empty_value(v)) {
+            return Err(format!(
+                "{at}.{field}: an entry with a nested foreach cannot set {field} (Kyverno refuses it)"
+            ));
+        }
+    }
+    let order = match e.get("order") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(o)) if o == "Ascending" => None,
+        Some(Value::String(o)) if o == "Descending" => Some(ForEachOrder::Descending),
+        Some(other) => {
+            return Err(format!(
+                "{at}.order: {other} is not an order (Ascending, Descending)"
+            ));
+        }
+    };
+    let list = e
+        .get("list")
+        .and_then(Value::as_str)
+        .ok_or_else(|| format!("{at}.list: required"))?
+        .to_owned();
+    let mutations = foreach_mutations(nested, &format!("{at}.foreach"))?;
+    if mutations.is_empty() {
+        return Err(format!("{at}.foreach: no entries"));
+    }
+    Ok(Mutation {
+        foreach: Some(ForEach {
+            list,
+            order,
+            ..Default::default()
+        }),
+        mutations,
+        ..Default::default()
+    })
 }
 
 fn metadata_slot<'m>(m: &'m mut Mutation, field: &str) -> Option<&'m mut MetadataMutation> {

@@ -52,7 +52,10 @@
 //!   `order` (`Descending`: last first, each element keeping its `elementIndex`); `context`
 //!   entries are evaluated first (a foreach's per element, before its preconditions); strings
 //!   with `{{ }}` are substituted before the mutation applies. An evaluation error (a missing
-//!   key, a list that is not a list) is the policy's failure, like any other.
+//!   key, a list that is not a list) is the policy's failure, like any other. A mutation with
+//!   `mutations` applies them in order instead of a patch: once (after its context and
+//!   preconditions: Kyverno's rule preconditions over several foreach entries), or per element
+//!   of its foreach (Kyverno's nested foreach, with `element0`, `element1` … per level).
 //! * `match`/`exclude` `names` (the object's name, or `generateName`) and `annotations` (every
 //!   pair matches some annotation) are wildcard patterns, as Kyverno's, on the object itself.
 //! * `annotations` / `labels`: set each value; `onConflict: Keep` leaves a key that already has
@@ -343,77 +346,154 @@ pub fn apply_mutations(
         if mutation.preconditions.is_none()
             && mutation.foreach.is_none()
             && mutation.context.is_empty()
+            && mutation.mutations.is_empty()
             && !mutation_has_variables(mutation)
         {
             apply_mutation(policy, index, mutation, &mut work)?;
             continue;
         }
-        let failed = |message: String| PolicyError::Evaluation {
-            policy: policy.to_owned(),
-            mutation: index,
-            message,
+        // `request.object` is the target as this mutation finds it.
+        let vars = variables::Vars::new(&work, request.operation, request.namespace);
+        let at = Nested {
+            policy,
+            index,
+            path: String::new(),
+            depth: 0,
         };
-        // `request.object` is the target as this mutation finds it; then the context
-        // entries, before the preconditions (Kyverno loads a rule's context first).
-        let vars = variables::Vars::new(&work, request.operation, request.namespace)
-            .with_context(&mutation.context);
-        if let Some(p) = &mutation.preconditions
-            && !vars
-                .holds(p)
-                .map_err(|e| failed(format!("preconditions: {e}")))?
-        {
-            continue;
-        }
-        let Some(foreach) = &mutation.foreach else {
-            let m = substituted(mutation, &vars).map_err(failed)?;
-            apply_mutation(policy, index, &m, &mut work)?;
-            continue;
-        };
-        let list = match vars
-            .eval(&foreach.list)
-            .map_err(|e| failed(format!("foreach.list: {e}")))?
-        {
-            Value::Null => Vec::new(),
-            Value::Array(items) => items,
-            other => {
-                return Err(failed(format!(
-                    "foreach.list: {:?} gives {}, not a list",
-                    foreach.list,
-                    kind_of(&other)
-                )));
-            }
-        };
-        // Kyverno's order: `Descending` visits the last element first, each keeping its
-        // `elementIndex`; `null` elements are skipped.
-        let descending = foreach.order == Some(ForEachOrder::Descending);
-        let order: Vec<usize> = if descending {
-            (0..list.len()).rev().collect()
-        } else {
-            (0..list.len()).collect()
-        };
-        for i in order {
-            let element = &list[i];
-            if element.is_null() {
-                continue;
-            }
-            let each = vars.with_element(element, i).with_context(&foreach.context);
-            if let Some(p) = &foreach.preconditions
-                && !each
-                    .holds(p)
-                    .map_err(|e| failed(format!("foreach.preconditions (element {i}): {e}")))?
-            {
-                continue;
-            }
-            let m = substituted(mutation, &each)
-                .map_err(|e| failed(format!("foreach (element {i}): {e}")))?;
-            apply_mutation(policy, index, &m, &mut work)?;
-        }
+        apply_evaluated(&at, mutation, &vars, &mut work)?;
     }
     if work == *target {
         return Ok(false);
     }
     *target = work;
     Ok(true)
+}
+
+/// Where a mutation with variables sits: its policy, its index in `spec.mutations`, its path
+/// below it (`.mutations[1]` …, for messages), and the foreach loops around it.
+struct Nested<'a> {
+    policy: &'a str,
+    index: usize,
+    path: String,
+    depth: usize,
+}
+
+impl Nested<'_> {
+    fn failed(&self, message: String) -> PolicyError {
+        let message = if self.path.is_empty() {
+            message
+        } else {
+            format!("{}: {message}", self.path.trim_start_matches('.'))
+        };
+        PolicyError::Evaluation {
+            policy: self.policy.to_owned(),
+            mutation: self.index,
+            message,
+        }
+    }
+}
+
+/// Applies one mutation with `outer`'s variables (`request.object` and, nested, the enclosing
+/// mutations' variables and elements), as Kyverno applies a rule (`pkg/engine/engine.go`: the
+/// context entries, then the preconditions, once) and its foreach entries
+/// (`pkg/engine/handlers/mutation/common.go`).
+fn apply_evaluated(
+    at: &Nested<'_>,
+    mutation: &Mutation,
+    outer: &variables::Vars,
+    work: &mut Value,
+) -> Result<(), PolicyError> {
+    // The context entries, before the preconditions (Kyverno loads a rule's context first).
+    let vars = outer.with_context(&mutation.context);
+    if let Some(p) = &mutation.preconditions
+        && !vars
+            .holds(p)
+            .map_err(|e| at.failed(format!("preconditions: {e}")))?
+    {
+        return Ok(());
+    }
+    let Some(foreach) = &mutation.foreach else {
+        if mutation.mutations.is_empty() {
+            let m = substituted(mutation, &vars).map_err(|e| at.failed(e))?;
+            return apply_mutation(at.policy, at.index, &m, work);
+        }
+        return apply_each(at, &mutation.mutations, &vars, at.depth, work);
+    };
+    let list = match vars
+        .eval(&foreach.list)
+        .map_err(|e| at.failed(format!("foreach.list: {e}")))?
+    {
+        Value::Null => Vec::new(),
+        Value::Array(items) => items,
+        other => {
+            return Err(at.failed(format!(
+                "foreach.list: {:?} gives {}, not a list",
+                foreach.list,
+                kind_of(&other)
+            )));
+        }
+    };
+    // Kyverno's order: `Descending` visits the last element first, each keeping its
+    // `elementIndex`; `null` elements are skipped.
+    let descending = foreach.order == Some(ForEachOrder::Descending);
+    let order: Vec<usize> = if descending {
+        (0..list.len()).rev().collect()
+    } else {
+        (0..list.len()).collect()
+    };
+    for i in order {
+        let element = &list[i];
+        if element.is_null() {
+            continue;
+        }
+        // Each element starts from the variables as the foreach found them (Kyverno resets
+        // its context per element): `request.object` is the object before the first element.
+        let each = vars
+            .with_element_at(element, i, at.depth)
+            .with_context(&foreach.context);
+        if let Some(p) = &foreach.preconditions
+            && !each
+                .holds(p)
+                .map_err(|e| at.failed(format!("foreach.preconditions (element {i}): {e}")))?
+        {
+            continue;
+        }
+        if mutation.mutations.is_empty() {
+            let m = substituted(mutation, &each)
+                .map_err(|e| at.failed(format!("foreach (element {i}): {e}")))?;
+            apply_mutation(at.policy, at.index, &m, work)?;
+        } else {
+            apply_each(at, &mutation.mutations, &each, at.depth + 1, work)?;
+        }
+    }
+    Ok(())
+}
+
+/// Applies `mutations` in order with `base`'s variables. Each one's `request.object` is the
+/// object as the previous one left it when that one changed it (Kyverno's `AddResource` after
+/// a foreach entry that applied), else `base`'s.
+fn apply_each(
+    at: &Nested<'_>,
+    mutations: &[Mutation],
+    base: &variables::Vars,
+    depth: usize,
+    work: &mut Value,
+) -> Result<(), PolicyError> {
+    let mut current = base.clone();
+    for (i, sub) in mutations.iter().enumerate() {
+        let before = work.clone();
+        let here = Nested {
+            policy: at.policy,
+            index: at.index,
+            path: format!("{}.mutations[{i}]", at.path),
+            depth,
+        };
+        apply_evaluated(&here, sub, &current, work)?;
+        if *work != before {
+            current = base.with_object(work);
+        }
+    }
+    Ok(())
 }
 
 fn kind_of(v: &Value) -> &'static str {
@@ -501,6 +581,7 @@ fn substituted(m: &Mutation, vars: &variables::Vars) -> Result<Mutation, String>
         preconditions: None,
         foreach: None,
         context: Vec::new(),
+        mutations: Vec::new(),
     })
 }
 

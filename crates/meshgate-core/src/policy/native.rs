@@ -142,6 +142,7 @@ fn writes(spec: &MutationPolicySpec) -> Result<Vec<Write>, NotNative> {
     for (i, m) in spec.mutations.iter().enumerate() {
         if m.preconditions.is_some()
             || m.foreach.is_some()
+            || !m.mutations.is_empty()
             || !m.context.is_empty()
             || super::mutation_has_variables(m)
         {

@@ -871,8 +871,8 @@ mutations:
         "spec.match.namespaces[1]: \"Bad_NS\" is not a namespace name or pattern",
         "spec.match.objectSelector: matchExpressions key \"app\"",
         "spec.exclude: sets no field, so it would exclude everything",
-        "spec.mutations[0]: set exactly one of annotations, labels, strategicMerge, jsonPatch (found: none)",
-        "spec.mutations[1]: set exactly one of annotations, labels, strategicMerge, jsonPatch (found: annotations, labels)",
+        "spec.mutations[0]: set exactly one of annotations, labels, strategicMerge, jsonPatch, mutations (found: none)",
+        "spec.mutations[1]: set exactly one of annotations, labels, strategicMerge, jsonPatch, mutations (found: annotations, labels)",
         "spec.mutations[1].labels.values[\"bad key!\"]: invalid key",
         "spec.mutations[1].labels.values[\"ok\"]: invalid label value \"not valid/value\"",
         "spec.mutations[2].strategicMerge.metadata.labels[\"(app\"]: malformed anchor (unbalanced parentheses)",
@@ -1256,4 +1256,145 @@ spec:
             {"port": 80, "targetPort": 8080},
         ])
     );
+}
+
+/// `mutations` inside a foreach (Kyverno's nested foreach): per element of the outer list, in
+/// order, each seeing the outer element as `element0` and the object as the previous one left
+/// it only when that one changed it; the next element starts again from the object as the
+/// foreach found it (Kyverno resets its context per element).
+#[test]
+fn nested_mutations_see_their_levels_and_the_object_as_kyverno_does() {
+    let policy = spec(
+        r#"
+match: {kinds: [Pod]}
+mutations:
+- foreach: {list: request.object.spec.containers}
+  mutations:
+  - labels:
+      values: {"before-{{ element0.name }}": "{{ request.object.metadata.labels.last || 'none' }}"}
+  - labels:
+      values: {last: "{{ element.name }}"}
+  - labels:
+      values: {"after-{{ element.name }}": "{{ request.object.metadata.labels.last || 'none' }}"}
+  - foreach: {list: "element.ports || `[]`"}
+    annotations:
+      values:
+        "port-{{ elementIndex0 }}-{{ elementIndex1 }}": "{{ element0.name }}/{{ element1.name }}/{{ element.name }}/{{ elementIndex }}"
+"#,
+    );
+    let pod = yaml(
+        "
+apiVersion: v1
+kind: Pod
+metadata: {name: p}
+spec:
+  containers:
+  - {name: a, ports: [{name: http}, {name: admin}]}
+  - {name: b}
+",
+    );
+    let got = run(&[("nested", &policy)], &pod).object;
+    let labels = &got["metadata"]["labels"];
+    assert_eq!(labels["before-a"], "none");
+    assert_eq!(
+        labels["after-a"], "a",
+        "sees the label the previous one set"
+    );
+    assert_eq!(
+        labels["before-b"], "none",
+        "the next element starts from the object as the foreach found it"
+    );
+    assert_eq!(labels["after-b"], "b");
+    assert_eq!(labels["last"], "b");
+    let annotations = &got["metadata"]["annotations"];
+    assert_eq!(annotations["port-0-0"], "a/http/http/0");
+    assert_eq!(annotations["port-0-1"], "a/admin/admin/1");
+    assert_eq!(annotations.as_object().map(|a| a.len()), Some(2));
+}
+
+/// `mutations` without a foreach: its context and preconditions once, on the object as the
+/// mutation finds it (Kyverno's rule preconditions over several foreach entries); an error in a
+/// later one fails the policy with nothing applied.
+#[test]
+fn grouped_mutations_evaluate_preconditions_once_and_fail_whole() {
+    let policy = spec(
+        r#"
+match: {kinds: [Pod]}
+mutations:
+- context:
+  - {name: stage, variable: {jmesPath: "request.object.metadata.labels.stage || 'new'"}}
+  preconditions:
+    all: [{key: "{{ stage }}", operator: Equals, value: new}]
+  mutations:
+  - labels: {values: {stage: done}}
+  - foreach: {list: request.object.spec.containers}
+    annotations:
+      values: {"seen-{{ element.name }}": "{{ stage }}/{{ request.object.metadata.labels.stage }}"}
+"#,
+    );
+    let pod =
+        yaml("{apiVersion: v1, kind: Pod, metadata: {name: p}, spec: {containers: [{name: a}]}}");
+    let got = run(&[("group", &policy)], &pod).object;
+    assert_eq!(got["metadata"]["labels"]["stage"], "done");
+    // The precondition held once; the second mutation ran although the first changed what it
+    // tests, and sees the object as the first left it.
+    assert_eq!(got["metadata"]["annotations"]["seen-a"], "new/done");
+    let mut done = pod.clone();
+    done["metadata"]["labels"] = json!({"stage": "old"});
+    assert_eq!(run(&[("group", &policy)], &done).object, done);
+
+    let mut broken = policy.clone();
+    if let Some(f) = broken.mutations[0].mutations[1].foreach.as_mut() {
+        f.list = "request.object.metadata.name".into();
+    }
+    let e = failure("group", &broken, &pod);
+    let text = e.to_string();
+    assert!(text.contains("mutations[1]: foreach.list"), "{text}");
+}
+
+#[test]
+fn nested_mutations_are_validated_with_their_scope() {
+    let base = |m: Value| -> Result<(), Vec<String>> {
+        let spec: MutationPolicySpec =
+            serde_json::from_value(json!({"match": {"kinds": ["Pod"]}, "mutations": [m]}))
+                .expect("a spec");
+        validate(&spec)
+    };
+    assert_eq!(
+        base(
+            json!({"foreach": {"list": "request.object.spec.containers"},
+            "labels": {"values": {"x": "{{ element0.name }}-{{ elementIndex0 }}"}}})
+        ),
+        Ok(())
+    );
+    let errors = base(
+        json!({"foreach": {"list": "request.object.spec.containers"},
+        "mutations": [{"labels": {"values": {"x": "{{ element1.name }}"}}}]}),
+    )
+    .expect_err("element1 needs two loops");
+    assert!(
+        errors[0].starts_with("spec.mutations[0].mutations[0].labels.values"),
+        "{errors:?}"
+    );
+    let errors = base(json!({"mutations": [{"labels": {"values": {"x": "y"}}, "jsonPatch": []}]}))
+        .expect_err("two kinds");
+    assert!(
+        errors[0].starts_with("spec.mutations[0].mutations[0]: set exactly one"),
+        "{errors:?}"
+    );
+    let mut deep = json!({"labels": {"values": {"x": "y"}}});
+    for _ in 0..=super::validate::MAX_NESTING {
+        deep = json!({"mutations": [deep]});
+    }
+    let errors = base(deep).expect_err("too deep");
+    assert!(
+        errors.iter().any(|e| e.contains("nested more than")),
+        "{errors:?}"
+    );
+    let errors = base(
+        json!({"context": [{"name": "element2", "variable": {"value": 1}}],
+        "labels": {"values": {"x": "y"}}}),
+    )
+    .expect_err("a built-in name");
+    assert!(errors[0].contains("built-in"), "{errors:?}");
 }

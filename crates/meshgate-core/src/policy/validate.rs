@@ -30,7 +30,8 @@ pub fn validate(spec: &MutationPolicySpec) -> Result<(), Vec<String>> {
         errors.push("spec.mutations: at least one mutation is required".to_owned());
     }
     for (i, m) in spec.mutations.iter().enumerate() {
-        mutation(m, &format!("spec.mutations[{i}]"), &mut errors);
+        mutation(m, &format!("spec.mutations[{i}]"), 0, &mut errors);
+        variables(m, &format!("spec.mutations[{i}]"), &[], 0, &mut errors);
     }
     if errors.is_empty() {
         Ok(())
@@ -78,12 +79,16 @@ fn match_resources(m: &MatchResources, path: &str, errors: &mut Vec<String>) {
     }
 }
 
-fn mutation(m: &Mutation, path: &str, errors: &mut Vec<String>) {
+/// How deep `mutations` may nest (Kyverno's nested `foreach` rarely goes past two levels).
+pub const MAX_NESTING: usize = 4;
+
+fn mutation(m: &Mutation, path: &str, level: usize, errors: &mut Vec<String>) {
     let set: Vec<&str> = [
         ("annotations", m.annotations.is_some()),
         ("labels", m.labels.is_some()),
         ("strategicMerge", m.strategic_merge.is_some()),
         ("jsonPatch", m.json_patch.is_some()),
+        ("mutations", !m.mutations.is_empty()),
     ]
     .into_iter()
     .filter_map(|(name, set)| set.then_some(name))
@@ -95,8 +100,17 @@ fn mutation(m: &Mutation, path: &str, errors: &mut Vec<String>) {
             set.join(", ")
         };
         errors.push(format!(
-            "{path}: set exactly one of annotations, labels, strategicMerge, jsonPatch (found: {found})"
+            "{path}: set exactly one of annotations, labels, strategicMerge, jsonPatch, mutations (found: {found})"
         ));
+    }
+    if !m.mutations.is_empty() && level >= MAX_NESTING {
+        errors.push(format!(
+            "{path}.mutations: nested more than {MAX_NESTING} levels deep"
+        ));
+    } else {
+        for (i, sub) in m.mutations.iter().enumerate() {
+            mutation(sub, &format!("{path}.mutations[{i}]"), level + 1, errors);
+        }
     }
     if let Some(a) = &m.annotations {
         metadata(a, &format!("{path}.annotations"), false, errors);
@@ -118,12 +132,12 @@ fn mutation(m: &Mutation, path: &str, errors: &mut Vec<String>) {
     if m.json_patch_options.is_some() && m.json_patch.is_none() {
         errors.push(format!("{path}.jsonPatchOptions: only used with jsonPatch"));
     }
-    variables(m, path, errors);
 }
 
-/// Every variable compiles and names a root meshgate provides or a context entry in scope;
-/// `element` only in a foreach.
-fn variables(m: &Mutation, path: &str, errors: &mut Vec<String>) {
+/// Every variable compiles and names a root meshgate provides or a context entry in scope
+/// (`outer`: the enclosing mutations'); `element` only in a foreach, `element<N>` only inside
+/// N + 1 of them (`depth`: the enclosing foreach loops).
+fn variables(m: &Mutation, path: &str, outer: &[String], depth: usize, errors: &mut Vec<String>) {
     use super::variables::{Scope, check, variables_in};
     let check_value = |value: &Value, at: String, scope: Scope<'_>, errors: &mut Vec<String>| {
         for found in variables_in(value) {
@@ -136,7 +150,7 @@ fn variables(m: &Mutation, path: &str, errors: &mut Vec<String>) {
     let entries = |list: &[meshgate_api::mutation_policy::ContextEntry],
                    at: &str,
                    outer: &[String],
-                   foreach: bool,
+                   depth: usize,
                    errors: &mut Vec<String>|
      -> Vec<String> {
         let mut names: Vec<String> = outer.to_vec();
@@ -144,14 +158,16 @@ fn variables(m: &Mutation, path: &str, errors: &mut Vec<String>) {
             let here = format!("{at}[{i}]");
             if e.name.is_empty() {
                 errors.push(format!("{here}.name: required"));
-            } else if super::variables::ROOTS.contains(&e.name.as_str()) {
+            } else if super::variables::ROOTS.contains(&e.name.as_str())
+                || super::variables::element_level(&e.name).is_some()
+            {
                 errors.push(format!(
                     "{here}.name: {:?} is a built-in variable and cannot be redefined",
                     e.name
                 ));
             }
             let scope = Scope {
-                foreach,
+                depth,
                 context: &names,
             };
             let v = &e.variable;
@@ -186,21 +202,31 @@ fn variables(m: &Mutation, path: &str, errors: &mut Vec<String>) {
         }
         names
     };
-    let rule_names = entries(&m.context, &format!("{path}.context"), &[], false, errors);
+    let rule_names = entries(&m.context, &format!("{path}.context"), outer, depth, errors);
+    let inner = depth + usize::from(m.foreach.is_some());
     let foreach_names = match &m.foreach {
         Some(f) => entries(
             &f.context,
             &format!("{path}.foreach.context"),
             &rule_names,
-            true,
+            inner,
             errors,
         ),
         None => rule_names.clone(),
     };
     let scope = Scope {
-        foreach: m.foreach.is_some(),
+        depth: inner,
         context: &foreach_names,
     };
+    for (i, sub) in m.mutations.iter().enumerate() {
+        variables(
+            sub,
+            &format!("{path}.mutations[{i}]"),
+            &foreach_names,
+            inner,
+            errors,
+        );
+    }
     for (field, meta) in [("labels", &m.labels), ("annotations", &m.annotations)] {
         if let Some(meta) = meta {
             for (k, v) in &meta.values {
@@ -256,7 +282,7 @@ fn variables(m: &Mutation, path: &str, errors: &mut Vec<String>) {
         }
     };
     let rule_scope = Scope {
-        foreach: false,
+        depth,
         context: &rule_names,
     };
     if let Some(c) = &m.preconditions {

@@ -95,9 +95,37 @@ impl Vars {
 
     /// These variables with `element` and `elementIndex`.
     pub fn with_element(&self, element: &Value, index: usize) -> Self {
+        self.with_element_at(element, index, 0)
+    }
+
+    /// These variables with `element` and `elementIndex`, and `element<nesting>` and
+    /// `elementIndex<nesting>` (Kyverno's `AddElement`, `pkg/engine/context/context.go`): the
+    /// outer levels' stay visible under their numbered names.
+    pub fn with_element_at(&self, element: &Value, index: usize, nesting: usize) -> Self {
         let mut out = self.clone();
         out.set("element", element.clone());
         out.set("elementIndex", Value::from(index));
+        out.set(&format!("element{nesting}"), element.clone());
+        out.set(&format!("elementIndex{nesting}"), Value::from(index));
+        out
+    }
+
+    /// These variables with `request.object` (and `images`) of `object` (Kyverno's
+    /// `AddResource` after a foreach entry changed the object).
+    pub fn with_object(&self, object: &Value) -> Self {
+        let mut out = self.clone();
+        if let Some(request) = out.json.get_mut("request").and_then(Value::as_object_mut) {
+            request.insert("object".into(), object.clone());
+        }
+        out.failed.retain(|(n, _)| n != "images");
+        if let Value::Object(m) = &mut out.json {
+            m.remove("images");
+        }
+        match super::images::images(object) {
+            Ok(images) if images.is_empty() => {}
+            Ok(images) => out.set("images", Value::Object(images)),
+            Err(e) => out.failed.push(("images".to_owned(), e)),
+        }
         out
     }
 
@@ -598,8 +626,9 @@ pub fn has_variables(value: &Value) -> bool {
 /// What an expression may name.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Scope<'a> {
-    /// Inside a foreach: `element` and `elementIndex`.
-    pub foreach: bool,
+    /// The foreach loops around the expression: inside one, `element` and `elementIndex`;
+    /// inside N, also `element0` … `element<N-1>` and `elementIndex0` … (Kyverno's nesting).
+    pub depth: usize,
     /// The context entries defined so far.
     pub context: &'a [String],
 }
@@ -623,17 +652,37 @@ pub fn check(found: &Found, scope: Scope<'_>) -> Result<(), String> {
         // A literal, `@`, or a function call: its arguments name the roots.
         return Ok(());
     }
+    if let Some(level) = element_level(&root) {
+        if level >= scope.depth {
+            return Err(format!(
+                "{{{{ {expression} }}}}: {root} is only defined inside {} nested foreach",
+                level + 1
+            ));
+        }
+        return Ok(());
+    }
     if !ROOTS.contains(&root.as_str()) && !scope.context.contains(&root) {
         return Err(format!(
             "{{{{ {expression} }}}}: variable {root:?} is not available (meshgate provides request.object, request.operation, request.namespace, images, the mutation's context entries, and element and elementIndex in a foreach)"
         ));
     }
-    if !scope.foreach && root.starts_with("element") {
+    if scope.depth == 0 && root.starts_with("element") {
         return Err(format!(
             "{{{{ {expression} }}}}: {root} is only defined inside a foreach"
         ));
     }
     Ok(())
+}
+
+/// The level N of `element<N>` or `elementIndex<N>` (Kyverno's per-level element variables).
+pub fn element_level(name: &str) -> Option<usize> {
+    let digits = name
+        .strip_prefix("elementIndex")
+        .or_else(|| name.strip_prefix("element"))?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }
 
 fn first_line(s: &str) -> &str {
@@ -803,7 +852,13 @@ mod tests {
             expression: expression.to_owned(),
             templated: false,
         };
-        check(&found, Scope { foreach, context })
+        check(
+            &found,
+            Scope {
+                depth: usize::from(foreach),
+                context,
+            },
+        )
     }
 
     #[test]
