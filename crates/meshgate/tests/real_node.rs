@@ -1227,6 +1227,47 @@ async fn sidecar_meshgate_installed_from_its_image_repairs_pods_that_started_bef
     let node_name = node.name().to_owned();
     wait_meshgate_ready(&client, &node).await;
 
+    // A second gate over the same CNI agent, keyed with the prefix Karpenter treats as a known
+    // startup taint and the node-readiness-controller keys its rules with: the node registered
+    // before it existed, so the in-cluster controller (as its installed ServiceAccount) puts its
+    // key on the real node while the agent is not Ready, and lifts it with the agent.
+    const READINESS_KEY: &str = "readiness.k8s.io/mesh";
+    let cni = Profile::IstioSidecar.record().agents[0];
+    let readiness_gate: meshgate_api::NodeGate = serde_json::from_value(json!({
+        "apiVersion": "meshgate.dev/v1alpha1", "kind": "NodeGate",
+        "metadata": {"name": "readiness"},
+        "spec": {
+            "taint": {"key": READINESS_KEY},
+            "agents": [{"name": cni.name, "namespace": cni.namespace, "daemonSet": cni.daemon_set,
+                        "selector": {"matchLabels": {cni.label.0: cni.label.1}}}],
+        },
+    }))
+    .expect("gate");
+    Api::<meshgate_api::NodeGate>::all(client.clone())
+        .create(&PostParams::default(), &readiness_gate)
+        .await
+        .expect("the readiness.k8s.io gate");
+    let node_taints = |nodes: Api<k8s_openapi::api::core::v1::Node>, name: String| async move {
+        nodes
+            .get(&name)
+            .await
+            .ok()
+            .and_then(|n| n.spec?.taints)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|t| t.key)
+            .collect::<Vec<_>>()
+    };
+    meshgate_testenv::wait_for(
+        "the controller to put readiness.k8s.io/mesh on the real node",
+        Duration::from_secs(60),
+        || {
+            let f = node_taints(nodes.clone(), node_name.clone());
+            async move { f.await.iter().any(|k| k == READINESS_KEY) }
+        },
+    )
+    .await;
+
     let ns = cp
         .namespace("sidecar-app", &[("istio-injection", "enabled")])
         .await
@@ -1367,6 +1408,15 @@ async fn sidecar_meshgate_installed_from_its_image_repairs_pods_that_started_bef
         "measured: CNI agent created -> startup taint lifted by the in-cluster controller {:.2?}",
         agent_started.elapsed()
     );
+    meshgate_testenv::wait_for(
+        "the controller to lift readiness.k8s.io/mesh with the agent Ready",
+        Duration::from_secs(60),
+        || {
+            let f = node_taints(nodes.clone(), node_name.clone());
+            async move { !f.await.iter().any(|k| k == READINESS_KEY) }
+        },
+    )
+    .await;
 
     // After: a pod placed by the scheduler is redirected, its gate passes, the app runs.
     let created = Instant::now();
