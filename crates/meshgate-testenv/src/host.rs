@@ -21,8 +21,10 @@ use serde::{Deserialize, Serialize};
 use crate::Error;
 
 /// Host paths a kubelet or containerd 1.6 writes to whatever their configuration says (or that
-/// they default to): removed by the teardown when they did not exist before.
-pub const FIXED_PATHS: [&str; 9] = [
+/// they default to), and the hostPaths of the mesh agents the tests run on the node (Istio's
+/// node agent and node proxy: `/var/run/istio-cni`, `/var/run/ztunnel`, as Istio's charts mount
+/// them): removed by the teardown when they did not exist before.
+pub const FIXED_PATHS: [&str; 11] = [
     "/var/lib/kubelet",
     "/var/lib/cni",
     "/run/containerd",
@@ -32,6 +34,8 @@ pub const FIXED_PATHS: [&str; 9] = [
     "/etc/cni",
     "/opt/cni",
     "/usr/libexec/kubernetes",
+    "/run/istio-cni",
+    "/run/ztunnel",
 ];
 
 /// Every node's run directory starts with this (under the temporary directory).

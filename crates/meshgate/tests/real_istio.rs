@@ -429,27 +429,30 @@ struct Shape {
 /// installed in the cluster as users install it (`install --profile PROFILE`, the default
 /// strategy), the real node (registering tainted at CREATE by meshgate's admission policy), and
 /// Istio's images imported into it. The node agent's and node proxy's host directories
-/// (hostPaths of Istio's charts) go when the test ends, unless they were there before.
+/// (hostPaths of Istio's charts) go with the node's teardown, unless they were there before
+/// (`meshgate_testenv::host::FIXED_PATHS`).
 struct Setup {
+    /// One test of this binary at a time: a node's teardown restores the host (and sweeps
+    /// control-plane links) for the next one, and checks that nothing of it is left.
+    _serial: tokio::sync::MutexGuard<'static, ()>,
     istio: Istio,
     helm_bin: PathBuf,
     cp: meshgate_testenv::ControlPlane,
     client: kube::Client,
     node: RealNode,
     values_dir: tempfile::TempDir,
-    _host_dirs: [RemoveOnDrop; 2],
 }
 
 impl Setup {
     async fn start(profile: &str, options: NodeOptions) -> Self {
+        static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        let _serial = SERIAL.lock().await;
         let istio = tokio::task::spawn_blocking(Istio::find)
             .await
             .expect("task")
             .expect("Istio's build (tools/istio/build.sh)");
         let helm_bin = meshgate_testenv::helm().expect("helm (tools/helm/build.sh)");
         eprintln!("Istio {} from {}", istio.version, istio.dir.display());
-        let host_dir = |d: &str| RemoveOnDrop(Some(PathBuf::from(d)).filter(|d| !d.exists()));
-        let _host_dirs = [host_dir("/var/run/istio-cni"), host_dir("/var/run/ztunnel")];
         let cp = serving_control_plane().await;
         let client = cp.client().await.expect("client");
         meshgate_cli(
@@ -478,13 +481,13 @@ impl Setup {
                 .expect("image import");
         }
         Self {
+            _serial,
             istio,
             helm_bin,
             cp,
             client,
             node,
             values_dir: tempfile::tempdir().expect("values dir"),
-            _host_dirs,
         }
     }
 
@@ -1224,15 +1227,4 @@ async fn wait_conflist(node: &RealNode, chained: bool) {
         },
     )
     .await;
-}
-
-/// Removes a directory when dropped (also when the test panics).
-struct RemoveOnDrop(Option<PathBuf>);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        if let Some(dir) = &self.0 {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
 }
