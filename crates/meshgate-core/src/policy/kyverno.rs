@@ -1362,21 +1362,8 @@ fn foreach_mutations(v: &Value, path: &str) -> Result<Vec<Mutation>, String> {
         };
         // Kyverno (`pkg/engine/handlers/mutation/common.go`): a patchStrategicMerge foreach
         // visits its list last element first unless `order` says otherwise.
-        let explicit = match e.get("order") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(o)) if o == "Ascending" => Some(ForEachOrder::Ascending),
-            Some(Value::String(o)) if o == "Descending" => Some(ForEachOrder::Descending),
-            Some(other) => {
-                return Err(format!(
-                    "{at}.order: {other} is not an order (Ascending, Descending)"
-                ));
-            }
-        };
-        let list = e
-            .get("list")
-            .and_then(Value::as_str)
-            .ok_or_else(|| format!("{at}.list: required"))?
-            .to_owned();
+        let explicit = foreach_order(e, &at)?;
+        let list = foreach_list(e, &at)?;
         let preconditions = e
             .get("preconditions")
             .filter(|v| !is_empty_value(v))
@@ -1421,6 +1408,26 @@ fn foreach_mutations(v: &Value, path: &str) -> Result<Vec<Mutation>, String> {
     Ok(out)
 }
 
+/// A foreach entry's `order` as written: `None` when unset.
+fn foreach_order(e: &Value, at: &str) -> Result<Option<ForEachOrder>, String> {
+    match e.get("order") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(o)) if o == "Ascending" => Ok(Some(ForEachOrder::Ascending)),
+        Some(Value::String(o)) if o == "Descending" => Ok(Some(ForEachOrder::Descending)),
+        Some(other) => Err(format!(
+            "{at}.order: {other} is not an order (Ascending, Descending)"
+        )),
+    }
+}
+
+/// A foreach entry's `list` (a JMESPath expression), which Kyverno requires.
+fn foreach_list(e: &Value, at: &str) -> Result<String, String> {
+    e.get("list")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .ok_or_else(|| format!("{at}.list: required"))
+}
+
 /// A foreach entry with a nested `foreach`: one mutation with the entry's `list` and `order`
 /// whose `mutations` are the nested entries, applied per element (Kyverno,
 /// `pkg/engine/handlers/mutation/common.go`: the nested entries run at the next nesting level,
@@ -1440,21 +1447,9 @@ fn nested_foreach(e: &Value, nested: &Value, at: &str) -> Result<Mutation, Strin
             ));
         }
     }
-    let order = match e.get("order") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(o)) if o == "Ascending" => None,
-        Some(Value::String(o)) if o == "Descending" => Some(ForEachOrder::Descending),
-        Some(other) => {
-            return Err(format!(
-                "{at}.order: {other} is not an order (Ascending, Descending)"
-            ));
-        }
-    };
-    let list = e
-        .get("list")
-        .and_then(Value::as_str)
-        .ok_or_else(|| format!("{at}.list: required"))?
-        .to_owned();
+    // Ascending is the model's default.
+    let order = foreach_order(e, at)?.filter(|o| *o == ForEachOrder::Descending);
+    let list = foreach_list(e, at)?;
     let mutations = foreach_mutations(nested, &format!("{at}.foreach"))?;
     if mutations.is_empty() {
         return Err(format!("{at}.foreach: no entries"));
