@@ -18,8 +18,14 @@
 
 use std::path::{Path, PathBuf};
 
+use serde_json::{Value, json};
+
 use crate::image::{ImageArchive, ImageConfig, StaticBinaries, write_image};
+use crate::node::RealNode;
 use crate::{Error, io};
+
+/// The namespace Istio's charts are installed into.
+pub const ISTIO_NAMESPACE: &str = "istio-system";
 
 /// The directory `tools/istio/build.sh` prints (set it to skip the script).
 pub const ISTIO_ENV: &str = "MESHGATE_ISTIO";
@@ -139,6 +145,155 @@ impl Istio {
             )?,
         ])
     }
+}
+
+/// How [`Istio::install`] installs Istio on the test node.
+#[derive(Clone, Debug, Default)]
+pub struct InstallOptions {
+    /// Ambient mode, as Istio's `ambient` profile turns it on: istiod's `PILOT_ENABLE_AMBIENT`,
+    /// the node agent's `ambient.enabled`, and the node proxy (Istio's `ztunnel` chart with
+    /// [`NODE_PROXY_IMAGE`]).
+    pub ambient: bool,
+    /// Taint keys istiod tolerates beside Istio's own readiness taint (`pilot.tolerations`,
+    /// effect `NoSchedule`): a node gate's taint, where the node proxy needs istiod to become
+    /// Ready (docs/design.md, "Autoscalers and other controllers").
+    pub istiod_tolerates: Vec<String>,
+}
+
+/// The values files [`Istio::install`] wrote, one per release (to upgrade or reinstall it).
+#[derive(Clone, Debug)]
+pub struct Values {
+    pub istiod: PathBuf,
+    pub cni: PathBuf,
+}
+
+impl Istio {
+    /// Installs Istio with Helm from its own charts: `istio-base`, `istiod`, `istio-cni` and,
+    /// in ambient mode, `ztunnel`, each a release in [`ISTIO_NAMESPACE`] (created). The values
+    /// are what a one-node cluster without a registry needs: the images imported (never
+    /// pulled), small requests, one istiod without an autoscaler, injection for the CNI plugin
+    /// (`istio-validation`, not `istio-init`), the node agent on the node's CNI directories,
+    /// Istio's untaint controller on (its `cni.istio.io/not-ready` taint). Everything else is
+    /// Istio's default (native sidecars: auto, which the kubelet v1.36 turns on), but the node
+    /// agent's repair mode (below). The values files are written into `dir`.
+    pub fn install(
+        &self,
+        helm: &Path,
+        kubeconfig: &Path,
+        node: &RealNode,
+        dir: &Path,
+        options: &InstallOptions,
+    ) -> Result<Values, Error> {
+        let small = json!({"requests": {"cpu": "10m", "memory": "32Mi"}});
+        let mut istiod = json!({
+            "global": {
+                "imagePullPolicy": "Never",
+                // The untaint controller says what it did only at debug.
+                "logging": {"level": "default:info,untaint:debug"},
+                "proxy": {"image": PROXY_IMAGE, "resources": small},
+                "proxy_init": {"image": PROXY_IMAGE},
+            },
+            "pilot": {
+                "image": PILOT_IMAGE,
+                "autoscaleEnabled": false,
+                "replicaCount": 1,
+                "resources": {"requests": {"cpu": "10m", "memory": "128Mi"}},
+                "cni": {"enabled": true},
+                // Istio's node untaint controller, beside meshgate's node gate.
+                "taint": {"enabled": true},
+            },
+        });
+        if !options.istiod_tolerates.is_empty() {
+            istiod["pilot"]["tolerations"] = tolerations(&options.istiod_tolerates);
+        }
+        // The node agent's repair: Istio's default repairs a broken pod in place, from the
+        // network namespace of the host's PID 1 (`cni/pkg/repair` `runInHost`:
+        // `/host/proc/1/ns/net`), which the init of some hosts (this VM's) lets no one open, not
+        // even root; its other mode, which every host allows, deletes the broken pod.
+        let mut cni = json!({
+            "global": {"imagePullPolicy": "Never"},
+            "cni": {
+                "image": CNI_IMAGE,
+                "cniBinDir": node.cni_bin_dir(),
+                "cniConfDir": node.cni_conf_dir(),
+                "resources": small,
+                "repair": {"repairPods": false, "deletePods": true},
+            },
+        });
+        if options.ambient {
+            istiod["pilot"]["env"] = json!({"PILOT_ENABLE_AMBIENT": "true"});
+            cni["cni"]["ambient"] = json!({"enabled": true});
+        }
+        std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+        let write = |name: &str, v: &Value| -> Result<PathBuf, Error> {
+            let path = dir.join(name);
+            std::fs::write(&path, v.to_string())
+                .map_err(io(format!("writing {}", path.display())))?;
+            Ok(path)
+        };
+        let values = Values {
+            istiod: write("istiod.json", &istiod)?,
+            cni: write("istio-cni.json", &cni)?,
+        };
+        let mut releases = vec![
+            ("istio-base", "base", None),
+            (
+                "istiod",
+                "istio-control/istio-discovery",
+                Some(values.istiod.clone()),
+            ),
+            ("istio-cni", "istio-cni", Some(values.cni.clone())),
+        ];
+        if options.ambient {
+            let ztunnel =
+                json!({"image": NODE_PROXY_IMAGE, "imagePullPolicy": "Never", "resources": small});
+            releases.push(("ztunnel", "ztunnel", Some(write("ztunnel.json", &ztunnel)?)));
+        }
+        for (release, chart, values) in releases {
+            let chart = self.chart(chart);
+            let mut args = vec![
+                "install".to_owned(),
+                release.to_owned(),
+                chart.to_string_lossy().into_owned(),
+                "--namespace".to_owned(),
+                ISTIO_NAMESPACE.to_owned(),
+                "--create-namespace".to_owned(),
+            ];
+            if let Some(v) = values {
+                args.extend(["--values".to_owned(), v.to_string_lossy().into_owned()]);
+            }
+            run_helm(helm, kubeconfig, &args)?;
+        }
+        Ok(values)
+    }
+}
+
+/// Tolerations of `keys` (any value, effect `NoSchedule`), as Istio's charts take them.
+pub fn tolerations(keys: &[String]) -> Value {
+    keys.iter()
+        .map(|k| json!({"key": k, "operator": "Exists", "effect": "NoSchedule"}))
+        .collect()
+}
+
+/// Runs Helm against a cluster; its stdout, or an error with its output.
+pub fn run_helm(helm: &Path, kubeconfig: &Path, args: &[String]) -> Result<String, Error> {
+    let out = std::process::Command::new(helm)
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .output()
+        .map_err(io(format!("running {}", helm.display())))?;
+    if !out.status.success() {
+        return Err(Error::Helm {
+            args: args.join(" "),
+            output: format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The host's iptables for an image: every name of the nft and legacy multi-call binaries

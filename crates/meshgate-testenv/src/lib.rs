@@ -77,6 +77,8 @@ pub enum Error {
     NodeUnsupported(Vec<String>),
     #[error("real node: {0}")]
     Node(String),
+    #[error("helm {args}: {output}")]
+    Helm { args: String, output: String },
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {

@@ -33,20 +33,18 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::cluster::*;
+use common::istio::*;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
-use meshgate_testenv::image::{APP_IMAGE, MESHGATE_IMAGE};
-use meshgate_testenv::istio::{CNI_IMAGE, Istio, NODE_PROXY_IMAGE, PILOT_IMAGE, PROXY_IMAGE};
+use meshgate_testenv::istio::ISTIO_NAMESPACE as ISTIO_NS;
+use meshgate_testenv::istio::InstallOptions;
 use meshgate_testenv::node::{NodeOptions, RealNode};
 use serde_json::{Value, json};
 
-const ISTIO_NS: &str = "istio-system";
 const MESH_NS: &str = "mesh";
-const POD_LIMIT: Duration = Duration::from_secs(120);
 /// Istio's node readiness taint (`pilot.taint`, its untaint controller's default).
 const ISTIO_TAINT: &str = "cni.istio.io/not-ready";
 
@@ -56,286 +54,6 @@ fn taint_keys(n: &k8s_openapi::api::core::v1::Node) -> Vec<String> {
         .flat_map(|s| s.taints.iter().flatten())
         .map(|t| t.key.clone())
         .collect()
-}
-
-/// Runs Helm against the control plane; panics with its output on failure.
-fn helm(helm: &Path, cp: &meshgate_testenv::ControlPlane, args: &[&str]) -> String {
-    let out = std::process::Command::new(helm)
-        .args(args)
-        .arg("--kubeconfig")
-        .arg(&cp.kubeconfig_path)
-        .output()
-        .expect("helm runs");
-    assert!(
-        out.status.success(),
-        "helm {}: {}\n{}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Istio's charts with the values a one-node cluster without a registry needs: the images
-/// imported (never pulled), small requests, one istiod without an autoscaler, injection for
-/// the CNI plugin (`istio-validation`, not `istio-init`), the node agent on the node's CNI
-/// directories. Everything else is Istio's default (native sidecars: auto, which the kubelet
-/// v1.36 turns on), but for the node agent's repair mode (below).
-fn install_istio(
-    helm_bin: &Path,
-    cp: &meshgate_testenv::ControlPlane,
-    istio: &Istio,
-    node: &RealNode,
-    dir: &Path,
-    ambient: bool,
-) {
-    let small = json!({"requests": {"cpu": "10m", "memory": "32Mi"}});
-    let mut istiod = json!({
-        "global": {
-            "imagePullPolicy": "Never",
-            // The untaint controller says what it did only at debug.
-            "logging": {"level": "default:info,untaint:debug"},
-            "proxy": {"image": PROXY_IMAGE, "resources": small},
-            "proxy_init": {"image": PROXY_IMAGE},
-        },
-        "pilot": {
-            "image": PILOT_IMAGE,
-            "autoscaleEnabled": false,
-            "replicaCount": 1,
-            "resources": {"requests": {"cpu": "10m", "memory": "128Mi"}},
-            "cni": {"enabled": true},
-            // Istio's node untaint controller, beside meshgate's node gate.
-            "taint": {"enabled": true},
-        },
-    });
-    // The node agent's repair: Istio's default repairs a broken pod in place, from the network
-    // namespace of the host's PID 1 (`cni/pkg/repair` `runInHost`: `/host/proc/1/ns/net`),
-    // which the init of some hosts (this VM's) lets no one open, not even root; its other mode,
-    // which every host allows, deletes the broken pod.
-    let mut cni = json!({
-        "global": {"imagePullPolicy": "Never"},
-        "cni": {
-            "image": CNI_IMAGE,
-            "cniBinDir": node.cni_bin_dir(),
-            "cniConfDir": node.cni_conf_dir(),
-            "resources": small,
-            "repair": {"repairPods": false, "deletePods": true},
-        },
-    });
-    if ambient {
-        // Ambient as Istio's `ambient` profile turns it on in istiod and the node agent; the
-        // node proxy is Istio's `ztunnel` chart with the stand-in's image.
-        merge(
-            &mut istiod,
-            json!({"pilot": {"env": {"PILOT_ENABLE_AMBIENT": "true"}}}),
-        );
-        merge(&mut cni, json!({"cni": {"ambient": {"enabled": true}}}));
-    }
-    let write = |name: &str, v: &Value| {
-        let path = dir.join(name);
-        std::fs::write(&path, v.to_string()).expect("values file");
-        path
-    };
-    let istiod_values = write("istiod.json", &istiod);
-    let cni_values = write("istio-cni.json", &cni);
-    let chart = |c: &str| istio.chart(c).to_string_lossy().into_owned();
-    helm(
-        helm_bin,
-        cp,
-        &[
-            "install",
-            "istio-base",
-            &chart("base"),
-            "--namespace",
-            ISTIO_NS,
-            "--create-namespace",
-        ],
-    );
-    helm(
-        helm_bin,
-        cp,
-        &[
-            "install",
-            "istiod",
-            &chart("istio-control/istio-discovery"),
-            "--namespace",
-            ISTIO_NS,
-            "--values",
-            &istiod_values.to_string_lossy(),
-        ],
-    );
-    helm(
-        helm_bin,
-        cp,
-        &[
-            "install",
-            "istio-cni",
-            &chart("istio-cni"),
-            "--namespace",
-            ISTIO_NS,
-            "--values",
-            &cni_values.to_string_lossy(),
-        ],
-    );
-    if ambient {
-        let ztunnel_values = write(
-            "ztunnel.json",
-            &json!({"image": NODE_PROXY_IMAGE, "imagePullPolicy": "Never", "resources": small}),
-        );
-        helm(
-            helm_bin,
-            cp,
-            &[
-                "install",
-                "ztunnel",
-                &chart("ztunnel"),
-                "--namespace",
-                ISTIO_NS,
-                "--values",
-                &ztunnel_values.to_string_lossy(),
-            ],
-        );
-    }
-}
-
-/// Waits until istiod is Ready and has put its CA into the injector's registration and the
-/// mesh namespace (the injected pods mount `istio-ca-root-cert`); panics with what was seen.
-async fn wait_istiod(client: &kube::Client, node: &RealNode) {
-    use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-    use k8s_openapi::api::apps::v1::Deployment;
-    use k8s_openapi::api::core::v1::ConfigMap;
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), ISTIO_NS);
-    let webhooks: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), MESH_NS);
-    let mut last = String::new();
-    let done = tokio::time::timeout(POD_LIMIT, async {
-        loop {
-            let ready = deployments
-                .get("istiod")
-                .await
-                .ok()
-                .and_then(|d| d.status?.ready_replicas)
-                .unwrap_or(0);
-            let patched = webhooks
-                .get("istio-sidecar-injector")
-                .await
-                .ok()
-                .and_then(|w| w.webhooks)
-                .is_some_and(|hs| {
-                    !hs.is_empty()
-                        && hs
-                            .iter()
-                            .all(|h| h.client_config.ca_bundle.as_ref().is_some_and(|b| !b.0.is_empty()))
-                });
-            let root = maps.get_opt("istio-ca-root-cert").await.ok().flatten().is_some();
-            last = format!("istiod ready replicas {ready}, injector caBundle {patched}, root cert in {MESH_NS} {root}");
-            if ready >= 1 && patched && root {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    })
-    .await;
-    if done.is_err() {
-        let pods = Api::<Pod>::namespaced(client.clone(), ISTIO_NS)
-            .list(&Default::default())
-            .await
-            .expect("pods");
-        let logs = pod_logs(client, node, ISTIO_NS, "app=istiod").await;
-        panic!(
-            "istiod not serving in {POD_LIMIT:?}: {last}\npods: {}\nistiod log:\n{}",
-            serde_json::to_string_pretty(
-                &pods
-                    .items
-                    .iter()
-                    .map(|p| (&p.metadata.name, &p.status))
-                    .collect::<Vec<_>>()
-            )
-            .unwrap_or_default(),
-            logs.iter()
-                .rev()
-                .take(40)
-                .map(|(c, l)| format!("{c}: {l}"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
-    }
-}
-
-/// Waits until the node agent's pod on the node is Ready (it has chained the plugin and
-/// written its kubeconfig); panics with its log.
-async fn wait_node_agent(client: &kube::Client, node: &RealNode) {
-    wait_agent_ready(client, node, "k8s-app=istio-cni-node").await;
-}
-
-/// Waits until the pod of an Istio DaemonSet (by its label) on the node is Ready; panics with
-/// its log.
-async fn wait_agent_ready(client: &kube::Client, node: &RealNode, label: &str) {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ISTIO_NS);
-    let done = tokio::time::timeout(POD_LIMIT, async {
-        loop {
-            let list = pods
-                .list(&kube::api::ListParams::default().labels(label))
-                .await
-                .expect("pods");
-            if list
-                .items
-                .iter()
-                .any(|p| ready(p) && p.metadata.deletion_timestamp.is_none())
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    })
-    .await;
-    if done.is_err() {
-        let logs = pod_logs(client, node, ISTIO_NS, label).await;
-        panic!(
-            "{label} not Ready in {POD_LIMIT:?}\nlog:\n{}\nkubelet:\n{}",
-            logs.iter()
-                .rev()
-                .take(40)
-                .map(|(c, l)| format!("{c}: {l}"))
-                .collect::<Vec<_>>()
-                .join("\n"),
-            node.log_tail("kubelet", 20)
-        );
-    }
-}
-
-fn ready(p: &Pod) -> bool {
-    p.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// A mesh namespace pod of the test app (no probes: Istio would rewrite them to the agent's
-/// port, which the stand-in does not serve), with `extra` merged into its metadata and spec.
-fn mesh_pod(name: &str, extra: Value) -> Pod {
-    let mut pod = json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": name}},
-        "spec": {
-            "terminationGracePeriodSeconds": 1,
-            "enableServiceLinks": false,
-            "containers": [{"name": "app", "image": APP_IMAGE, "imagePullPolicy": "Never"}],
-        },
-    });
-    merge(&mut pod, extra);
-    serde_json::from_value(pod).expect("pod")
-}
-
-fn merge(into: &mut Value, from: Value) {
-    match (into, from) {
-        (Value::Object(a), Value::Object(b)) => {
-            for (k, v) in b {
-                merge(a.entry(k).or_insert(Value::Null), v);
-            }
-        }
-        (a, b) => *a = b,
-    }
 }
 
 fn annotation<'a>(p: &'a Pod, key: &str) -> Option<&'a str> {
@@ -425,147 +143,6 @@ struct Shape {
     refused: Option<&'static str>,
 }
 
-/// What both tests start from: Istio's and Helm's builds, a control plane with meshgate
-/// installed in the cluster as users install it (`install --profile PROFILE`, the default
-/// strategy), the real node (registering tainted at CREATE by meshgate's admission policy), and
-/// Istio's images imported into it. The node agent's and node proxy's host directories
-/// (hostPaths of Istio's charts) go with the node's teardown, unless they were there before
-/// (`meshgate_testenv::host::FIXED_PATHS`).
-struct Setup {
-    /// One test of this binary at a time: a node's teardown restores the host (and sweeps
-    /// control-plane links) for the next one, and checks that nothing of it is left.
-    _serial: tokio::sync::MutexGuard<'static, ()>,
-    istio: Istio,
-    helm_bin: PathBuf,
-    cp: meshgate_testenv::ControlPlane,
-    client: kube::Client,
-    node: RealNode,
-    values_dir: tempfile::TempDir,
-}
-
-impl Setup {
-    async fn start(profile: &str, options: NodeOptions) -> Self {
-        static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-        let _serial = SERIAL.lock().await;
-        let istio = tokio::task::spawn_blocking(Istio::find)
-            .await
-            .expect("task")
-            .expect("Istio's build (tools/istio/build.sh)");
-        let helm_bin = meshgate_testenv::helm().expect("helm (tools/helm/build.sh)");
-        eprintln!("Istio {} from {}", istio.version, istio.dir.display());
-        let cp = serving_control_plane().await;
-        let client = cp.client().await.expect("client");
-        meshgate_cli(
-            &cp,
-            &[
-                "install",
-                "--profile",
-                profile,
-                "--image",
-                MESHGATE_IMAGE,
-                "--apply",
-            ],
-        );
-        wait_node_taint_policy(&Api::all(client.clone())).await;
-        let node = RealNode::start(&cp, options)
-            .await
-            .expect("the real node starts");
-        let images = istio
-            .write_images(
-                &node.run_dir().join("istio-images"),
-                &node.images().expect("images").binaries,
-            )
-            .expect("Istio's images");
-        for image in &images {
-            node.ctr(&["images", "import", &image.path.to_string_lossy()])
-                .expect("image import");
-        }
-        Self {
-            _serial,
-            istio,
-            helm_bin,
-            cp,
-            client,
-            node,
-            values_dir: tempfile::tempdir().expect("values dir"),
-        }
-    }
-
-    /// Creates a namespace with `labels`.
-    async fn namespace(&self, name: &str, labels: Value) {
-        use k8s_openapi::api::core::v1::Namespace;
-        Api::<Namespace>::all(self.client.clone())
-            .create(
-                &PostParams::default(),
-                &serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}}))
-                    .expect("namespace"),
-            )
-            .await
-            .unwrap_or_else(|e| panic!("namespace {name}: {e}"));
-    }
-
-    fn install_istio(&self, ambient: bool) {
-        install_istio(
-            &self.helm_bin,
-            &self.cp,
-            &self.istio,
-            &self.node,
-            self.values_dir.path(),
-            ambient,
-        );
-    }
-
-    fn helm(&self, args: &[&str]) -> String {
-        helm(&self.helm_bin, &self.cp, args)
-    }
-
-    /// Upgrades istiod with its values plus a toleration of meshgate's startup taint, as Istio's
-    /// chart takes one (`pilot.tolerations`; istiod tolerates Istio's own readiness taint
-    /// already).
-    fn istiod_tolerates_the_gate(&self) {
-        let values = self.values_dir.path().join("istiod-tolerations.json");
-        let toleration = json!({"pilot": {"tolerations": [{
-            "key": meshgate_api::names::DEFAULT_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule",
-        }]}});
-        std::fs::write(&values, toleration.to_string()).expect("values file");
-        self.helm(&[
-            "upgrade",
-            "istiod",
-            &self
-                .istio
-                .chart("istio-control/istio-discovery")
-                .to_string_lossy(),
-            "--namespace",
-            ISTIO_NS,
-            "--values",
-            &self.values_dir.path().join("istiod.json").to_string_lossy(),
-            "--values",
-            &values.to_string_lossy(),
-        ]);
-    }
-
-    /// Installs istio-cni again with the values it was first installed with.
-    fn reinstall_node_agent(&self) {
-        self.helm(&[
-            "install",
-            "istio-cni",
-            &self.istio.chart("istio-cni").to_string_lossy(),
-            "--namespace",
-            ISTIO_NS,
-            "--values",
-            &self
-                .values_dir
-                .path()
-                .join("istio-cni.json")
-                .to_string_lossy(),
-        ]);
-    }
-
-    async fn tear_down(self) {
-        tear_down(self.cp, self.node).await;
-    }
-}
-
 #[tokio::test]
 async fn real_istio_sidecar_cni_mode_pods_get_the_verdicts_of_the_design_table() {
     if !can_run() {
@@ -596,7 +173,7 @@ async fn real_istio_sidecar_cni_mode_pods_get_the_verdicts_of_the_design_table()
     setup
         .namespace(MESH_NS, json!({"istio-injection": "enabled"}))
         .await;
-    setup.install_istio(false);
+    setup.install_istio(&InstallOptions::default());
     wait_meshgate_ready(client, node).await;
     wait_node_agent(client, node).await;
     eprintln!(
@@ -604,7 +181,7 @@ async fn real_istio_sidecar_cni_mode_pods_get_the_verdicts_of_the_design_table()
         t.elapsed()
     );
     wait_taint_lifted(client, node, POD_LIMIT).await;
-    wait_istiod(client, node).await;
+    wait_istiod(client, node, MESH_NS).await;
     eprintln!(
         "measured: Istio installed -> istiod serving {:.2?}",
         t.elapsed()
@@ -1021,7 +598,10 @@ async fn real_istio_ambient_the_gate_holds_until_the_real_node_agent_has_enrolle
         .namespace(AMBIENT_NS, json!({"istio.io/dataplane-mode": "ambient"}))
         .await;
     let t = Instant::now();
-    setup.install_istio(true);
+    setup.install_istio(&InstallOptions {
+        ambient: true,
+        ..Default::default()
+    });
     wait_meshgate_ready(client, node).await;
     wait_agent_ready(client, node, "k8s-app=istio-cni-node").await;
     // The node proxy needs istiod (it mounts istiod's root certificate, and the real one takes

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod istio;
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
