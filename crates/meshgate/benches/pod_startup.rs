@@ -52,10 +52,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube::runtime::watcher;
 use meshgate_api::config::{GateCheck, GateConfig, InitGate};
 use meshgate_core::gate::{Planner, PodPlan, PodRequest};
 use meshgate_core::select::Meta;
@@ -63,17 +61,16 @@ use meshgate_testenv::image::{APP_IMAGE, GATE_IMAGE};
 use meshgate_testenv::node::{NodeOptions, RealNode};
 use serde_json::{Value, json};
 
+mod pod_start;
+use pod_start::*;
+
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// The bench's gate for DRA, and the name of its resource and of the other provider's.
 const GATE: &str = "bench";
 /// The "mesh" CNI plugin the node plugin requires (a host plugin that changes nothing).
 const MESH_PLUGIN: &str = "tuning";
-/// Longest wait for one pod.
-const POD_LIMIT: Duration = Duration::from_secs(60);
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -87,13 +84,6 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn env_count(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
 }
 
 /// What a strategy adds to the app pod.
@@ -174,64 +164,25 @@ async fn bench(
         "pod_startup: {} strategies x {rounds} rounds (ready node)",
         strategies.len()
     );
-    let mut running: BTreeMap<String, Vec<Duration>> = BTreeMap::new();
-    let mut ready: BTreeMap<String, Vec<Duration>> = BTreeMap::new();
-    let mut ratios: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut times = Rounds::default();
     let mut n = 0usize;
     for round in 0..rounds {
-        let mut this: BTreeMap<String, Duration> = BTreeMap::new();
+        times.new_round();
         for i in shuffled(strategies.len(), round as u64) {
             let s = &strategies[i];
             n += 1;
             let name = format!("{}-{n}", s.name);
-            let (to_running, to_ready, uid) = start_pod(&pods, &pod_of(&name, s), &name).await?;
-            running.entry(s.name.clone()).or_default().push(to_running);
-            ready.entry(s.name.clone()).or_default().push(to_ready);
-            this.insert(s.name.clone(), to_running);
-            delete_pod(&pods, &name).await?;
-            wait_torn_down(node, &uid).await?;
+            let started = start_pod(&pods, &pod_of(&name, s), &name).await?;
+            times.record(&s.name, &started);
+            remove_pod(&pods, node, &started).await?;
         }
-        let none = this["none"].as_secs_f64();
-        for (name, d) in &this {
-            ratios
-                .entry(name.clone())
-                .or_default()
-                .push(d.as_secs_f64() / none);
-        }
-        eprintln!(
-            "pod_startup: round {}: {}",
-            round + 1,
-            this.iter()
-                .map(|(k, v)| format!("{k} {}ms", v.as_millis()))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        eprintln!("pod_startup: round {}: {}", round + 1, times.last());
     }
     println!("\n== pod start on a ready node (create -> app Running; -> Ready), {rounds} rounds");
-    for s in &strategies {
-        let r = &running[&s.name];
-        let q = &ready[&s.name];
-        println!(
-            "VALUE {}-running-ms: {} (spread {}-{}); ready-ms {} ({}-{})",
-            s.name,
-            median_ms(r),
-            min_ms(r),
-            max_ms(r),
-            median_ms(q),
-            min_ms(q),
-            max_ms(q)
-        );
-    }
+    let names: Vec<&str> = strategies.iter().map(|s| s.name.as_str()).collect();
+    times.print_values(&names);
     for s in strategies.iter().filter(|s| s.name != "none") {
-        let v = &ratios[&s.name];
-        println!(
-            "RATIO {}/none: {:.2} (spread {:.2}-{:.2}, {} rounds)",
-            s.name,
-            meshgate_testenv::measure::median(v.clone()),
-            v.iter().copied().fold(f64::INFINITY, f64::min),
-            v.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-            v.len()
-        );
+        times.print_ratio(&s.name, "none");
     }
 
     // Held, then released.
@@ -469,104 +420,6 @@ fn pod_of(name: &str, s: &Strategy) -> Value {
     pod
 }
 
-/// `0..n` in an order shuffled by `seed` (Fisher-Yates over a SplitMix64 sequence).
-fn shuffled(n: usize, seed: u64) -> Vec<usize> {
-    let mut state = seed;
-    let mut next = move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
-    let mut order: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
-        let j = (next() % (i as u64 + 1)) as usize;
-        order.swap(i, j);
-    }
-    order
-}
-
-/// Waits until the kubelet has torn the pod's sandbox down.
-async fn wait_torn_down(node: &RealNode, uid: &str) -> Result<(), Error> {
-    let t = Instant::now();
-    while node.sandbox_pid(uid).is_ok() {
-        if t.elapsed() > POD_LIMIT {
-            return Err(format!("the sandbox of pod {uid} is still there").into());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(())
-}
-
-/// Creates the pod and times it from the create call to the app container `Running` and to
-/// the pod `Ready`, as a watch sees it; the pod's uid.
-async fn start_pod(
-    pods: &Api<Pod>,
-    pod: &Value,
-    name: &str,
-) -> Result<(Duration, Duration, String), Error> {
-    let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut stream = watcher::watcher(pods.clone(), cfg).boxed();
-    // The watch is established (its initial list done) before the pod exists.
-    loop {
-        match tokio::time::timeout(POD_LIMIT, stream.next()).await {
-            Ok(Some(Ok(watcher::Event::InitDone))) => break,
-            Ok(Some(Ok(_))) => {}
-            Ok(Some(Err(e))) => return Err(e.into()),
-            _ => return Err(format!("{name}: no watch").into()),
-        }
-    }
-    let t = Instant::now();
-    pods.create(
-        &PostParams::default(),
-        &serde_json::from_value(pod.clone())?,
-    )
-    .await?;
-    let mut to_running = None;
-    while t.elapsed() < POD_LIMIT {
-        let ev = match tokio::time::timeout(POD_LIMIT, stream.next()).await {
-            Ok(Some(ev)) => ev?,
-            _ => break,
-        };
-        let (watcher::Event::Apply(p) | watcher::Event::InitApply(p)) = ev else {
-            continue;
-        };
-        if to_running.is_none() && app_running(&p) {
-            to_running = Some(t.elapsed());
-        }
-        if let Some(r) = to_running
-            && pod_ready(&p)
-        {
-            return Ok((r, t.elapsed(), p.metadata.uid.clone().unwrap_or_default()));
-        }
-    }
-    let p = pods.get(name).await?;
-    Err(format!(
-        "{name}: not running and ready after {POD_LIMIT:?}: {}",
-        serde_json::to_string(&p.status).unwrap_or_default()
-    )
-    .into())
-}
-
-fn app_running(p: &Pod) -> bool {
-    p.status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .into_iter()
-        .flatten()
-        .any(|c| c.name == "app" && c.state.as_ref().is_some_and(|s| s.running.is_some()))
-}
-
-fn pod_ready(p: &Pod) -> bool {
-    p.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .into_iter()
-        .flatten()
-        .any(|c| c.type_ == "Ready" && c.status == "True")
-}
-
 async fn wait_running(pods: &Api<Pod>, name: &str) -> Result<(), Error> {
     let t = Instant::now();
     while t.elapsed() < POD_LIMIT {
@@ -600,20 +453,6 @@ async fn wait_unschedulable(pods: &Api<Pod>, name: &str) -> Result<(), Error> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Err(format!("{name}: never reported unschedulable").into())
-}
-
-/// Deletes the pod as a user does (the kubelet stops it, then removes the object) and waits
-/// until the object is gone.
-async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<(), Error> {
-    pods.delete(name, &DeleteParams::default()).await?;
-    let t = Instant::now();
-    while t.elapsed() < POD_LIMIT {
-        match pods.get_opt(name).await? {
-            None => return Ok(()),
-            Some(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    }
-    Err(format!("{name}: not gone after {POD_LIMIT:?}").into())
 }
 
 async fn advertise(nodes: &Api<Node>, node: &str, resource: &str, on: bool) -> Result<(), Error> {
@@ -777,18 +616,4 @@ async fn http_get(port: u16, path: &str) -> Result<(u16, String), Error> {
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
     Ok((code, buf))
-}
-
-fn median_ms(v: &[Duration]) -> u128 {
-    let mut s = v.to_vec();
-    s.sort();
-    meshgate_testenv::measure::quantile(&s, 0.5).as_millis()
-}
-
-fn min_ms(v: &[Duration]) -> u128 {
-    v.iter().min().copied().unwrap_or_default().as_millis()
-}
-
-fn max_ms(v: &[Duration]) -> u128 {
-    v.iter().max().copied().unwrap_or_default().as_millis()
 }
