@@ -9,6 +9,8 @@
 # cold machine with 2 cores), the tools' own output (go, apt, cargo) in one log file
 # (<cache>/demo-build.log), named at the end. The last build, meshgate's static binaries for the
 # real node's images, is run by `meshgate demo` itself before its story (once per source state).
+# Istio is never built here: when tools/test.sh has built it (and Helm), the real node runs the
+# real Istio (MESHGATE_ISTIO, MESHGATE_HELM), else meshgate's mesh stand-ins.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 cache=${MESHGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
@@ -54,7 +56,7 @@ build() {
 }
 
 echo "Builds first (each once; later runs reuse them). Their output: $log"
-build "the control plane: etcd, kube-apiserver, kube-scheduler (Go)" "about 6-12 min on 2 cores" \
+build "the control plane: etcd, kube-apiserver, kube-scheduler (Go)" "about 6 min on 2 cores" \
   tools/controlplane/build.sh
 export MESHGATE_CONTROLPLANE_BIN=$result
 if [ $real_node = yes ]; then
@@ -62,12 +64,21 @@ if [ $real_node = yes ]; then
   if build "the real node's Debian packages: containerd, runc, CNI plugins, nftables (apt)" \
     "about 1 min" tools/node/packages.sh &&
     build "the real node's kubelet, kube-controller-manager, kube-proxy (Go)" \
-      "about 5 min on 2 cores" tools/node/build.sh; then
+      "about 2-5 min on 2 cores" tools/node/build.sh; then
     export MESHGATE_NODE_BIN=$result
   fi
   soft=0
 fi
-build "meshgate with the demo (cargo, debug)" "about 10 min on 2 cores" \
+if [ $real_node = yes ]; then
+  # The real Istio on the real node when tools/test.sh has built it (and Helm); never built here.
+  if istio=$(tools/istio/build.sh --cached 2>>"$log") && helm=$(tools/helm/build.sh --cached 2>>"$log"); then
+    export MESHGATE_ISTIO=$istio MESHGATE_HELM=$helm
+    echo "Istio: built and cached ($istio): the real node runs the real Istio"
+  else
+    echo "Istio: not built (tools/test.sh builds it and Helm, about 15 min cold): the real node runs meshgate's mesh stand-ins"
+  fi
+fi
+build "meshgate with the demo (cargo, debug)" "about 4 min on 2 cores" \
   cargo build --locked -p meshgate --features demo
 if [ $real_node = yes ]; then
   export MESHGATE_BUILD_STEP="$total/$total"

@@ -11,6 +11,9 @@
 #   <dir>/version               the version the binaries report, and the module version
 #
 #   tools/istio/build.sh            # build if missing, print the directory on stdout
+#   tools/istio/build.sh --cached   # print it only if built already; exit 3 otherwise (no
+#                                   # build: `meshgate demo` uses Istio only when tools/test.sh
+#                                   # has built it)
 #
 # The version is pinned in one place: the `istio.io/istio` requirement of go.mod here. The module
 # proxy serves Istio as pseudo-versions of its master branch; to move it:
@@ -49,6 +52,7 @@ if complete; then
   echo "$out"
   exit 0
 fi
+[ "${1:-}" = --cached ] && exit 3
 
 mkdir -p "$cache/istio"
 exec 9>"$cache/istio/.lock"

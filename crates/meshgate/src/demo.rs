@@ -5,8 +5,10 @@
 //! and controller in-process, and plays a new node's arrival: the demo creates the Node and the
 //! agent pods and reports their readiness as a kubelet would. Then, where this host can run one
 //! (`meshgate_testenv::node`), a real node joins: a kubelet with containerd and a CNI bridge, the
-//! mesh-like agents as DaemonSets, and a gated pod that really runs; the host is compared with
-//! its state before afterwards.
+//! mesh's agents, and a gated pod that really runs; the host is compared with its state before
+//! afterwards. The mesh there is the real Istio in ambient mode when it is built and cached
+//! (`MESHGATE_ISTIO`, `MESHGATE_HELM`: `tools/demo.sh` sets them when `tools/test.sh` has built
+//! them), else meshgate's mesh-like stand-ins (`real_node`).
 //!
 //! Every build happens before the story: the real node's images need meshgate's static binaries
 //! (`meshgate_testenv::image::static_binaries`, once per source state), built first with one
@@ -22,6 +24,8 @@ use meshgate_core::registration::{Registration, WebhookTarget, webhook_configura
 use serde_json::json;
 
 use crate::run::{ControllerSettings, WebhookSettings};
+
+mod real_node;
 
 /// Demo options.
 #[derive(Clone, Debug, Default)]
@@ -111,7 +115,7 @@ async fn build_static_binaries(log: &std::path::Path) -> anyhow::Result<bool> {
         .map(|s| format!("[{s}] "))
         .unwrap_or_default();
     print!(
-        "build {step}meshgate's static binaries for the real node's images (cargo, release, static; cold: about 5-10 min on 2 cores) ... "
+        "build {step}meshgate's static binaries for the real node's images (cargo, release, static; cold: about 7-8 min on 2 cores) ... "
     );
     let _ = std::io::stdout().flush();
     if tokio::task::spawn_blocking(meshgate_testenv::image::current_static_binaries)
@@ -149,6 +153,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         Ok(()) => build_static_binaries(&log).await?,
         Err(_) => false,
     };
+    // The real Istio on the real node when it is built and cached (never built here).
+    let istio = match &real_node {
+        Ok(()) => tokio::task::spawn_blocking(real_node::cached_istio).await?,
+        Err(_) => None,
+    };
     let mut story = Story {
         start: Instant::now(),
         step: 0,
@@ -156,6 +165,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     story.say("Starting a local control plane: etcd, kube-apiserver, kube-scheduler (built from source, cached)");
     let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
         scheduler: true,
+        // Istio's components are clients of the API server, from the real node's pods.
+        serve_pods: istio.is_some(),
         ..Default::default()
     })
     .await?;
@@ -258,6 +269,16 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
             .create(&PostParams::default(), &obj)
             .await?;
+        if istio.is_some() {
+            // A control plane that serves pods admits a pod only with its service account,
+            // which the node's controller manager creates once it runs: the demo's pods come
+            // before it.
+            let account: k8s_openapi::api::core::v1::ServiceAccount =
+                serde_json::from_value(json!({"metadata": {"name": "default"}}))?;
+            Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(client.clone(), ns)
+                .create(&PostParams::default(), &account)
+                .await?;
+        }
     }
     let gate: NodeGate = serde_json::from_value(json!({
         "apiVersion": "meshgate.dev/v1alpha1", "kind": "NodeGate",
@@ -483,10 +504,14 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
 
     let real = match &real_node {
         Ok(_) => {
-            story.say(
-                "A real node joins: containerd, runc, a CNI bridge and a kubelet on this machine",
-            );
-            match real_node_story(&story, &cp, &client).await {
+            story.say(match &istio {
+                Some(i) => format!(
+                    "A real node joins: containerd, runc, a CNI bridge and a kubelet on this machine, with the real Istio {} in ambient mode",
+                    i.istio.version
+                ),
+                None => "A real node joins: containerd, runc, a CNI bridge and a kubelet on this machine".to_owned(),
+            }.as_str());
+            match real_node::story(&story, &cp, &client, istio.as_ref()).await {
                 Ok(r) => Some(r),
                 Err(e) => {
                     story.detail(&format!("the real node did not complete: {e:#}"));
@@ -518,9 +543,14 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     match &real {
         Some(r) => {
             println!(
-                "  real node {}: tainted at registration {:?}; the taint lifted {} ms after it was Ready, once its CNI agent and node proxy were Ready;",
-                r.node, r.taints_at_registration, r.lifted_ms
+                "  real node {} ran {}: tainted at registration {:?}; the taint lifted {} ms after it registered, once its CNI agent and node proxy were Ready;",
+                r.node, r.mesh, r.taints_at_registration, r.lifted_ms
             );
+            if let Some(redirection) = &r.redirection {
+                println!(
+                    "    Istio's node agent enrolled shop/web-real (ambient.istio.io/redirection: {redirection});"
+                );
+            }
             println!(
                 "    shop/web-real really ran there: meshgate-wait logged \"{}\" before the app started.",
                 r.gate_line
@@ -555,177 +585,4 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         println!("The builds' output: {}", log.display());
     }
     Ok(())
-}
-
-/// What the real node part observed.
-struct RealNodeReport {
-    node: String,
-    taints_at_registration: Vec<String>,
-    lifted_ms: u128,
-    gate_line: String,
-}
-
-/// The real node: the mesh-like node proxy (`mesh-node-proxy`) as a DaemonSet, a kubelet
-/// registering a Node that the webhook taints at CREATE, the controller lifting the taint once
-/// the agent is Ready, and a gated pod that really runs. The node is torn down before returning
-/// (the host as it was).
-async fn real_node_story(
-    story: &Story,
-    cp: &meshgate_testenv::ControlPlane,
-    client: &kube::Client,
-) -> anyhow::Result<RealNodeReport> {
-    use k8s_openapi::api::apps::v1::DaemonSet;
-    // The demo's gate waits for a CNI agent and a node proxy on every node. On the real node they
-    // are the mesh-like stand-ins, as DaemonSets from images the test environment writes: the
-    // node proxy (Ready after 2 s; it then listens inside each pod, as an ambient node proxy
-    // does) and the CNI agent (Ready after 1 s, once it has chained its plugin, which redirects
-    // each new pod's outbound TCP to the node proxy's in-pod port 15001).
-    let daemonset = |app: &str,
-                     command: Vec<String>,
-                     privileged: bool,
-                     volumes: serde_json::Value,
-                     mounts: serde_json::Value|
-     -> anyhow::Result<DaemonSet> {
-        Ok(serde_json::from_value(json!({
-            "metadata": {"name": app},
-            "spec": {
-                // Its own label too: a DaemonSet adopts every pod its selector matches, and the
-                // simulated agents above carry `app` alone.
-                "selector": {"matchLabels": {"app": app, "meshgate.dev/stand-in": "real-node"}},
-                "template": {
-                    "metadata": {"labels": {"app": app, "meshgate.dev/stand-in": "real-node"}},
-                    "spec": {
-                        "hostPID": privileged,
-                        "automountServiceAccountToken": false,
-                        "enableServiceLinks": false,
-                        "terminationGracePeriodSeconds": 1,
-                        "nodeSelector": {"kubernetes.io/hostname": meshgate_testenv::node::NodeOptions::default().name},
-                        "tolerations": [{"operator": "Exists"}],
-                        "containers": [{
-                            "name": "agent", "image": meshgate_testenv::image::AGENTS_IMAGE, "imagePullPolicy": "Never",
-                            "command": command,
-                            "securityContext": {"privileged": privileged},
-                            "readinessProbe": {"exec": {"command": [command[0].clone(), "--check-ready", "/tmp/ready"]}, "periodSeconds": 1},
-                            "volumeMounts": mounts,
-                        }],
-                        "volumes": volumes,
-                    },
-                },
-            },
-        }))?)
-    };
-    let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
-    let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), "mesh-system");
-    daemonsets
-        .create(
-            &PostParams::default(),
-            &daemonset(
-                "mesh-node-proxy",
-                args(&[
-                    "/mesh-node-proxy",
-                    "--ready-delay",
-                    "2",
-                    "--ready-file",
-                    "/tmp/ready",
-                ]),
-                true,
-                json!([]),
-                json!([]),
-            )?,
-        )
-        .await?;
-    let node = meshgate_testenv::node::RealNode::start(cp, Default::default()).await?;
-    let name = node.name().to_owned();
-    let nodes: Api<Node> = Api::all(client.clone());
-    let entry = json!({"excludeNamespaces": ["kube-system", "mesh-system"]}).to_string();
-    daemonsets
-        .create(
-            &PostParams::default(),
-            &daemonset(
-                "mesh-cni",
-                vec![
-                    "/mesh-cni-agent".into(), "--cni-conf-dir".into(), "/host/net.d".into(),
-                    "--cni-bin-dir".into(), "/host/bin".into(), "--plugin".into(), "/mesh-cni".into(),
-                    "--ready-delay".into(), "1".into(), "--ready-file".into(), "/tmp/ready".into(),
-                    "--entry".into(), entry,
-                ],
-                false,
-                json!([{"name": "net-d", "hostPath": {"path": node.cni_conf_dir(), "type": "Directory"}},
-                       {"name": "bin", "hostPath": {"path": node.cni_bin_dir(), "type": "Directory"}}]),
-                json!([{"name": "net-d", "mountPath": "/host/net.d"}, {"name": "bin", "mountPath": "/host/bin"}]),
-            )?,
-        )
-        .await?;
-    let registered = nodes.get(&name).await?;
-    let taints = taint_keys(&registered);
-    story.detail(&format!(
-        "{name} registered (kubelet Ready {:.2?} after its start) with taints {taints:?}",
-        node.timings.ready_after_kubelet_start
-    ));
-    let ready_at = Instant::now();
-    poll(
-        "the real node's taint to be lifted",
-        Duration::from_secs(60),
-        || {
-            let (nodes, name) = (nodes.clone(), name.clone());
-            async move {
-                let n = nodes.get(&name).await.ok()?;
-                (!taint_keys(&n)
-                    .iter()
-                    .any(|t| t.starts_with("node.meshgate.dev/")))
-                .then_some(())
-            }
-        },
-    )
-    .await?;
-    let lifted_ms = ready_at.elapsed().as_millis();
-    story.detail(&format!(
-        "the CNI agent and the node proxy on {name} are Ready; meshgate lifted the startup taint after {lifted_ms} ms"
-    ));
-    let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "web-real"},
-        "spec": {"nodeName": name, "automountServiceAccountToken": false, "enableServiceLinks": false,
-                 "terminationGracePeriodSeconds": 1,
-                 "containers": [{"name": "web", "image": meshgate_testenv::image::APP_IMAGE, "imagePullPolicy": "Never"}]},
-    }))?;
-    let created = pods.create(&PostParams::default(), &pod).await?;
-    let uid = created.metadata.uid.clone().unwrap_or_default();
-    let running = poll("shop/web-real to run", Duration::from_secs(60), || {
-        let pods = pods.clone();
-        async move {
-            let p = pods.get("web-real").await.ok()?;
-            (p.status.as_ref()?.phase.as_deref() == Some("Running")).then_some(p)
-        }
-    })
-    .await?;
-    let _ = running;
-    let log = node.container_log("shop", "web-real", &uid, "meshgate-wait", 0);
-    let text = std::fs::read_to_string(&log)?;
-    let gate_line = text
-        .lines()
-        .find_map(|l| {
-            l.split_once(" meshgate-wait: ")
-                .map(|(_, m)| format!("meshgate-wait: {m}"))
-        })
-        .unwrap_or_else(|| "<no line>".into());
-    story.detail(&format!(
-        "shop/web-real ran on {name}; its gate logged: {gate_line}"
-    ));
-    let before = node.snapshot_before().clone();
-    node.stop().await?;
-    let changed = before.differences(&meshgate_testenv::host::HostSnapshot::take()?);
-    if changed.is_empty() {
-        story.detail("the real node stopped; the host is as it was (processes, mounts, links, netns, sysctls, iptables: compared)");
-    } else {
-        story.detail(&format!(
-            "the real node stopped; the host differs from before: {changed:?}"
-        ));
-    }
-    Ok(RealNodeReport {
-        node: name,
-        taints_at_registration: taints,
-        lifted_ms,
-        gate_line,
-    })
 }

@@ -259,7 +259,7 @@ pub fn gate_config_for(
 
 /// The default NodeGate of a profile: the mesh's agents, from its record, and the strategy's
 /// resource.
-fn default_gate(profile: &str, strategy: Strategy) -> anyhow::Result<NodeGate> {
+pub(crate) fn default_gate(profile: &str, strategy: Strategy) -> anyhow::Result<NodeGate> {
     let record = mesh_profile(profile)?.record();
     let agents: Vec<Value> = record
         .agents
