@@ -1,7 +1,8 @@
 //! How a watch's error is logged. A watch that ends or reconnects is normal operation (the API
 //! server closes watches, a connection drops, a resource version expires and the watcher lists
 //! again): info at most. What needs someone to act (a refused request, a resource the API server
-//! does not serve, an object that does not decode) is a warning that says what to do.
+//! does not serve, an object that does not decode) is a warning that says what to do. The
+//! webhook's caches log theirs here too (one rule for every component's watches).
 
 use kube::runtime::watcher;
 
@@ -59,8 +60,8 @@ fn client_error(what: &str, error: &kube::Error) -> WatchTrouble {
 fn api_status(what: &str, code: u16, message: &str) -> String {
     match code {
         401 | 403 => format!(
-            "the API server refuses to list or watch {what} ({code}: {message}): grant the \
-             controller's ServiceAccount list and watch on them (the RBAC `meshgate install` \
+            "the API server refuses to list or watch {what} ({code}: {message}): grant this \
+             component's ServiceAccount list and watch on them (the RBAC `meshgate install` \
              renders)"
         ),
         404 => format!(

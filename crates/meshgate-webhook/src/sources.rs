@@ -24,6 +24,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use meshgate_api::node_gate::NodeGateSpec;
 use meshgate_api::{MutationPolicy, MutationPolicySpec, NamespacedMutationPolicy, NodeGate};
+use meshgate_controller::watch;
 use meshgate_core::resources::ContainerLimits;
 use meshgate_core::select::Meta;
 
@@ -261,11 +262,12 @@ impl Sources {
         )
         .default_backoff()
         .for_each(move |event| {
-            if let Ok(
-                watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone,
-            ) = event
-            {
-                publish.0.index.publish_limits(&lr_cache);
+            match event {
+                Ok(
+                    watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone,
+                ) => publish.0.index.publish_limits(&lr_cache),
+                Ok(_) => {}
+                Err(e) => watch::log("LimitRanges (webhook cache)", &e),
             }
             async {}
         });
@@ -276,15 +278,18 @@ impl Sources {
         )
         .default_backoff()
         .for_each(move |event| {
-            if let Ok(event) = event {
-                index
-                    .0
-                    .index
-                    .metas
-                    .apply(event, |ns: PartialObjectMeta<Namespace>| {
-                        let name = ns.metadata.name.clone().unwrap_or_default();
-                        (name, Arc::new(meta_of(ns.metadata)))
-                    });
+            match event {
+                Ok(event) => {
+                    index
+                        .0
+                        .index
+                        .metas
+                        .apply(event, |ns: PartialObjectMeta<Namespace>| {
+                            let name = ns.metadata.name.clone().unwrap_or_default();
+                            (name, Arc::new(meta_of(ns.metadata)))
+                        });
+                }
+                Err(e) => watch::log("namespaces (webhook cache)", &e),
             }
             async {}
         });
@@ -312,17 +317,28 @@ impl Sources {
             ),
         )
         .default_backoff()
-        .for_each(|_| async {});
-        let (publish, pol_cache, npol_cache) =
-            (sources.clone(), pol_store.clone(), npol_store.clone());
-        let pol_stream = pol_stream.for_each(move |_| {
-            publish.publish_policies(&pol_cache, &npol_cache);
+        .for_each(|event| {
+            if let Err(e) = event {
+                watch::log("NodeGates (webhook cache)", &e);
+            }
             async {}
         });
         let (publish, pol_cache, npol_cache) =
             (sources.clone(), pol_store.clone(), npol_store.clone());
-        let npol_stream = npol_stream.for_each(move |_| {
-            publish.publish_policies(&pol_cache, &npol_cache);
+        let pol_stream = pol_stream.for_each(move |event| {
+            match event {
+                Ok(_) => publish.publish_policies(&pol_cache, &npol_cache),
+                Err(e) => watch::log("MutationPolicies (webhook cache)", &e),
+            }
+            async {}
+        });
+        let (publish, pol_cache, npol_cache) =
+            (sources.clone(), pol_store.clone(), npol_store.clone());
+        let npol_stream = npol_stream.for_each(move |event| {
+            match event {
+                Ok(_) => publish.publish_policies(&pol_cache, &npol_cache),
+                Err(e) => watch::log("NamespacedMutationPolicies (webhook cache)", &e),
+            }
             async {}
         });
         let flag = sources.clone();
