@@ -100,15 +100,31 @@ pub fn helm() -> Result<PathBuf, Error> {
 /// A tool the repository's scripts build once and cache: the path in `env` when set, else
 /// what `script` (relative to the repository) prints on stdout; its progress goes to stderr.
 pub fn built(env: &str, script: &str) -> Result<PathBuf, Error> {
+    built_logged(env, script, None)
+}
+
+/// [`built`], with the script's progress appended to `log` when given (the demo keeps it out
+/// of its story).
+pub fn built_logged(env: &str, script: &str, log: Option<&Path>) -> Result<PathBuf, Error> {
     if let Some(dir) = std::env::var_os(env) {
         return Ok(PathBuf::from(dir));
     }
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../..")
         .join(script);
+    let stderr = match log {
+        Some(log) => std::process::Stdio::from(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(log)
+                .map_err(io(format!("opening {}", log.display())))?,
+        ),
+        None => std::process::Stdio::inherit(),
+    };
     let out = std::process::Command::new("bash")
         .arg(&script)
-        .stderr(std::process::Stdio::inherit())
+        .stderr(stderr)
         .output()
         .map_err(io(format!("running {}", script.display())))?;
     if !out.status.success() {

@@ -182,7 +182,8 @@ pub fn prerequisites() -> Result<NodeTools, Error> {
     })
 }
 
-fn effective_uid() -> Option<u32> {
+/// The effective user id of this process (`/proc/self/status`).
+pub fn effective_uid() -> Option<u32> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("Uid:"))?;
     line.split_whitespace().nth(2)?.parse().ok()
@@ -190,7 +191,12 @@ fn effective_uid() -> Option<u32> {
 
 /// `MESHGATE_NODE_BIN`, else what `tools/node/build.sh` prints (it builds once, cached).
 fn node_binaries() -> Result<PathBuf, Error> {
-    crate::built(NODE_BIN_ENV, "tools/node/build.sh")
+    node_binaries_logged(None)
+}
+
+/// [`node_binaries`], the build's progress appended to `log` when given.
+pub fn node_binaries_logged(log: Option<&Path>) -> Result<PathBuf, Error> {
+    crate::built_logged(NODE_BIN_ENV, "tools/node/build.sh", log)
 }
 
 /// The state file: who runs the node, where, and the host as it was before.

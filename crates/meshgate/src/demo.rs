@@ -94,10 +94,15 @@ fn build_log() -> std::path::PathBuf {
     )
 }
 
+/// `MESHGATE_SKIP_REAL_NODE=1`: the tests' switch to leave the real node out.
+fn real_node_skipped() -> bool {
+    std::env::var_os("MESHGATE_SKIP_REAL_NODE").is_some_and(|v| v == "1")
+}
+
 /// Whether this host runs the real node part: `MESHGATE_SKIP_REAL_NODE=1` says not to (the
 /// tests' switch), else `meshgate_testenv::node::prerequisites` decides.
 fn real_node_prerequisites() -> Result<(), String> {
-    if std::env::var_os("MESHGATE_SKIP_REAL_NODE").is_some_and(|v| v == "1") {
+    if real_node_skipped() {
         return Err("skipped (MESHGATE_SKIP_REAL_NODE=1)".into());
     }
     meshgate_testenv::node::prerequisites()
@@ -143,12 +148,57 @@ async fn build_static_binaries(log: &std::path::Path) -> anyhow::Result<bool> {
 }
 
 /// Runs the demo.
+/// Builds what `tools/demo.sh` builds when the demo runs without it (the control plane and, as
+/// root, the node binaries), before the story: a progress line each (a cached one is done at
+/// once), the scripts' output to the log. What the environment names already (`tools/demo.sh`
+/// sets it) is not looked at again.
+async fn prebuild(log: &std::path::Path, real_node: bool) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut steps: Vec<(&str, &str, &str, &str)> = vec![(
+        "the control plane: etcd, kube-apiserver, kube-scheduler (Go)",
+        "about 6 min",
+        "MESHGATE_CONTROLPLANE_BIN",
+        "tools/controlplane/build.sh",
+    )];
+    if real_node {
+        steps.push((
+            "the real node's kubelet, kube-controller-manager, kube-proxy (Go)",
+            "about 2-5 min",
+            "MESHGATE_NODE_BIN",
+            "tools/node/build.sh",
+        ));
+    }
+    if let Some(dir) = log.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    for (what, cold, env, script) in steps {
+        if std::env::var_os(env).is_some() {
+            continue;
+        }
+        print!("build {what} (cold: {cold} on 2 cores; cached after) ... ");
+        let _ = std::io::stdout().flush();
+        let start = Instant::now();
+        let (env, script, owned) = (env.to_owned(), script.to_owned(), log.to_owned());
+        tokio::task::spawn_blocking(move || {
+            meshgate_testenv::built_logged(&env, &script, Some(&owned))
+        })
+        .await??;
+        println!("done in {} s", start.elapsed().as_secs());
+    }
+    Ok(())
+}
+
 pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
+    let log = build_log();
+    prebuild(
+        &log,
+        !real_node_skipped() && meshgate_testenv::node::effective_uid() == Some(0),
+    )
+    .await?;
     // A real node (kubelet, containerd, CNI) joins later where this host can run one; its gate
     // image is written and imported by the test environment, never pulled.
     let real_node = tokio::task::spawn_blocking(real_node_prerequisites).await?;
-    let log = build_log();
     let built = match &real_node {
         Ok(()) => build_static_binaries(&log).await?,
         Err(_) => false,
