@@ -27,7 +27,9 @@
 //!   - no `operations` means every operation in Kyverno: the policy gets `[CREATE, UPDATE]`;
 //!     `DELETE` and `CONNECT` are dropped with a note.
 //! * `mutate.patchStrategicMerge`, unchanged (meshgate implements Kyverno's anchors).
-//! * `mutate.patchesJson6902`, a YAML/JSON string of operations or a list. An `add` of a string
+//! * `mutate.patchesJson6902`, a YAML/JSON string of operations or a list. Kyverno substitutes
+//!   variables in the string before parsing it, so a value that is one quoted variable is text
+//!   there (`"8080"`): such values become `{{ to_string(...) }}`. An `add` of a string
 //!   to `/metadata/annotations/<key>` or `/metadata/labels/<key>` becomes an `annotations` /
 //!   `labels` mutation, which, like Kyverno's JSON patch, creates the map when it is missing.
 //!   Other operations stay JSON patch operations with Kyverno's leniencies on
@@ -1146,10 +1148,24 @@ fn strip_ops(ops: &[JsonPatchOperation], prefix: &[&str]) -> Option<Vec<JsonPatc
 }
 
 /// `patchesJson6902`: a YAML or JSON string of operations, or a list.
+///
+/// Kyverno substitutes the variables of the string (its only form in Kyverno's schema) before
+/// it parses it, so a value that is one variable in quotes (`value: "{{ element.port }}"`) is
+/// text there: `"8080"`, not `8080`, and `null` is `"null"`. Such values become
+/// `{{ to_string(...) }}`, which writes the same text (JMESPath's `to_string`: a string as is,
+/// anything else as JSON), where meshgate would keep the value's type.
 fn parse_json6902(v: &Value, path: &str) -> Result<Vec<JsonPatchOperation>, String> {
     let list = match v {
-        Value::String(s) => meshgate_api::yaml::from_str::<Value>(s)
-            .map_err(|e| format!("{path}: not YAML or JSON: {e}"))?,
+        Value::String(s) => {
+            let mut list = meshgate_api::yaml::from_str::<Value>(s)
+                .map_err(|e| format!("{path}: not YAML or JSON: {e}"))?;
+            if let Value::Array(items) = &mut list {
+                for value in items.iter_mut().filter_map(|op| op.get_mut("value")) {
+                    whole_variables_as_text(value);
+                }
+            }
+            list
+        }
         other => other.clone(),
     };
     let Value::Array(items) = list else {
@@ -1163,6 +1179,50 @@ fn parse_json6902(v: &Value, path: &str) -> Result<Vec<JsonPatchOperation>, Stri
                 .map_err(|e| format!("{path}[{i}]: {e}"))
         })
         .collect()
+}
+
+/// Rewrites every string of `v` that is one variable (`{{ x }}`, `{{- x }}`, nested ones
+/// included) to `{{ to_string(x) }}` (see [`parse_json6902`]).
+fn whole_variables_as_text(v: &mut Value) {
+    match v {
+        Value::String(s) => {
+            if let Some(inner) = whole_variable(s) {
+                let (dash, expression) = match inner.trim_start().strip_prefix('-') {
+                    Some(rest) => ("-", rest.trim()),
+                    None => ("", inner.trim()),
+                };
+                *s = format!("{{{{{dash} to_string({expression}) }}}}");
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(whole_variables_as_text),
+        Value::Object(map) => map.values_mut().for_each(whole_variables_as_text),
+        _ => {}
+    }
+}
+
+/// The text between the braces when `s` is one variable and nothing else: it opens with `{{`
+/// and that variable (inner `{{ }}` nested in it) closes at its very end.
+fn whole_variable(s: &str) -> Option<&str> {
+    let inner = s.strip_prefix("{{")?.strip_suffix("}}")?;
+    let mut depth = 1usize;
+    let mut rest = inner;
+    while !rest.is_empty() {
+        if let Some(r) = rest.strip_prefix("{{") {
+            depth += 1;
+            rest = r;
+        } else if let Some(r) = rest.strip_prefix("}}") {
+            depth -= 1;
+            if depth == 0 {
+                return None;
+            }
+            rest = r;
+        } else {
+            let mut chars = rest.chars();
+            chars.next();
+            rest = chars.as_str();
+        }
+    }
+    (depth == 1 && !inner.trim().is_empty()).then_some(inner)
 }
 
 /// Unescapes one RFC 6901 segment.
@@ -1520,4 +1580,50 @@ fn fnv1a(s: &str) -> u32 {
     s.bytes().fold(0x811c_9dc5_u32, |h, b| {
         (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
     })
+}
+
+#[cfg(test)]
+mod text_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn json_patch_string_values_of_one_variable_become_text() {
+        assert_eq!(whole_variable("{{ a }}"), Some(" a "));
+        assert_eq!(
+            whole_variable(r#"{{ images.containers."{{ element.name }}".tag }}"#),
+            Some(r#" images.containers."{{ element.name }}".tag "#)
+        );
+        assert_eq!(whole_variable("{{ a }}{{ b }}"), None);
+        assert_eq!(whole_variable("x{{ a }}"), None);
+        assert_eq!(whole_variable("{{ a }} "), None);
+        assert_eq!(whole_variable("{{}}"), None);
+
+        let ops = parse_json6902(
+            &json!(
+                "- op: add\n  path: /metadata/annotations/port\n  value: \"{{ element.containerPort }}\"\n- op: add\n  path: /spec/x\n  value:\n    name: \"{{- element.name }}\"\n    text: \"port {{ element.containerPort }}\"\n    n: 3\n"
+            ),
+            "p",
+        )
+        .unwrap();
+        assert_eq!(
+            ops[0].value,
+            Some(json!("{{ to_string(element.containerPort) }}"))
+        );
+        assert_eq!(
+            ops[1].value,
+            Some(json!({
+                "name": "{{- to_string(element.name) }}",
+                "text": "port {{ element.containerPort }}",
+                "n": 3
+            }))
+        );
+        // A list (not Kyverno's form) keeps the value's type.
+        let ops = parse_json6902(
+            &json!([{"op": "add", "path": "/a", "value": "{{ element.containerPort }}"}]),
+            "p",
+        )
+        .unwrap();
+        assert_eq!(ops[0].value, Some(json!("{{ element.containerPort }}")));
+    }
 }

@@ -6,7 +6,8 @@
 //! patch path or value, a condition's key or value) may hold `{{ expression }}`: a JMESPath
 //! expression (the maintained `jmespath` crate, with Kyverno's common string functions added:
 //! `to_upper`, `to_lower`, `trim`, `split`, `replace_all`, `truncate`, `equal_fold`,
-//! `compare`) over these variables:
+//! `compare`, `regex_replace_all`, `regex_replace_all_literal`, `regex_match`) over these
+//! variables:
 //! * `request.object`: the object the mutations are written against, as the mutation finds it:
 //!   the Pod, or for a workload matched as Pod-shaped its pod template (Kyverno's pod-controller
 //!   rules rewrite `request.object.spec` to the template's the same way), or the object itself
@@ -781,6 +782,67 @@ fn runtime() -> &'static Runtime {
                 }),
             )),
         );
+        // Kyverno's regular-expression functions (`pkg/engine/jmespath/functions.go`): Go's
+        // RE2 syntax, which the `regex` crate shares; a number as the source or the replacement
+        // is written as Go writes it (`strconv.FormatFloat(f, 'f', -1, 32)`), and `$1` /
+        // `${name}` in a replacement expand as Go's `Regexp.Expand` does.
+        let pattern = move |args: &[Rcvar]| {
+            let re = text(args, 0);
+            regex::Regex::new(&re).map_err(|e| {
+                jmespath::JmespathError::new(
+                    &re,
+                    0,
+                    jmespath::ErrorReason::Parse(format!("invalid regular expression: {e}")),
+                )
+            })
+        };
+        let either = || ArgumentType::Union(vec![ArgumentType::String, ArgumentType::Number]);
+        let go_text = |args: &[Rcvar], i: usize| -> String {
+            match args.get(i).map(|a| &**a) {
+                Some(Variable::String(s)) => s.clone(),
+                Some(Variable::Number(n)) => match n.as_i64() {
+                    Some(i) => i.to_string(),
+                    None => (n.as_f64().unwrap_or_default() as f32).to_string(),
+                },
+                _ => String::new(),
+            }
+        };
+        rt.register_function(
+            "regex_replace_all",
+            Box::new(CustomFunction::new(
+                Signature::new(vec![string(), either(), either()], None),
+                Box::new(move |a, _| {
+                    let re = pattern(a)?;
+                    out(Variable::String(
+                        re.replace_all(&go_text(a, 1), go_text(a, 2).as_str())
+                            .into_owned(),
+                    ))
+                }),
+            )),
+        );
+        rt.register_function(
+            "regex_replace_all_literal",
+            Box::new(CustomFunction::new(
+                Signature::new(vec![string(), either(), either()], None),
+                Box::new(move |a, _| {
+                    let re = pattern(a)?;
+                    out(Variable::String(
+                        re.replace_all(&go_text(a, 1), regex::NoExpand(&go_text(a, 2)))
+                            .into_owned(),
+                    ))
+                }),
+            )),
+        );
+        rt.register_function(
+            "regex_match",
+            Box::new(CustomFunction::new(
+                Signature::new(vec![string(), either()], None),
+                Box::new(move |a, _| {
+                    let re = pattern(a)?;
+                    out(Variable::Bool(re.is_match(&go_text(a, 1))))
+                }),
+            )),
+        );
         rt.register_function(
             "compare",
             Box::new(CustomFunction::new(
@@ -892,6 +954,46 @@ mod tests {
     }
 
     #[test]
+    fn regex_functions_are_kyvernos() {
+        let v = vars();
+        let e = v.with_element(&json!({"name": "b", "image": "docker.io/library/b:2"}), 1);
+        assert_eq!(
+            e.substitute_str(
+                r"{{ regex_replace_all('^docker.io/(library/)?', element.image, 'mirror.local/') }}"
+            ),
+            Ok(json!("mirror.local/b:2"))
+        );
+        // `$1` expands in regex_replace_all, not in regex_replace_all_literal.
+        assert_eq!(
+            e.substitute_str(r"{{ regex_replace_all(':(.*)$', element.image, '@$1') }}"),
+            Ok(json!("docker.io/library/b@2"))
+        );
+        assert_eq!(
+            e.substitute_str(r"{{ regex_replace_all_literal(':(.*)$', element.image, '@$1') }}"),
+            Ok(json!("docker.io/library/b@$1"))
+        );
+        // Numbers as source and replacement, written as Go writes them.
+        assert_eq!(
+            e.substitute_str("{{ regex_replace_all('0', `8080`, `1.5`) }}"),
+            Ok(json!("81.581.5"))
+        );
+        assert_eq!(
+            e.substitute_str("{{ regex_match('^b$', element.name) }}"),
+            Ok(json!(true))
+        );
+        assert_eq!(
+            e.substitute_str("{{ regex_match('^[0-9]+$', elementIndex) }}"),
+            Ok(json!(true))
+        );
+        let bad = e.substitute_str("{{ regex_match('(', element.name) }}");
+        assert!(
+            bad.as_ref()
+                .is_err_and(|m| m.contains("invalid regular expression")),
+            "{bad:?}"
+        );
+    }
+
+    #[test]
     fn nested_variables_are_substituted_inner_first() {
         let v = vars();
         let e = v.with_element(&json!({"name": "b", "image": "b:2"}), 1);
@@ -907,10 +1009,8 @@ mod tests {
         assert_eq!(
             e.substitute_str(
                 r"{{ regex_replace_all('^([^:]+):.*$', '{{element.image}}', 'mirror.local/$1') }}"
-            )
-            .map_err(|e| e.contains("regex_replace_all")),
-            Err(true),
-            "regex_replace_all is not a function meshgate knows: the error names it"
+            ),
+            Ok(json!("mirror.local/b"))
         );
         assert_eq!(
             e.substitute_str("{{ to_upper('{{element.name}}') }}-{{elementIndex}}"),
