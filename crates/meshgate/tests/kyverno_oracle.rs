@@ -24,8 +24,7 @@
 //!
 //! The documented deviations (each reason in its case file, the table in docs/design.md):
 //! `06-workload-objects` refused (a MutationPolicy naming a workload mutates its pod template;
-//! #30 cause 4 open), `12-merge-named-element` (imported rules apply in name order, not rule
-//! order), `13-merge-anchor-element` and `14-merge-template-element` (anchored elements patched
+//! #30 cause 4 open), `13-merge-anchor-element` and `14-merge-template-element` (anchored elements patched
 //! in place, not moved first), `04-null-substitution` (no empty map created by a null-only
 //! patch), `16-deployment-volume` (kustomize drops `emptyDir: {}`; meshgate keeps it).
 //!

@@ -237,6 +237,7 @@ pub fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
         notes.extend(ignored);
         return Err(nothing(notes));
     }
+    keep_rule_order(policy, &mut policies);
     if spec.get("applyRules").and_then(Value::as_str) == Some("One") && policies.len() > 1 {
         notes.push("spec.applyRules: One is not supported: every converted rule applies, not only the first that matches".to_owned());
     }
@@ -1530,6 +1531,30 @@ fn metadata_slot<'m>(m: &'m mut Mutation, field: &str) -> Option<&'m mut Metadat
         m.annotations.as_mut()
     } else {
         m.labels.as_mut()
+    }
+}
+
+/// Kyverno applies a policy's mutate rules in the order they are written, each to the result of
+/// the one before (`pkg/engine/mutation.go`); MutationPolicies apply in name order
+/// (`policy::apply`). Where the rules' `<policy>-<rule>` names do not sort in rule order, each
+/// name gets its rule's position: `<policy>-<NN>-<rule>`, zero-padded so that name order is rule
+/// order.
+fn keep_rule_order(policy: &str, policies: &mut [(String, MutationPolicySpec)]) {
+    if policies.windows(2).all(|w| w[0].0 < w[1].0) {
+        return;
+    }
+    let width = policies.len().to_string().len();
+    let mut names = BTreeSet::new();
+    for (i, (name, _)) in policies.iter_mut().enumerate() {
+        let rule = name
+            .strip_prefix(&dns1123_name(policy, ""))
+            .unwrap_or(name)
+            .trim_start_matches('-')
+            .to_owned();
+        *name = unique(
+            dns1123_name(policy, &format!("{:0width$}-{rule}", i + 1)),
+            &mut names,
+        );
     }
 }
 

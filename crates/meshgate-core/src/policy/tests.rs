@@ -1398,3 +1398,43 @@ fn nested_mutations_are_validated_with_their_scope() {
     .expect_err("a built-in name");
     assert!(errors[0].contains("built-in"), "{errors:?}");
 }
+
+#[test]
+fn imported_rules_apply_in_the_order_kyverno_applies_them() {
+    // Kyverno applies a policy's rules as written, each to the result of the one before; the
+    // second rule's name sorts first.
+    let doc = json!({
+        "apiVersion": "kyverno.io/v1", "kind": "ClusterPolicy",
+        "metadata": {"name": "order"},
+        "spec": {"rules": [
+            {"name": "tag", "match": {"any": [{"resources": {"kinds": ["Pod"]}}]},
+             "mutate": {"patchStrategicMerge": {"metadata": {"labels": {"step": "tagged"}}}}},
+            {"name": "after-tag", "match": {"any": [{"resources": {"kinds": ["Pod"]}}]},
+             "preconditions": {"all": [{"key": "{{ request.object.metadata.labels.step || '' }}",
+                                        "operator": "Equals", "value": "tagged"}]},
+             "mutate": {"patchStrategicMerge": {"metadata": {"labels": {"seen": "yes"}}}}},
+        ]},
+    });
+    let imported = crate::policy::kyverno::import(&doc).expect("imports");
+    let names: Vec<&str> = imported.policies.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["order-1-tag", "order-2-after-tag"]);
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+                     "spec": {"containers": [{"name": "app", "image": "app"}]}});
+    let policies: Vec<(&str, &MutationPolicySpec)> = imported
+        .policies
+        .iter()
+        .map(|(n, s)| (n.as_str(), s))
+        .collect();
+    let applied = run(&policies, &pod);
+    assert_eq!(
+        applied.object["metadata"]["labels"],
+        json!({"step": "tagged", "seen": "yes"})
+    );
+
+    // Rules whose names already sort in their order keep their plain names.
+    let mut doc = doc;
+    doc["spec"]["rules"][1]["name"] = json!("then-mark");
+    let imported = crate::policy::kyverno::import(&doc).expect("imports");
+    let names: Vec<&str> = imported.policies.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["order-tag", "order-then-mark"]);
+}
