@@ -655,6 +655,7 @@ fn convert_rule(
         match_,
         exclude: exclude.map(Desc::into_match),
         pod_templates,
+        target: Default::default(),
         mutations,
         warning: ctx
             .emit_warning
