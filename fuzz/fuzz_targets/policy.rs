@@ -108,6 +108,7 @@ fn strategic_pair(target: &[u8], patch: &[u8]) {
         match_: Default::default(),
         exclude: None,
         pod_templates: false,
+        target: Default::default(),
         mutations: vec![Mutation {
             strategic_merge: Some(patch),
             ..Mutation::default()

@@ -38,6 +38,14 @@ pub struct MutationPolicySpec {
     /// StatefulSets, DaemonSets, ReplicaSets, Jobs and CronJobs as well (Kyverno's default).
     #[serde(default)]
     pub pod_templates: bool,
+    /// What the mutations are written against. `Pod` (the default): a Pod — a Pod itself, and
+    /// a workload (named in `kinds`, or through `podTemplates`) in its pod template; a kind
+    /// without a pod template is the object itself. `Object`: every matched object itself,
+    /// workloads included — a Deployment's patch paths start at the Deployment
+    /// (`spec.template.spec.volumes`) and `request.object` is the Deployment, as in a Kyverno
+    /// rule that names Deployment. Not with `podTemplates`.
+    #[serde(default, skip_serializing_if = "MutationTarget::is_pod")]
+    pub target: MutationTarget,
     /// Mutations, applied in order.
     #[schemars(length(min = 1, max = 64))]
     pub mutations: Vec<Mutation>,
@@ -47,6 +55,24 @@ pub struct MutationPolicySpec {
     /// Apply to workloads that exist already.
     #[serde(default)]
     pub existing: ExistingResources,
+}
+
+/// What a MutationPolicy's mutations are written against (`spec.target`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub enum MutationTarget {
+    /// A Pod: a Pod itself, a workload's pod template (`spec.template`, a CronJob's
+    /// `spec.jobTemplate.spec.template`); a kind without a pod template is the object itself.
+    #[default]
+    Pod,
+    /// The matched object itself, whatever its kind: a workload is mutated as the workload.
+    Object,
+}
+
+impl MutationTarget {
+    /// Whether this is the default, `Pod`.
+    pub fn is_pod(&self) -> bool {
+        *self == MutationTarget::Pod
+    }
 }
 
 /// `NamespacedMutationPolicy`: a MutationPolicy that a namespace's owner (a tenant, e.g. a

@@ -17,9 +17,10 @@
 //!     with `meshgate.dev/inject: "false"` are never matched, as at admission.
 //!   - The mutated pod template comes from the same engine as the webhook
 //!     ([`meshgate_core::policy::apply`], with this one policy). A workload whose template does
-//!     not change is `unchanged`. Otherwise the pod template alone is written: a JSON patch of
-//!     the template's differences, preceded by a `test` of the `metadata.resourceVersion` that
-//!     was read (optimistic lock). On a conflict (409, or a 422 after which the object has a
+//!     not change is `unchanged`. Otherwise the pod template alone is written (with
+//!     `target: Object`, the workload's own changes: its metadata and spec as the policy
+//!     mutated them): a JSON patch of the differences, preceded by a `test` of the
+//!     `metadata.resourceVersion` that was read (optimistic lock). On a conflict (409, or a 422 after which the object has a
 //!     new resourceVersion) the workload is read again, recomputed and written again, up to
 //!     [`MAX_ATTEMPTS`] times. Writes use the field manager `meshgate` and are spaced to at most
 //!     `spec.existing.ratePerSecond`. The write passes through the `/mutate/policies` webhook
@@ -55,7 +56,9 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
-use meshgate_api::mutation_policy::{ExistingReport, MutationPolicyStatus, Operation};
+use meshgate_api::mutation_policy::{
+    ExistingReport, MutationPolicyStatus, MutationTarget, Operation,
+};
 use meshgate_api::{GateConfig, MutationPolicy, MutationPolicySpec, names};
 use meshgate_core::patch::{JsonPatch, escape};
 use meshgate_core::policy::{
@@ -942,8 +945,13 @@ pub fn plan(input: &PlanInput<'_>, object: &Value) -> Result<Plan, PolicyError> 
     ) {
         return Ok(Plan::Skip);
     }
-    let Some(path) = pod_template_path(kind).filter(|p| !p.is_empty()) else {
+    let Some(template) = pod_template_path(kind).filter(|p| !p.is_empty()) else {
         return Ok(Plan::Skip);
+    };
+    // What the policy writes: the pod template, or with `target: Object` the workload itself.
+    let path: &[&str] = match input.spec.target {
+        MutationTarget::Pod => template,
+        MutationTarget::Object => &[],
     };
     let Some(operation) = input.operation(object) else {
         return Ok(Plan::Skip);
@@ -1006,6 +1014,7 @@ mod tests {
             match_,
             exclude: None,
             pod_templates: true,
+            target: Default::default(),
             mutations: vec![Mutation {
                 annotations: Some(MetadataMutation {
                     values: [(KEY.to_owned(), "0.0.0.0/0".to_owned())].into(),
@@ -1091,6 +1100,28 @@ mod tests {
         );
         assert_eq!(patched["metadata"], deployment("mesh")["metadata"]);
         // Applying the policy again changes nothing.
+        assert_eq!(plan_of(&s, &ns, &patched), Plan::Unchanged);
+    }
+
+    #[test]
+    fn an_object_target_policy_writes_the_workload_itself() {
+        let mut s = spec(MatchResources {
+            kinds: vec!["Deployment".to_owned()],
+            ..mesh_selector()
+        });
+        s.pod_templates = false;
+        s.target = MutationTarget::Object;
+        let ns = namespaces();
+        let Plan::Change { patch, .. } = plan_of(&s, &ns, &deployment("mesh")) else {
+            panic!("expected a change");
+        };
+        for op in &patch.0[1..] {
+            let path = op["path"].as_str().unwrap();
+            assert!(path.starts_with("/metadata/annotations"), "{path}");
+        }
+        let patched = patch.apply(&deployment("mesh")).unwrap();
+        assert_eq!(patched["metadata"]["annotations"][KEY], "0.0.0.0/0");
+        assert_eq!(patched["spec"], deployment("mesh")["spec"]);
         assert_eq!(plan_of(&s, &ns, &patched), Plan::Unchanged);
     }
 

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use meshgate_api::mutation_policy::{MutationPolicySpec, Operation};
+use meshgate_api::mutation_policy::{MutationPolicySpec, MutationTarget, Operation};
 use meshgate_core::policy::kyverno::{KyvernoError, import};
 use meshgate_core::policy::{MatchContext, apply, validate};
 use serde_json::{Value, json};
@@ -358,23 +358,32 @@ spec:
 }
 
 #[test]
-fn workload_rules_are_rebased_on_the_pod_template() {
+fn workload_rules_mutate_the_workload_objects() {
     let out = import(&fixture("kyverno/workloads.yaml")).unwrap();
     let names: Vec<&str> = out.policies.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(
         names,
         [
             "workload-rules-template-annotation",
+            "workload-rules-scale",
             "workload-rules-union-any"
         ]
     );
 
+    // Kyverno applies the rule's patch to every object it matched: the patch is kept as
+    // written, every kind kept, each object patched as itself.
     let template = &out.policies[0].1;
-    assert_eq!(template.match_.kinds, ["Deployment", "StatefulSet"]);
+    assert_eq!(
+        template.match_.kinds,
+        ["Deployment", "StatefulSet", "CronJob", "Service"]
+    );
+    assert_eq!(template.target, MutationTarget::Object);
     assert!(!template.pod_templates);
     assert_eq!(
         template.mutations[0].strategic_merge,
-        Some(json!({"metadata": {"annotations": {"sidecar.istio.io/proxyCPU": "100m"}}}))
+        Some(
+            json!({"spec": {"template": {"metadata": {"annotations": {"sidecar.istio.io/proxyCPU": "100m"}}}}})
+        )
     );
     let deployment = fixture("deployment.yaml");
     let mutated = run(&out.policies[..1], &deployment, Operation::Create);
@@ -382,15 +391,22 @@ fn workload_rules_are_rebased_on_the_pod_template() {
         mutated["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/proxyCPU"],
         "100m"
     );
+    assert_eq!(mutated["metadata"], deployment["metadata"]);
 
-    let union = &out.policies[1].1;
+    // A patch of the Deployment's own field converts too.
+    let scale = &out.policies[1].1;
+    assert_eq!(scale.match_.kinds, ["Deployment"]);
+    assert_eq!(scale.target, MutationTarget::Object);
+    let scaled = run(&out.policies[1..2], &deployment, Operation::Create);
+    assert_eq!(scaled["spec"]["replicas"], 3);
+    assert_eq!(scaled["spec"]["template"], deployment["spec"]["template"]);
+
+    let union = &out.policies[2].1;
     assert_eq!(union.match_.namespaces, ["a", "b-*"]);
     assert!(union.pod_templates);
+    assert_eq!(union.target, MutationTarget::Pod);
 
     let expected = [
-        "spec.rules[0].match: kinds Service dropped: the rule also matches workloads",
-        "spec.rules[0].match: kind CronJob dropped",
-        "spec.rules[1] (scale): not converted: spec.rules[1].mutate: the patch changes the Deployment objects themselves",
         "spec.rules[2] (by-user): not converted: spec.rules[2].match.any[0].subjects: matching on the requesting user is not supported",
         "spec.rules[3] (mixed-any): not converted: spec.rules[3].match.any: its 2 entries differ in kinds and namespaces",
     ];
@@ -405,7 +421,7 @@ fn workload_rules_are_rebased_on_the_pod_template() {
 }
 
 #[test]
-fn mixed_pod_and_workload_kinds_keep_pod() {
+fn mixed_pod_and_workload_kinds_patch_each_object() {
     let out = import(&doc(r#"
 apiVersion: kyverno.io/v1
 kind: ClusterPolicy
@@ -420,15 +436,87 @@ spec:
       patchStrategicMerge: {metadata: {labels: {mesh: istio}}}
 "#))
     .unwrap();
+    assert!(out.notes.is_empty(), "{:?}", out.notes);
     let spec = &out.policies[0].1;
-    assert_eq!(spec.match_.kinds, ["Pod"]);
+    assert_eq!(spec.match_.kinds, ["Pod", "Deployment"]);
+    assert_eq!(spec.target, MutationTarget::Object);
     // Mixed kinds disable Kyverno's autogen.
     assert!(!spec.pod_templates);
-    assert!(
-        out.notes[0].starts_with("spec.rules[0].match: kinds Deployment dropped"),
-        "{:?}",
-        out.notes
+    let deployment = fixture("deployment.yaml");
+    let mutated = run(&out.policies, &deployment, Operation::Create);
+    assert_eq!(mutated["metadata"]["labels"]["mesh"], "istio");
+    assert_eq!(mutated["spec"], deployment["spec"]);
+    let pod = run(&out.policies, &fixture("pod.yaml"), Operation::Create);
+    assert_eq!(pod["metadata"]["labels"]["mesh"], "istio");
+}
+
+/// Issue #30, cause 7: a rule for Deployments whose precondition reads the Deployment's pod
+/// template and whose patch adds a volume and a mount. Its `request.object` is the Deployment,
+/// so the precondition holds where Kyverno's does, and the patch lands where Kyverno's does.
+#[test]
+fn a_deployment_rule_with_preconditions_adds_its_volume() {
+    let policy = doc(r#"
+apiVersion: kyverno.io/v1
+kind: ClusterPolicy
+metadata: {name: scratch-volume}
+spec:
+  rules:
+  - name: add-scratch
+    match:
+      any:
+      - resources: {kinds: [Deployment]}
+    preconditions:
+      all:
+      - key: "{{ request.object.spec.template.metadata.annotations.\"example.com/scratch\" || '' }}"
+        operator: Equals
+        value: "on"
+    mutate:
+      patchesJson6902: |-
+        - op: add
+          path: /spec/template/spec/volumes/-
+          value: {name: scratch, emptyDir: {medium: Memory}}
+        - op: add
+          path: /spec/template/spec/containers/0/volumeMounts/-
+          value: {name: scratch, mountPath: /scratch}
+  - name: job-ttl
+    match:
+      any:
+      - resources: {kinds: [Job]}
+    mutate:
+      foreach:
+      - list: "[request.object.spec]"
+        patchStrategicMerge:
+          spec:
+            +(ttlSecondsAfterFinished): 300
+"#);
+    let out = import(&policy).unwrap();
+    assert!(out.notes.is_empty(), "{:?}", out.notes);
+    assert_eq!(out.policies.len(), 2);
+    for (_, spec) in &out.policies {
+        assert_eq!(spec.target, MutationTarget::Object);
+        assert_eq!(validate(spec), Ok(()));
+    }
+    let mut deployment = fixture("deployment.yaml");
+    deployment["spec"]["template"]["metadata"]["annotations"] =
+        json!({"example.com/scratch": "on"});
+    let mutated = run(&out.policies, &deployment, Operation::Create);
+    let pod_spec = &mutated["spec"]["template"]["spec"];
+    assert_eq!(
+        pod_spec["volumes"],
+        json!([{"name": "scratch", "emptyDir": {"medium": "Memory"}}])
     );
+    assert_eq!(
+        pod_spec["containers"][0]["volumeMounts"],
+        json!([{"name": "scratch", "mountPath": "/scratch"}])
+    );
+    // Without the annotation the precondition fails: nothing changes.
+    let plain = fixture("deployment.yaml");
+    assert_eq!(run(&out.policies, &plain, Operation::Create), plain);
+
+    let job = json!({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j", "namespace": "shop"},
+        "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "x"}]}}}});
+    let mutated = run(&out.policies, &job, Operation::Create);
+    assert_eq!(mutated["spec"]["ttlSecondsAfterFinished"], 300);
 }
 
 #[test]

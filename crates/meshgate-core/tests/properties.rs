@@ -625,6 +625,7 @@ fn policies() -> impl Strategy<Value = Vec<(String, MutationPolicySpec)>> {
                         },
                         exclude: None,
                         pod_templates,
+                        target: Default::default(),
                         mutations,
                         warning: Some("w".into()),
                         existing: Default::default(),

@@ -99,6 +99,7 @@ fn annotation_policy(
             },
             exclude: None,
             pod_templates: true,
+            target: Default::default(),
             mutations: vec![Mutation {
                 annotations: Some(MetadataMutation {
                     values: values

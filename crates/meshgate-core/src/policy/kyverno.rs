@@ -21,9 +21,7 @@
 //!     combined); namespace patterns in several entries cannot be intersected.
 //!   - kinds `Pod`, `v1/Pod`, `*/Pod`, `apps/v1/Deployment`, ... become bare kinds; any other
 //!     kind (`Service`, `v1/ConfigMap`, `example.com/v1/Widget`, `*`) stays as written and is
-//!     mutated as the object itself, as Kyverno does; subresources are dropped with a note, and
-//!     so are other kinds in a rule that also matches workloads (meshgate mutates those
-//!     workloads' pod templates, Kyverno would patch every object itself).
+//!     mutated as the object itself, as Kyverno does; subresources are dropped with a note.
 //!   - no `operations` means every operation in Kyverno: the policy gets `[CREATE, UPDATE]`;
 //!     `DELETE` and `CONNECT` are dropped with a note.
 //! * `mutate.patchStrategicMerge`, unchanged (meshgate implements Kyverno's anchors).
@@ -43,10 +41,16 @@
 //!   `podTemplates: true` when every controller is auto-generated, the listed controllers as
 //!   explicit kinds when the annotation names some, nothing otherwise. (ReplicationController
 //!   templates are never mutated by meshgate; their pods still are.)
-//! * A rule that matches workloads only must patch below `spec.template` (`spec.jobTemplate.spec.
-//!   template` for CronJob): meshgate mutates pod templates, never the workload object itself, so
-//!   the prefix is removed. A rule matching Pod and workloads keeps Pod only (its patch is
-//!   written against a Pod; Kyverno would apply it to the workload object).
+//! * A rule that names a workload kind (Deployment, StatefulSet, DaemonSet, ReplicaSet, Job,
+//!   CronJob; alone or with Pod or other kinds) mutates each matched object itself, as Kyverno
+//!   applies a rule's patch to the resource it matched (`pkg/engine/mutate/mutation.go`): it
+//!   converts with `target: Object`, its patch, variables (`request.object` is the workload,
+//!   `images` point into its template), preconditions and `foreach` as written
+//!   (`spec.template.spec.volumes`, `spec.ttlSecondsAfterFinished`, the Deployment's own
+//!   `metadata.annotations`). Only the rules Kyverno generates from a Pod rule
+//!   (`pkg/autogen/v1/rule.go`, wrapping the patch in `spec.template` and rewriting
+//!   `request.object.spec` to `request.object.spec.template.spec`) write into pod templates:
+//!   that is `podTemplates`, above.
 //! * Variables (`{{ }}`, nested ones inner first) in `mutate`, over `request.object`,
 //!   `request.operation`, `request.namespace`, `images`, context entries, `element` and
 //!   `elementIndex`, with JMESPath and Kyverno's common string functions (`policy::variables`). In a rule auto-generated for pod controllers,
@@ -79,9 +83,7 @@
 //! # What does not
 //! Variables in `match`/`exclude`, references (`$( )`) anywhere in a rule; context entries
 //! other than `variable` (a `configMap`, `apiCall`, `globalReference` or `imageRegistry` entry
-//! needs the cluster at admission): the rule is refused, naming the entry; variables and
-//! `foreach` in a rule that matches workloads only (their `request.object` would be the
-//! workload); `name` and `names`
+//! needs the cluster at admission): the rule is refused, naming the entry; `name` and `names`
 //! together; `celPreconditions`, `mutate.targets` / `mutateExistingOnPolicyUpdate`,
 //! `match`/`exclude` on the requesting user (`subjects`, `roles`, `clusterRoles`), `spec.webhookConfiguration.matchConditions`, policies with
 //! `spec.admission: false`. Validate, generate and verifyImages rules are ignored with a note.
@@ -95,7 +97,7 @@ use meshgate_api::LabelSelector;
 use meshgate_api::mutation_policy::{
     ConditionOperator, Conditions, ContextEntry, ContextVariable, ForEach, ForEachOrder,
     JsonPatchOp, JsonPatchOperation, JsonPatchOptions, MatchResources, MetadataMutation, Mutation,
-    MutationPolicySpec, OnConflict, Operation, PreCondition,
+    MutationPolicySpec, MutationTarget, OnConflict, Operation, PreCondition,
 };
 use serde_json::Value;
 
@@ -447,7 +449,6 @@ fn convert_rule(
     if let Some(at) = find_variable(mutate, &format!("{path}.mutate"), false) {
         reasons.push(format!("{at}: references ($( )) are not supported"));
     }
-    let has_variables = find_variable(mutate, "", true).is_some();
     let smp = mutate.get("patchStrategicMerge").filter(|v| !v.is_null());
     let json = mutate.get("patchesJson6902").filter(|v| !v.is_null());
     if smp.is_some() && json.is_some() {
@@ -494,91 +495,44 @@ fn convert_rule(
         matched.namespaces = vec![ns.to_owned()];
     }
 
-    // Kinds and where the patch applies. Kinds other than Pods and workloads are mutated as
-    // the objects themselves, as Kyverno does.
-    let (pod_shaped, others): (Vec<String>, Vec<String>) = matched
-        .kinds
-        .drain(..)
-        .partition(|k| SUPPORTED_KINDS.contains(&k.as_str()));
-    matched.kinds = pod_shaped;
-    let has_pod = matched.kinds.iter().any(|k| k == "Pod");
-    let workloads: Vec<String> = matched
+    // Kinds and where the patch applies. A rule that names a workload kind patches each
+    // matched object itself, as Kyverno applies a rule's patch to the resource it matched
+    // (`pkg/engine/mutate/mutation.go`); only its rules auto-generated from a Pod rule
+    // (`pkg/autogen/v1/rule.go`) write into pod templates. Such a rule converts with
+    // `target: Object`, every kind kept. Any other rule keeps the default target: Pods and
+    // other kinds are the objects themselves either way, and Pod rules get `podTemplates`
+    // below (the autogen).
+    let names_workloads = matched
         .kinds
         .iter()
-        .filter(|k| *k != "Pod")
-        .cloned()
-        .collect();
-    let mut prefix: &[&str] = &[];
-    let mut others = others;
-    if !others.is_empty() && !workloads.is_empty() {
-        notes.push(format!(
-            "{path}.match: kinds {} dropped: the rule also matches workloads, whose pod templates meshgate mutates; Kyverno would apply the same patch to those objects themselves (split the rule)",
-            others.join(", ")
-        ));
-        others.clear();
-    }
-    if workloads.is_empty() {
-        // Pods and other kinds: the objects themselves.
-    } else if has_pod && !workloads.is_empty() {
-        notes.push(format!(
-            "{path}.match: kinds {} dropped: the rule also matches Pod, so its patch is written against a Pod; Kyverno would apply it to those workload objects themselves, meshgate only mutates their pod templates",
-            workloads.join(", ")
-        ));
-        matched.kinds = vec!["Pod".to_owned()];
-    } else if !has_pod {
-        let (cron, templated): (Vec<String>, Vec<String>) =
-            workloads.into_iter().partition(|k| k == "CronJob");
-        if has_variables || foreach.is_some() {
-            return Err(format!(
-                "{path}.mutate: variables and foreach in a rule that matches workloads only are not converted (their request.object is the workload; meshgate's is the pod template)"
-            ));
-        }
-        let fits = |p: &[&str]| match (smp, &json_ops) {
-            (Some(s), _) => strip_patch(s, p).is_some(),
-            (None, Some(ops)) => strip_ops(ops, p).is_some(),
-            (None, None) => false,
-        };
-        if !templated.is_empty() && fits(&["spec", "template"]) {
-            if !cron.is_empty() {
-                notes.push(format!(
-                    "{path}.match: kind CronJob dropped: its pod template is at spec.jobTemplate.spec.template, not where the patch writes"
-                ));
-            }
-            prefix = &["spec", "template"];
-            matched.kinds = templated;
-        } else if !cron.is_empty() && fits(&["spec", "jobTemplate", "spec", "template"]) {
-            if !templated.is_empty() {
-                notes.push(format!(
-                    "{path}.match: kinds {} dropped: their pod template is at spec.template, not where the patch writes",
-                    templated.join(", ")
-                ));
-            }
-            prefix = &["spec", "jobTemplate", "spec", "template"];
-            matched.kinds = cron;
-        } else {
-            return Err(format!(
-                "{path}.mutate: the patch changes the {} objects themselves, not only their pod template (spec.template); meshgate only mutates pod templates",
-                matched.kinds.join(", ")
-            ));
-        }
-    }
-
-    let only_pods = matched.kinds == ["Pod"] && others.is_empty();
-    matched.kinds.extend(others);
+        .any(|k| WORKLOAD_KINDS.contains(&k.as_str()));
+    let target = if names_workloads {
+        MutationTarget::Object
+    } else {
+        let (pods, others): (Vec<String>, Vec<String>) = matched
+            .kinds
+            .drain(..)
+            .partition(|k| SUPPORTED_KINDS.contains(&k.as_str()));
+        matched.kinds = pods;
+        matched.kinds.extend(others);
+        MutationTarget::Pod
+    };
+    let only_pods = matched.kinds == ["Pod"];
 
     // Mutations.
     let mut mutations = match (smp, json_ops) {
         (Some(s), _) => {
-            let patch = strip_patch(s, prefix)
-                .ok_or_else(|| format!("{path}.mutate.patchStrategicMerge: must be an object"))?;
+            if !s.is_object() {
+                return Err(format!(
+                    "{path}.mutate.patchStrategicMerge: must be an object"
+                ));
+            }
             vec![Mutation {
-                strategic_merge: Some(patch),
+                strategic_merge: Some(s.clone()),
                 ..Default::default()
             }]
         }
         (None, Some(ops)) => {
-            let ops = strip_ops(&ops, prefix)
-                .ok_or_else(|| format!("{json_path}: an operation is outside the pod template"))?;
             if preconditions.is_some() {
                 // One mutation, so that the preconditions are evaluated once, on the object
                 // as the rule finds it (as Kyverno does).
@@ -658,6 +612,7 @@ fn convert_rule(
         match_,
         exclude: exclude.map(Desc::into_match),
         pod_templates,
+        target,
         mutations,
         warning: ctx
             .emit_warning
@@ -1111,41 +1066,6 @@ fn intersect(descs: Vec<Desc>, path: &str) -> Result<Desc, String> {
         out.selector = combine_selectors(out.selector, d.selector, path)?;
     }
     Ok(out)
-}
-
-/// Removes a prefix (`spec`, `template`) from a strategic-merge patch that only writes below it.
-fn strip_patch(patch: &Value, prefix: &[&str]) -> Option<Value> {
-    let mut current = patch;
-    for segment in prefix {
-        let map = current.as_object()?;
-        if map.len() != 1 {
-            return None;
-        }
-        current = map.get(*segment)?;
-    }
-    current.is_object().then(|| current.clone())
-}
-
-/// Removes a pointer prefix (`/spec/template`) from every operation, if all are below it.
-fn strip_ops(ops: &[JsonPatchOperation], prefix: &[&str]) -> Option<Vec<JsonPatchOperation>> {
-    let pre: String = prefix.iter().map(|s| format!("/{s}")).collect();
-    let strip = |p: &str| -> Option<String> {
-        let rest = p.strip_prefix(pre.as_str())?;
-        rest.starts_with('/').then(|| rest.to_owned())
-    };
-    ops.iter()
-        .map(|op| {
-            Some(JsonPatchOperation {
-                op: op.op,
-                path: strip(&op.path)?,
-                from: match &op.from {
-                    Some(f) => Some(strip(f)?),
-                    None => None,
-                },
-                value: op.value.clone(),
-            })
-        })
-        .collect()
 }
 
 /// `patchesJson6902`: a YAML or JSON string of operations, or a list.

@@ -2,7 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use meshgate_api::mutation_policy::{MatchResources, MutationPolicySpec, Operation};
+use meshgate_api::mutation_policy::{
+    MatchResources, MutationPolicySpec, MutationTarget, Operation,
+};
 use serde_json::Value;
 
 use super::pattern::wildcard_match;
@@ -277,9 +279,25 @@ fn annotations_match(expected: &BTreeMap<String, String>, object: &Value) -> boo
     })
 }
 
+/// Whether `object` is a workload (of its own API group) whose pod template opts out of
+/// meshgate (`meshgate.dev/inject: "false"` on the template): no policy mutates it, whatever
+/// its target.
+pub fn template_opted_out(object: &Value) -> bool {
+    let Some(t) = ObjectType::of(object) else {
+        return false;
+    };
+    if !WORKLOAD_KINDS.contains(&t.kind) || !t.well_known() {
+        return false;
+    }
+    pod_template_path(t.kind)
+        .and_then(|path| path.iter().try_fold(object, |v, s| v.get(*s)))
+        .is_some_and(super::opted_out)
+}
+
 /// Where `spec`'s mutations land on `object` in this request, when it applies: `match` holds
-/// and `exclude` (if set) does not. `[]` is the object itself (a Pod, or any kind other than
-/// the workloads named as such); a workload selected as Pod-shaped is mutated in its pod
+/// and `exclude` (if set) does not. `[]` is the object itself (a Pod, any kind other than the
+/// workloads named as such, and every object of a policy with `target: Object`); a workload
+/// selected as Pod-shaped by a policy with `target: Pod` (the default) is mutated in its pod
 /// template ([`pod_template_path`]). The object selector sees the object's own labels (a
 /// workload's, not its pod template's).
 pub fn policy_target(
@@ -289,27 +307,22 @@ pub fn policy_target(
 ) -> Option<&'static [&'static str]> {
     let t = ObjectType::of(object)?;
     let labels = object_labels(object);
-    let selected = block_matches(
-        &spec.match_,
-        false,
-        &t,
-        object,
-        &labels,
-        spec.pod_templates,
-        ctx,
-    )?;
+    // `podTemplates` is for Pod-shaped policies ([`validate`](super::validate) refuses it with
+    // `target: Object`); with the object target it widens nothing.
+    let pod_templates = spec.pod_templates && spec.target == MutationTarget::Pod;
+    let selected = block_matches(&spec.match_, false, &t, object, &labels, pod_templates, ctx)?;
     if spec
         .exclude
         .as_ref()
-        .and_then(|e| block_matches(e, true, &t, object, &labels, spec.pod_templates, ctx))
+        .and_then(|e| block_matches(e, true, &t, object, &labels, pod_templates, ctx))
         .is_some()
     {
         return None;
     }
-    match selected {
-        Selected::No => None,
-        Selected::PodShaped => pod_template_path(t.kind),
-        Selected::Itself => Some(&[]),
+    match (selected, spec.target) {
+        (Selected::No, _) => None,
+        (Selected::PodShaped, MutationTarget::Pod) => pod_template_path(t.kind),
+        (Selected::PodShaped, MutationTarget::Object) | (Selected::Itself, _) => Some(&[]),
     }
 }
 
@@ -341,6 +354,7 @@ mod tests {
             match_: m,
             exclude: None,
             pod_templates: false,
+            target: Default::default(),
             mutations: Vec::new(),
             warning: None,
             existing: Default::default(),

@@ -17,18 +17,30 @@
 //!   *Pod-shaped* (their `apiVersion`, when present, must be of the kind's group): a workload
 //!   matches when its kind is named, or when `podTemplates` is set and the policy's kinds
 //!   include Pod (Kyverno's auto-generated pod-controller rules; an `exclude` naming Pod then
-//!   excludes those workloads too). Any other kind, and any kind matched by a wildcard, is
-//!   mutated as the object itself ([`policy_target`]).
+//!   excludes those workloads too). Any other kind, any kind matched by a wildcard, and every
+//!   object of a policy with `target: Object` is mutated as the object itself
+//!   ([`policy_target`]).
 //! * A cluster-scoped object (no namespace in the request) matches no `namespaces` and no
 //!   `namespaceSelector`; a Namespace is its own namespace, with its own labels.
-//! * An object (or, for a workload, its pod template) labelled or annotated
-//!   `meshgate.dev/inject: "false"` is never mutated by a policy.
+//! * An object labelled or annotated `meshgate.dev/inject: "false"`, and a workload whose pod
+//!   template is ([`template_opted_out`]), is never mutated by a policy, whatever its target.
 //!
-//! # Where mutations apply
-//! For Pod-shaped matches, mutations are written against a Pod (`metadata`, `spec`): for a Pod
-//! they apply to the object; for a workload to its pod template: `spec.template`, or
-//! `spec.jobTemplate.spec.template` for a CronJob (see [`pod_template_path`]). A workload
-//! without that template is left alone. For every other match they apply to the object itself.
+//! # Where mutations apply (`spec.target`)
+//! With `target: Pod` (the default), Pod-shaped matches are written against a Pod (`metadata`,
+//! `spec`): for a Pod they apply to the object; for a workload to its pod template:
+//! `spec.template`, or `spec.jobTemplate.spec.template` for a CronJob (see
+//! [`pod_template_path`]). A workload without that template is left alone. For every other
+//! match they apply to the object itself.
+//!
+//! With `target: Object`, every matched object is mutated as itself, workloads included: a
+//! Deployment's patch paths start at the Deployment (`spec.template.spec.volumes`,
+//! `metadata.annotations` are the Deployment's own), `request.object` is the Deployment and
+//! `images` point into its template (`/spec/template/spec/containers/0/image`). That is what
+//! a Kyverno rule naming a workload does (`pkg/engine/mutate/mutation.go` patches the resource
+//! the rule matched); `import kyverno` converts such rules to it. The target is the policy's,
+//! not each mutation's: its variables, preconditions and `foreach` lists read one
+//! `request.object`. `podTemplates` (a Pod policy applied to pod templates) is refused with
+//! it by [`validate`].
 //!
 //! # Applying ([`apply`])
 //! Policies apply in the order of their names (a stable sort: equal names keep the caller's
@@ -159,7 +171,7 @@ use crate::object::patch::JsonPatch;
 
 pub use matching::{
     MatchContext, ObjectType, SUPPORTED_KINDS, WORKLOAD_KINDS, object_labels, parse_kind,
-    pod_template_path, policy_matches, policy_target,
+    pod_template_path, policy_matches, policy_target, template_opted_out,
 };
 pub use pattern::wildcard_match;
 pub use render::{RenderError, RenderedDoc, document_namespace, render};
@@ -292,12 +304,13 @@ where
         let Some(path) = policy_target(spec, &out.object, ctx) else {
             continue;
         };
+        // A workload whose pod template opts out is left alone, whatever the target.
+        if template_opted_out(&out.object) {
+            continue;
+        }
         let Some(target) = value_at_mut(&mut out.object, path) else {
             continue;
         };
-        if !path.is_empty() && opted_out(target) {
-            continue;
-        }
         let request = Request {
             operation: match ctx.operation {
                 meshgate_api::mutation_policy::Operation::Create => "CREATE",

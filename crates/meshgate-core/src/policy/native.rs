@@ -34,7 +34,10 @@
 //! `matchConstraints.resourceRules` name the resources of the policy's kinds (Pods and the
 //! workloads from their names, other kinds as discovery resolved them); the CEL conditions make
 //! the final decision, so rules wider than the kinds change nothing. Each write is one
-//! `ApplyConfiguration` mutation on the object's or the pod template's metadata. Failure policy
+//! `ApplyConfiguration` mutation on the object's or the pod template's metadata (with
+//! `target: Object`, always the object's own: a workload's metadata, not its template's; a
+//! patch of its `spec.template` stays on the webhook as any strategic merge beyond metadata
+//! does). Failure policy
 //! `Ignore` (policies are conveniences, as on the webhook), reinvocation `IfNeeded` (as the
 //! webhook).
 //!
@@ -43,11 +46,13 @@
 
 use std::collections::BTreeMap;
 
-use meshgate_api::mutation_policy::{MatchResources, Mutation, MutationPolicySpec, OnConflict};
+use meshgate_api::mutation_policy::{
+    MatchResources, Mutation, MutationPolicySpec, MutationTarget, OnConflict,
+};
 use meshgate_api::names;
 use serde_json::{Value, json};
 
-use super::matching::{SUPPORTED_KINDS, WORKLOAD_KINDS, parse_kind};
+use super::matching::{SUPPORTED_KINDS, WORKLOAD_KINDS, parse_kind, pod_template_path};
 use crate::object::cel::{PolicyApi, cel_list, cel_string, has_value, opted_out, selector_cel};
 
 /// A resource a policy names, resolved (by discovery) for the policies webhook's rules. `*`
@@ -296,10 +301,20 @@ pub fn compile(input: &NativeInput<'_>) -> Result<NativePolicy, NotNative> {
             "spec.exclude.namespaceSelector: a MutatingAdmissionPolicy's match conditions cannot read a namespace's labels, and its namespaceSelector only selects".into(),
         ));
     }
-    let kinds = kinds_cel(&spec.match_.kinds, spec.pod_templates, true);
-    let mut conditions = vec![
-        json!({"name": "not-opted-out", "expression": format!("!{}", opted_out("object.metadata"))}),
-    ];
+    let pod_templates = spec.pod_templates && spec.target == MutationTarget::Pod;
+    let mut kinds = kinds_cel(&spec.match_.kinds, pod_templates, true);
+    if spec.target == MutationTarget::Object {
+        // Every matched object is written as itself (`matching::policy_target`).
+        kinds.pod_shaped = None;
+    }
+    let mut conditions = vec![json!({
+        "name": "not-opted-out",
+        "expression": format!(
+            "!{} && !{}",
+            opted_out("object.metadata"),
+            template_opted_out_cel()
+        ),
+    })];
     if !input.excluded_namespaces.is_empty() {
         conditions.push(json!({
             "name": "namespace-not-excluded",
@@ -314,7 +329,7 @@ pub fn compile(input: &NativeInput<'_>) -> Result<NativePolicy, NotNative> {
                 any: "true".into(),
             }
         } else {
-            kinds_cel(&exclude.kinds, spec.pod_templates, false)
+            kinds_cel(&exclude.kinds, pod_templates, false)
         };
         conditions.push(json!({"name": "not-excluded", "expression": format!("!({})", block_cel(exclude, &kinds, true))}));
     }
@@ -415,7 +430,7 @@ fn resource_rules(
             wanted.push(r);
         }
     }
-    if spec.pod_templates && names_pod {
+    if spec.pod_templates && spec.target == MutationTarget::Pod && names_pod {
         wanted.extend(WORKLOAD_KINDS.iter().filter_map(|k| pod_resource(k)));
     }
     wanted.sort();
@@ -540,6 +555,25 @@ fn kinds_cel(kinds: &[String], pod_templates: bool, empty_means_pod: bool) -> Ki
         None => itself,
     };
     Kinds { pod_shaped, any }
+}
+
+/// A workload whose pod template opts out (`matching::template_opted_out`).
+fn template_opted_out_cel() -> String {
+    let terms: Vec<String> = WORKLOAD_KINDS
+        .iter()
+        .filter_map(|k| {
+            let path = pod_template_path(k).filter(|p| !p.is_empty())?;
+            let mut guards = vec![kind_is(api_group(k), k)];
+            let mut at = String::from("object");
+            for segment in path.iter().copied().chain(["metadata"]) {
+                guards.push(format!("has({at}.{segment})"));
+                at = format!("{at}.{segment}");
+            }
+            guards.push(opted_out(&at));
+            Some(format!("({})", guards.join(" && ")))
+        })
+        .collect();
+    or(&terms)
 }
 
 fn or(terms: &[String]) -> String {
@@ -803,6 +837,55 @@ mod tests {
             ["not-opted-out", "namespace-not-excluded", "match"]
         );
         assert_eq!(c.binding["spec"]["policyName"], "meshgate-policy-p");
+    }
+
+    #[test]
+    fn an_object_target_writes_the_workload_metadata_and_its_template_patch_stays() {
+        let c = compiled(json!({
+            "match": {"kinds": ["Deployment", "CronJob"]},
+            "target": "Object",
+            "mutations": [{"annotations": {"values": {"owner": "platform"}}}],
+        }))
+        .expect("compiles");
+        let expression = c.policy["spec"]["mutations"][0]["applyConfiguration"]["expression"]
+            .as_str()
+            .unwrap();
+        assert_eq!(
+            expression,
+            r#"Object{metadata: Object.metadata{annotations: {"owner": "platform"}}}"#
+        );
+        // The same policy with the default target writes the templates.
+        let pod_shaped = compiled(json!({
+            "match": {"kinds": ["Deployment", "CronJob"]},
+            "mutations": [{"annotations": {"values": {"owner": "platform"}}}],
+        }))
+        .expect("compiles");
+        let expression =
+            pod_shaped.policy["spec"]["mutations"][0]["applyConfiguration"]["expression"]
+                .as_str()
+                .unwrap();
+        assert!(
+            expression.contains("Object.spec.template.metadata{annotations:"),
+            "{expression}"
+        );
+        // A workload whose template opts out is not matched, whatever the target.
+        let not_opted_out = c.policy["spec"]["matchConditions"][0]["expression"]
+            .as_str()
+            .unwrap();
+        assert!(
+            not_opted_out.contains("has(object.spec.jobTemplate.spec.template.metadata)"),
+            "{not_opted_out}"
+        );
+        let err = expressible(&spec(json!({
+            "match": {"kinds": ["Deployment"]},
+            "target": "Object",
+            "mutations": [{"strategicMerge": {"spec": {"template": {"spec": {"volumes": [{"name": "v", "emptyDir": {}}]}}}}}],
+        })))
+        .expect_err("a template patch");
+        assert!(
+            err.0.contains("spec.mutations[0].strategicMerge.spec"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -747,6 +747,169 @@ fn opted_out_objects_are_never_mutated() {
     assert!(!run(&[("p", &s)], &deployment).changed());
 }
 
+// ---------------------------------------------------------------- target: Object
+
+#[test]
+fn object_target_mutates_the_workload_itself() {
+    let deployment = yaml(DEPLOYMENT);
+    // The same mutations, written against the Deployment: its own annotations, a volume in its
+    // pod template and a mount in every container.
+    let s = spec(
+        r#"
+match: {kinds: [Deployment]}
+target: Object
+mutations:
+- annotations: {values: {owner: platform}}
+- strategicMerge:
+    spec:
+      template:
+        spec:
+          volumes: [{name: cache, emptyDir: {}}]
+          containers: [{(name): "*", volumeMounts: [{name: cache, mountPath: /cache}]}]
+"#,
+    );
+    let out = run(&[("p", &s)], &deployment);
+    assert_eq!(out.policies, ["p"]);
+    assert_eq!(
+        out.object["metadata"]["annotations"],
+        json!({"owner": "platform"})
+    );
+    let template = &out.object["spec"]["template"];
+    assert_eq!(
+        template["spec"]["volumes"],
+        json!([{"name": "cache", "emptyDir": {}}])
+    );
+    assert_eq!(
+        template["spec"]["containers"][0]["volumeMounts"],
+        json!([{"name": "cache", "mountPath": "/cache"}])
+    );
+    // The template's own metadata is not where the annotation goes.
+    assert_eq!(
+        template["metadata"],
+        deployment["spec"]["template"]["metadata"]
+    );
+    assert_eq!(run(&[("p", &s)], &out.object).object, out.object);
+
+    // The default target keeps the Pod-shaped meaning: the same annotation lands on the
+    // template, and a patch of `spec.template` is a patch of the pod's `spec.template`.
+    let pod_shaped = spec(
+        "match: {kinds: [Deployment]}
+mutations: [{annotations: {values: {owner: platform}}}]
+",
+    );
+    let out = run(&[("p", &pod_shaped)], &deployment).object;
+    assert_eq!(
+        out["spec"]["template"]["metadata"]["annotations"],
+        json!({"owner": "platform"})
+    );
+    assert_eq!(out["metadata"], deployment["metadata"]);
+}
+
+#[test]
+fn object_target_fields_of_the_workload_and_every_kind_named() {
+    // A Job's own field, a CronJob's own field, and a Pod named beside them: each is
+    // patched as the object it is.
+    let s = spec(
+        r#"
+match: {kinds: [Pod, Job, CronJob]}
+target: Object
+mutations:
+- strategicMerge: {metadata: {labels: {+(team): platform}}}
+- strategicMerge: {spec: {+(ttlSecondsAfterFinished): 600}}
+"#,
+    );
+    let job = json!({"apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": "j", "namespace": "shop"},
+        "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "x"}]}}}});
+    let out = run(&[("p", &s)], &job).object;
+    assert_eq!(out["spec"]["ttlSecondsAfterFinished"], 600);
+    assert_eq!(out["metadata"]["labels"], json!({"team": "platform"}));
+    assert!(out["spec"]["template"].get("metadata").is_none());
+    let mut kept = job.clone();
+    kept["spec"]["ttlSecondsAfterFinished"] = json!(60);
+    assert_eq!(
+        run(&[("p", &s)], &kept).object["spec"]["ttlSecondsAfterFinished"],
+        60
+    );
+    let cronjob = run(&[("p", &s)], &yaml(CRONJOB)).object;
+    assert_eq!(cronjob["spec"]["ttlSecondsAfterFinished"], 600);
+    assert_eq!(cronjob["metadata"]["labels"], json!({"team": "platform"}));
+    let pod = run(&[("p", &s)], &yaml(POD)).object;
+    assert_eq!(pod["metadata"]["labels"]["team"], "platform");
+    assert_eq!(pod["spec"]["ttlSecondsAfterFinished"], 600);
+}
+
+#[test]
+fn object_target_variables_see_the_workload() {
+    // `request.object` is the Deployment; `images` point into its template.
+    let s = spec(
+        r#"
+match: {kinds: [Deployment]}
+target: Object
+mutations:
+- preconditions:
+    all:
+    - {key: "{{ request.object.spec.replicas }}", operator: GreaterThan, value: 1}
+  annotations:
+    values:
+      replicas: "{{ request.object.spec.replicas }}"
+      image-at: "{{ images.containers.web.jsonPointer }}"
+- foreach: {list: "request.object.spec.template.spec.containers"}
+  jsonPatch:
+  - {op: add, path: "/spec/template/spec/containers/{{ elementIndex }}/env", value: [{name: OWNER, value: "{{ request.object.metadata.name }}"}]}
+"#,
+    );
+    let deployment = yaml(DEPLOYMENT);
+    let out = run(&[("p", &s)], &deployment).object;
+    assert_eq!(
+        out["metadata"]["annotations"],
+        json!({"replicas": "2", "image-at": "/spec/template/spec/containers/0/image"})
+    );
+    assert_eq!(
+        out["spec"]["template"]["spec"]["containers"][0]["env"],
+        json!([{"name": "OWNER", "value": "web"}])
+    );
+    let mut single = deployment.clone();
+    single["spec"]["replicas"] = json!(1);
+    let out = run(&[("p", &s)], &single).object;
+    assert!(out["metadata"].get("annotations").is_none());
+}
+
+#[test]
+fn object_target_respects_the_template_opt_out_and_refuses_pod_templates() {
+    let s = spec(
+        "match: {kinds: [Deployment]}
+target: Object
+mutations: [{labels: {values: {x: y}}}]
+",
+    );
+    let mut deployment = yaml(DEPLOYMENT);
+    deployment["spec"]["template"]["metadata"]["labels"]["meshgate.dev/inject"] = json!("false");
+    assert!(!run(&[("p", &s)], &deployment).changed());
+    // Also for a workload matched by a wildcard (mutated as itself).
+    let any = spec(
+        "match: {kinds: [\"apps/v1/*\"]}
+mutations: [{labels: {values: {x: y}}}]
+",
+    );
+    assert!(!run(&[("p", &any)], &deployment).changed());
+    assert!(run(&[("p", &any)], &yaml(DEPLOYMENT)).changed());
+    // A template-less workload is still the object it is.
+    let bare = json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"}});
+    assert!(run(&[("p", &s)], &bare).changed());
+
+    let both: MutationPolicySpec = serde_saphyr::from_str(
+        "match: {kinds: [Pod]}
+podTemplates: true
+target: Object
+mutations: [{labels: {values: {x: y}}}]
+",
+    )
+    .unwrap();
+    let errors = validate(&both).expect_err("podTemplates with target: Object");
+    assert!(errors[0].starts_with("spec.podTemplates:"), "{errors:?}");
+}
+
 // ---------------------------------------------------------------- any kind
 
 #[test]
@@ -1138,6 +1301,7 @@ proptest! {
                     match_: Default::default(),
                     exclude: None,
                     pod_templates: true,
+                    target: Default::default(),
                     mutations,
                     warning: None,
                     existing: Default::default(),

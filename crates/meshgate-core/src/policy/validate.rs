@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 
 use meshgate_api::mutation_policy::{
-    JsonPatchOp, JsonPatchOperation, MatchResources, MetadataMutation, Mutation, MutationPolicySpec,
+    JsonPatchOp, JsonPatchOperation, MatchResources, MetadataMutation, Mutation,
+    MutationPolicySpec, MutationTarget,
 };
 use serde_json::Value;
 
@@ -25,6 +26,12 @@ pub fn validate(spec: &MutationPolicySpec) -> Result<(), Vec<String>> {
             errors.push("spec.exclude: sets no field, so it would exclude everything".to_owned());
         }
         match_resources(exclude, "spec.exclude", &mut errors);
+    }
+    if spec.target == MutationTarget::Object && spec.pod_templates {
+        errors.push(
+            "spec.podTemplates: applies a Pod policy to pod templates, and spec.target: Object mutates every object itself; set one of them"
+                .to_owned(),
+        );
     }
     if spec.mutations.is_empty() {
         errors.push("spec.mutations: at least one mutation is required".to_owned());
