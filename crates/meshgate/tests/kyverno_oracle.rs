@@ -23,9 +23,8 @@
 //! fails on an undocumented difference, and on a documented one that no longer occurs.
 //!
 //! The documented deviations (each reason in its case file, the table in docs/design.md):
-//! `06-workload-objects` refused (a MutationPolicy naming a workload mutates its pod template;
-//! #30 cause 4 open), `13-merge-anchor-element` and `14-merge-template-element` (anchored elements patched
-//! in place, not moved first), `04-null-substitution` (no empty map created by a null-only
+//! `13-merge-anchor-element` and `14-merge-template-element` (anchored elements patched in place,
+//! not moved first), `04-null-substitution` (no empty map created by a null-only
 //! patch), `16-deployment-volume` (kustomize drops `emptyDir: {}`; meshgate keeps it).
 //!
 //! Finding the CLI: `MESHGATE_KYVERNO` (the binary), else `tools/kyverno/build.sh --cached`.
