@@ -494,12 +494,7 @@ async fn real_istio_sidecar_cni_mode_pods_get_the_verdicts_of_the_design_table()
             gone.is_ok() && deleted_by_istio,
             "{name}: deleted by Istio's repair controller ({:?}); its log:\n{}",
             gone,
-            log.iter()
-                .rev()
-                .take(30)
-                .map(|(c, l)| format!("{c}: {l}"))
-                .collect::<Vec<_>>()
-                .join("\n")
+            last_lines(&log, 30)
         );
         eprintln!(
             "measured: {name}: node agent back -> deleted by Istio's repair {:.2?}",

@@ -154,20 +154,9 @@ pub async fn wait_meshgate_ready(client: &kube::Client, node: &RealNode) {
     })
     .await;
     if ready.is_err() {
-        let pods = Api::<Pod>::namespaced(client.clone(), "meshgate-system")
-            .list(&Default::default())
-            .await
-            .expect("pods");
         panic!(
             "meshgate's Deployments not Ready in 120 s ({last})\npods: {}\nkubelet:\n{}",
-            serde_json::to_string_pretty(
-                &pods
-                    .items
-                    .iter()
-                    .map(|p| (&p.metadata.name, &p.status))
-                    .collect::<Vec<_>>()
-            )
-            .unwrap_or_default(),
+            pod_statuses(client, "meshgate-system").await,
             node.log_tail("kubelet", 30)
         );
     }
@@ -203,12 +192,7 @@ pub async fn wait_taint_lifted(client: &kube::Client, node: &RealNode, limit: Du
         panic!(
             "the startup taint was not lifted in {limit:?}\ngate status: {}\ncontroller logs:\n{}",
             serde_json::to_string_pretty(&gate.status).unwrap_or_default(),
-            logs.iter()
-                .rev()
-                .take(30)
-                .map(|(c, l)| format!("{c}: {l}"))
-                .collect::<Vec<_>>()
-                .join("\n")
+            last_lines(&logs, 30)
         );
     }
 }
@@ -220,6 +204,33 @@ pub async fn component_logs(
     selector: &str,
 ) -> Vec<(String, String)> {
     pod_logs(client, node, "meshgate-system", selector).await
+}
+
+/// The last `n` lines of [`pod_logs`], newest first, `container: line` each (for a failure
+/// message).
+pub fn last_lines(logs: &[(String, String)], n: usize) -> String {
+    logs.iter()
+        .rev()
+        .take(n)
+        .map(|(c, l)| format!("{c}: {l}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The pods of `namespace` with their status, as JSON (for a failure message).
+pub async fn pod_statuses(client: &kube::Client, namespace: &str) -> String {
+    let pods = Api::<Pod>::namespaced(client.clone(), namespace)
+        .list(&Default::default())
+        .await
+        .expect("pods");
+    serde_json::to_string_pretty(
+        &pods
+            .items
+            .iter()
+            .map(|p| (&p.metadata.name, &p.status))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap_or_default()
 }
 
 /// The lines of every container log (all restarts, init containers too) of the pods with

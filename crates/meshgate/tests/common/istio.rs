@@ -57,27 +57,11 @@ pub async fn wait_istiod(client: &kube::Client, node: &RealNode, mesh_ns: &str) 
     })
     .await;
     if done.is_err() {
-        let pods = Api::<Pod>::namespaced(client.clone(), ISTIO_NS)
-            .list(&Default::default())
-            .await
-            .expect("pods");
         let logs = pod_logs(client, node, ISTIO_NS, "app=istiod").await;
         panic!(
             "istiod not serving in {POD_LIMIT:?}: {last}\npods: {}\nistiod log:\n{}",
-            serde_json::to_string_pretty(
-                &pods
-                    .items
-                    .iter()
-                    .map(|p| (&p.metadata.name, &p.status))
-                    .collect::<Vec<_>>()
-            )
-            .unwrap_or_default(),
-            logs.iter()
-                .rev()
-                .take(40)
-                .map(|(c, l)| format!("{c}: {l}"))
-                .collect::<Vec<_>>()
-                .join("\n")
+            pod_statuses(client, ISTIO_NS).await,
+            last_lines(&logs, 40)
         );
     }
 }
@@ -113,12 +97,7 @@ pub async fn wait_agent_ready(client: &kube::Client, node: &RealNode, label: &st
         let logs = pod_logs(client, node, ISTIO_NS, label).await;
         panic!(
             "{label} not Ready in {POD_LIMIT:?}\nlog:\n{}\nkubelet:\n{}",
-            logs.iter()
-                .rev()
-                .take(40)
-                .map(|(c, l)| format!("{c}: {l}"))
-                .collect::<Vec<_>>()
-                .join("\n"),
+            last_lines(&logs, 40),
             node.log_tail("kubelet", 20)
         );
     }
