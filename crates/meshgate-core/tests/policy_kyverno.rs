@@ -361,12 +361,14 @@ spec:
 fn workload_rules_mutate_the_workload_objects() {
     let out = import(&fixture("kyverno/workloads.yaml")).unwrap();
     let names: Vec<&str> = out.policies.iter().map(|(n, _)| n.as_str()).collect();
+    // Numbered: the plain names would sort `scale` first, and Kyverno applies the rules in
+    // their order.
     assert_eq!(
         names,
         [
-            "workload-rules-template-annotation",
-            "workload-rules-scale",
-            "workload-rules-union-any"
+            "workload-rules-1-template-annotation",
+            "workload-rules-2-scale",
+            "workload-rules-3-union-any"
         ]
     );
 
