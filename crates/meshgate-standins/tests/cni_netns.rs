@@ -6,6 +6,8 @@
 //! Needs root, `unshare`, `nsenter`, `setpriv`, `ip` and `iptables-restore`. Without them the test
 //! FAILS saying what is missing, unless `MESHGATE_SKIP_NETNS=1` is set.
 
+mod common;
+
 use std::io::Write;
 use std::process::{Child, Command, Stdio};
 
@@ -141,30 +143,17 @@ fn meshgate_wait() -> std::path::PathBuf {
 
 /// The gate in the namespace, as uid 65532: its exit code and its line.
 fn gate(ns: &Netns, bin: &std::path::Path, timeout: &str) -> (Option<i32>, String) {
-    let out = Command::new("nsenter")
-        .arg(format!("--net={}", ns.path()))
-        .args([
-            "setpriv",
-            "--reuid",
-            "65532",
-            "--regid",
-            "65532",
-            "--clear-groups",
-        ])
-        .arg(bin)
-        .args([
+    common::gate_in_netns(
+        bin,
+        &ns.path(),
+        &[
             "--redirect-check",
             "15001",
             "--redirect-target",
             "192.0.2.1:80",
             "--timeout",
             timeout,
-        ])
-        .output()
-        .expect("gate ran");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        ],
     )
 }
 

@@ -5,6 +5,8 @@
 //! Needs root, `unshare`, `nsenter`, `setpriv`. Without them the test FAILS saying what is
 //! missing, unless `MESHGATE_SKIP_NETNS=1` is set.
 
+mod common;
+
 use std::process::{Child, Command};
 
 const PROXY: &str = env!("CARGO_BIN_EXE_mesh-node-proxy");
@@ -43,23 +45,10 @@ fn skip() -> bool {
 /// Runs meshgate's ambient gate (`--tcp-listening 15008`) in the network namespace `netns` as a
 /// non-root uid; its exit code and its line.
 fn run_gate(gate: &std::path::Path, netns: &str, timeout: &str) -> (Option<i32>, String) {
-    let out = Command::new("nsenter")
-        .arg(format!("--net={netns}"))
-        .args([
-            "setpriv",
-            "--reuid",
-            "65532",
-            "--regid",
-            "65532",
-            "--clear-groups",
-        ])
-        .arg(gate)
-        .args(["--tcp-listening", "15008", "--timeout", timeout])
-        .output()
-        .expect("gate ran");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+    common::gate_in_netns(
+        gate,
+        netns,
+        &["--tcp-listening", "15008", "--timeout", timeout],
     )
 }
 
