@@ -185,13 +185,31 @@ pub struct Mutation {
     pub mutations: Vec<Mutation>,
 }
 
-/// A named variable (Kyverno's `context` entry of kind `variable`).
+/// A named variable (Kyverno's `context` entry): exactly one of `variable` and `configMap`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ContextEntry {
     /// The variable's name, used as the root of expressions (`{{ name.field }}`).
     pub name: String,
-    pub variable: ContextVariable,
+    /// A value computed from the request and the earlier entries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub variable: Option<ContextVariable>,
+    /// A ConfigMap's `data` and `metadata` (`{{ name.data.key }}`), read at admission from the
+    /// webhook's watch cache of the ConfigMaps policies name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map: Option<ContextConfigMap>,
+}
+
+/// The ConfigMap a context entry reads: both names literal, as the webhook may read only the
+/// ConfigMaps granted to it by name (`meshgate install --context-config-map NAMESPACE/NAME`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContextConfigMap {
+    pub name: String,
+    /// Default: `default` for a MutationPolicy, the policy's own namespace for a
+    /// NamespacedMutationPolicy (which may read no other), as in Kyverno.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
 }
 
 /// A variable's value: `value` (with variables), or `jmesPath` over `value` or, without
@@ -379,6 +397,10 @@ pub struct MutationPolicyStatus {
     pub existing: Option<ExistingReport>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+    /// The ConfigMaps the policy's `configMap` context entries read (`namespace/name`): the
+    /// webhook reads only those granted to it (`meshgate install --context-config-map`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub config_maps: Vec<String>,
 }
 
 /// Result of the last pass over existing workloads.

@@ -61,6 +61,7 @@ use meshgate_api::mutation_policy::{
 };
 use meshgate_api::{GateConfig, MutationPolicy, MutationPolicySpec, names};
 use meshgate_core::patch::{JsonPatch, escape};
+use meshgate_core::policy::context::{self, ClusterData, GivenConfigMaps};
 use meshgate_core::policy::{
     self, MatchContext, PolicyError, native, opted_out, pod_template_path, policy_matches,
 };
@@ -213,7 +214,7 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
                 .cloned()
                 .collect();
             conditions.push(native);
-            write_status(&ctx, &name, generation, None, conditions).await?;
+            write_status(&ctx, &name, spec, generation, None, conditions).await?;
         }
         return Ok(Action::await_change());
     }
@@ -233,7 +234,7 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
             ),
             native,
         ];
-        write_status(&ctx, &name, generation, None, conditions).await?;
+        write_status(&ctx, &name, spec, generation, None, conditions).await?;
         return Ok(Action::await_change());
     }
     let valid = condition(
@@ -254,7 +255,15 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
             "AdmissionOnly",
             "applied at admission only; existing workloads are left alone (spec.existing.enabled is false)",
         );
-        write_status(&ctx, &name, generation, None, vec![valid, ready, native]).await?;
+        write_status(
+            &ctx,
+            &name,
+            spec,
+            generation,
+            None,
+            vec![valid, ready, native],
+        )
+        .await?;
         return Ok(Action::await_change());
     }
 
@@ -284,6 +293,7 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
     write_status(
         &ctx,
         &name,
+        spec,
         generation,
         Some(&pass.report),
         vec![valid, ready, native],
@@ -485,13 +495,21 @@ fn condition(
 async fn write_status(
     ctx: &Ctx,
     name: &str,
+    spec: &MutationPolicySpec,
     generation: i64,
     existing: Option<&ExistingReport>,
     conditions: Vec<Condition>,
 ) -> Result<(), Error> {
+    // The ConfigMaps its context entries read: each must be granted to the webhook
+    // (`meshgate install --context-config-map`). Empty clears an earlier list.
+    let config_maps: Vec<String> = context::config_maps_named(spec)
+        .into_iter()
+        .map(|(ns, name)| format!("{ns}/{name}"))
+        .collect();
     let mut status = serde_json::json!({
         "observedGeneration": generation,
         "conditions": conditions,
+        "configMaps": if config_maps.is_empty() { Value::Null } else { config_maps.into() },
     });
     if let Some(report) = existing {
         status["existing"] = serde_json::to_value(report).unwrap_or(Value::Null);
@@ -593,6 +611,33 @@ impl Limiter {
     }
 }
 
+/// The ConfigMaps the policy's `configMap` context entries name, read once per pass: one that
+/// does not exist is absent, one that cannot be read (no RBAC grant: `meshgate install
+/// --context-config-map`) fails the policy on every object, saying why.
+async fn read_config_maps(client: &kube::Client, spec: &MutationPolicySpec) -> GivenConfigMaps {
+    let mut out = GivenConfigMaps::read();
+    for (namespace, name) in context::config_maps_named(spec) {
+        let api = Api::<DynamicObject>::namespaced_with(
+            client.clone(),
+            &namespace,
+            &ApiResource::erase::<k8s_openapi::api::core::v1::ConfigMap>(&()),
+        );
+        match api.get_opt(&name).await {
+            Ok(Some(cm)) => match serde_json::to_value(&cm) {
+                Ok(mut v) => {
+                    v["apiVersion"] = "v1".into();
+                    v["kind"] = "ConfigMap".into();
+                    out.add(&v);
+                }
+                Err(e) => out.unreadable(&namespace, &name, e.to_string()),
+            },
+            Ok(None) => {}
+            Err(e) => out.unreadable(&namespace, &name, format!("cannot be read: {e}")),
+        }
+    }
+    out
+}
+
 /// One pass over existing workloads; `None` when leadership was lost.
 async fn backfill(ctx: &Ctx, name: &str, spec: &MutationPolicySpec) -> Result<Option<Pass>, Error> {
     let namespaces = namespace_labels(&ctx.client).await?;
@@ -605,11 +650,13 @@ async fn backfill(ctx: &Ctx, name: &str, spec: &MutationPolicySpec) -> Result<Op
         failures: Vec::new(),
     };
     let mut limiter = Limiter::new(spec.existing.rate_per_second);
+    let config_maps = read_config_maps(&ctx.client, spec).await;
     let input = PlanInput {
         policy: name,
         spec,
         namespaces: &namespaces,
         excluded: &ctx.settings.excluded_namespaces,
+        cluster: &config_maps,
     };
     for (kind, resource) in workload_resources() {
         let api = Api::<DynamicObject>::all_with(ctx.client.clone(), &resource);
@@ -871,6 +918,8 @@ pub struct PlanInput<'a> {
     pub namespaces: &'a BTreeMap<String, BTreeMap<String, String>>,
     /// Namespaces never mutated.
     pub excluded: &'a [String],
+    /// Where `configMap` context entries are read.
+    pub cluster: &'a dyn ClusterData,
 }
 
 impl PlanInput<'_> {
@@ -909,6 +958,7 @@ impl PlanInput<'_> {
                         operation,
                         namespace,
                         namespace_labels,
+                        cluster: self.cluster,
                     },
                 )
             })
@@ -965,6 +1015,7 @@ pub fn plan(input: &PlanInput<'_>, object: &Value) -> Result<Plan, PolicyError> 
         operation,
         namespace,
         namespace_labels: input.namespaces.get(namespace).unwrap_or(&empty),
+        cluster: input.cluster,
     };
     let applied = policy::apply([(input.policy, input.spec)], object, &ctx);
     if let Some(e) = applied.failed.first() {
@@ -1061,6 +1112,7 @@ mod tests {
             spec,
             namespaces,
             excluded,
+            cluster: &meshgate_core::policy::context::NoCluster,
         }
     }
 

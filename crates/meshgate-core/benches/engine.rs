@@ -125,6 +125,7 @@ fn bench_policies(c: &mut Criterion) {
         operation: Operation::Create,
         namespace: "apps",
         namespace_labels: &labels,
+        cluster: &meshgate_core::policy::context::NoCluster,
     };
     let mut group = c.benchmark_group("policies");
     for n in [1usize, 10, 100] {

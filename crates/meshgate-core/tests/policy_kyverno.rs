@@ -26,6 +26,7 @@ fn run(policies: &[(String, MutationPolicySpec)], object: &Value, op: Operation)
         operation: op,
         namespace: "shop",
         namespace_labels: &labels,
+        cluster: &meshgate_core::policy::context::NoCluster,
     };
     let applied = apply(policies.iter().map(|(n, s)| (n.as_str(), s)), object, &ctx);
     assert!(applied.failed.is_empty(), "{:?}", applied.failed);
@@ -84,20 +85,21 @@ fn the_istio_outbound_policy_converts_and_works() {
 }
 
 #[test]
-fn variables_and_foreach_convert_and_context_is_reported() {
+fn variables_foreach_and_config_map_context_convert_and_api_calls_are_reported() {
     let out = import(&fixture("kyverno/variables-foreach.yaml")).unwrap();
     let names: Vec<&str> = out.policies.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(
         names,
         [
             "dynamic-things-label-with-namespace",
-            "dynamic-things-pull-policy-per-container"
+            "dynamic-things-pull-policy-per-container",
+            "dynamic-things-with-context"
         ]
     );
     assert_eq!(out.notes.len(), 1, "{:#?}", out.notes);
     assert!(
         out.notes[0].starts_with(
-            "spec.rules[2] (with-context): not converted: spec.rules[2].context[0] (cm).configMap: not converted: the entry reads a ConfigMap at admission"
+            "spec.rules[3] (with-api-call): not converted: spec.rules[3].context[0] (quota).apiCall: not converted: the entry calls the API server at admission"
         ),
         "{}",
         out.notes[0]
@@ -106,6 +108,34 @@ fn variables_and_foreach_convert_and_context_is_reported() {
     for (_, spec) in &out.policies {
         assert_eq!(validate(spec), Ok(()));
     }
+    // The ConfigMap rule: its precondition reads the ConfigMap the cluster has.
+    let (_, with_context) = &out.policies[2];
+    let cm = |enabled: &str| {
+        let mut maps = meshgate_core::policy::context::GivenConfigMaps::read();
+        maps.add(&doc(&format!(
+            "{{apiVersion: v1, kind: ConfigMap, metadata: {{name: settings, namespace: default}}, data: {{enabled: \"{enabled}\"}}}}"
+        )));
+        maps
+    };
+    let labelled = |maps: &meshgate_core::policy::context::GivenConfigMaps| {
+        let ctx = MatchContext {
+            operation: Operation::Create,
+            namespace: "shop",
+            namespace_labels: &BTreeMap::new(),
+            cluster: maps,
+        };
+        let applied = meshgate_core::policy::apply(
+            [("with-context", with_context)],
+            &doc(
+                "{apiVersion: v1, kind: Pod, metadata: {name: p}, spec: {containers: [{name: a, image: a}]}}",
+            ),
+            &ctx,
+        );
+        assert!(applied.failed.is_empty(), "{:?}", applied.failed);
+        applied.object["metadata"]["labels"]["configured"].clone()
+    };
+    assert_eq!(labelled(&cm("true")), "yes");
+    assert_eq!(labelled(&cm("false")), serde_json::Value::Null);
     let pod = doc("
 apiVersion: v1
 kind: Pod
@@ -115,7 +145,7 @@ spec:
   - {name: app, image: app:1}
   - {name: log, image: log:1, imagePullPolicy: IfNotPresent}
 ");
-    let got = run(&out.policies, &pod, Operation::Create);
+    let got = run(&out.policies[..2], &pod, Operation::Create);
     assert_eq!(got["metadata"]["labels"]["origin-namespace"], "shop");
     assert_eq!(got["spec"]["containers"][0]["imagePullPolicy"], "Always");
     assert_eq!(got["spec"]["containers"][1]["imagePullPolicy"], "Always");
@@ -129,7 +159,7 @@ spec:
     spec:
       containers: [{name: app, image: app:1}]
 ");
-    let got = run(&out.policies, &deployment, Operation::Create);
+    let got = run(&out.policies[..2], &deployment, Operation::Create);
     assert_eq!(
         got["spec"]["template"]["metadata"]["labels"]["origin-namespace"],
         "shop"
@@ -269,6 +299,7 @@ fn autogen_list_json6902_match_all_and_exclude() {
         operation: Operation::Create,
         namespace: ns,
         namespace_labels: &labels,
+        cluster: &meshgate_core::policy::context::NoCluster,
     };
     let mut pod = fixture("pod.yaml");
     pod["metadata"]

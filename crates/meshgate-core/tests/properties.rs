@@ -725,6 +725,7 @@ proptest! {
             operation: Operation::Create,
             namespace: "apps",
             namespace_labels: &labels,
+            cluster: &meshgate_core::policy::context::NoCluster,
         };
         let run = |object: &Value| {
             let applied =

@@ -20,6 +20,7 @@
 
 pub mod admission;
 pub mod app;
+mod context_maps;
 pub mod handlers;
 pub mod metrics;
 mod policies;

@@ -56,6 +56,7 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
         operation,
         namespace: &req.namespace,
         namespace_labels: labels,
+        cluster: app.sources.cluster_data(),
     };
     let applied = policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &object, &ctx);
     let mut warnings = Vec::with_capacity(applied.failed.len());

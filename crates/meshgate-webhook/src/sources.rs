@@ -28,6 +28,8 @@ use meshgate_controller::watch;
 use meshgate_core::resources::ContainerLimits;
 use meshgate_core::select::Meta;
 
+use crate::context_maps::ContextMaps;
+
 /// The webhook's view of the cluster.
 #[derive(Clone)]
 pub struct Sources(Arc<Inner>);
@@ -39,6 +41,8 @@ struct Inner {
     index: NamespaceIndex,
     /// Sorted by name; replaced whole on every policy event.
     policies: RwLock<Policies>,
+    /// The ConfigMaps the policies' context entries name.
+    config_maps: Arc<ContextMaps>,
     origin: Origin,
 }
 
@@ -201,7 +205,22 @@ impl Sources {
         policies: Vec<(String, MutationPolicySpec)>,
         gates: Vec<NodeGateSpec>,
     ) -> Self {
-        Self::fixed_all(namespaces, BTreeMap::new(), policies, gates)
+        Self::fixed_all(namespaces, BTreeMap::new(), policies, gates, Vec::new())
+    }
+
+    /// Fixed data with the ConfigMaps policies' context entries read (no other exists).
+    pub fn fixed_with_config_maps(
+        namespaces: BTreeMap<String, Meta>,
+        policies: Vec<(String, MutationPolicySpec)>,
+        config_maps: Vec<serde_json::Value>,
+    ) -> Self {
+        Self::fixed_all(
+            namespaces,
+            BTreeMap::new(),
+            policies,
+            Vec::new(),
+            config_maps,
+        )
     }
 
     /// Fixed data with LimitRanges (`Container` items by namespace).
@@ -209,7 +228,7 @@ impl Sources {
         namespaces: BTreeMap<String, Meta>,
         limits: BTreeMap<String, Vec<ContainerLimits>>,
     ) -> Self {
-        Self::fixed_all(namespaces, limits, Vec::new(), Vec::new())
+        Self::fixed_all(namespaces, limits, Vec::new(), Vec::new(), Vec::new())
     }
 
     fn fixed_all(
@@ -217,6 +236,7 @@ impl Sources {
         limits: BTreeMap<String, Vec<ContainerLimits>>,
         mut policies: Vec<(String, MutationPolicySpec)>,
         gates: Vec<NodeGateSpec>,
+        config_maps: Vec<serde_json::Value>,
     ) -> Self {
         policies.sort_by(|a, b| a.0.cmp(&b.0));
         let metas = namespaces
@@ -231,6 +251,7 @@ impl Sources {
         Sources(Arc::new(Inner {
             index: NamespaceIndex::new(Watched::complete(metas), limits),
             policies: RwLock::new(policies.into()),
+            config_maps: Arc::new(ContextMaps::fixed(config_maps)),
             origin: Origin::Fixed { gates },
         }))
     }
@@ -244,6 +265,7 @@ impl Sources {
         let sources = Sources(Arc::new(Inner {
             index: NamespaceIndex::new(Watched::empty(), HashMap::new()),
             policies: RwLock::new(Arc::from([])),
+            config_maps: Arc::new(ContextMaps::new()),
             origin: Origin::Cluster {
                 client: client.clone(),
                 gates: gate_store.clone(),
@@ -353,10 +375,13 @@ impl Sources {
                 // a store can be ready a moment before its stream has published the list.
                 flag.publish_policies(&pol_store, &npol_store);
                 flag.0.index.publish_limits(&lr_store);
+                // The ConfigMaps the policies name, listed (or refused) before the first review.
+                flag.0.config_maps.wait_until_synced().await;
                 if let Origin::Cluster { synced, .. } = &flag.0.origin {
                     synced.store(true, Ordering::Release);
                     tracing::info!(
-                        "caches synced: namespaces, limit ranges, mutation policies, node gates"
+                        config_maps = flag.0.config_maps.len(),
+                        "caches synced: namespaces, limit ranges, mutation policies, node gates, policies' ConfigMaps"
                     );
                 }
                 futures::future::pending::<()>().await;
@@ -397,11 +422,23 @@ impl Sources {
             }
         }
         list.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Origin::Cluster { client, .. } = &self.0.origin {
+            let wanted = list
+                .iter()
+                .flat_map(|(_, spec)| meshgate_core::policy::context::config_maps_named(spec))
+                .collect();
+            self.0.config_maps.follow(client, wanted);
+        }
         *self
             .0
             .policies
             .write()
             .unwrap_or_else(PoisonError::into_inner) = list.into();
+    }
+
+    /// Where the policies' `configMap` context entries are read: the webhook's cache of them.
+    pub fn cluster_data(&self) -> &dyn meshgate_core::policy::context::ClusterData {
+        &*self.0.config_maps
     }
 
     /// Whether the caches have their first full list.

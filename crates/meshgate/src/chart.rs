@@ -57,6 +57,10 @@ repair: \"\"
 # server's source addresses, which differ per cluster. Empty: no NetworkPolicy.
 # As `meshgate install --webhook-ingress-from`.
 webhookIngressFrom: []
+# ConfigMaps (NAMESPACE/NAME) that policies' configMap context entries read: the webhook may list
+# and watch them, the controller get them, by name, and no other ConfigMap. A policy's
+# status.configMaps lists the ones it needs. As `meshgate install --context-config-map`.
+contextConfigMaps: []
 ";
 
 /// The webhook's NetworkPolicy, as `install --webhook-ingress-from` renders it.
@@ -93,6 +97,62 @@ spec:
       app.kubernetes.io/name: meshgate
   policyTypes:
   - Ingress
+{{- end }}
+";
+
+/// The Roles that let the webhook and the controller read the ConfigMaps policies' context
+/// entries name, as `install --context-config-map` renders them.
+const CONTEXT_CONFIG_MAPS: &str = "\
+# Written with `meshgate install --context-config-map` (crates/meshgate/src/install.rs); the helm
+# test compares the two.
+{{- range .Values.contextConfigMaps }}
+{{- $parts := splitList \"/\" . }}
+{{- if ne (len $parts) 2 }}
+{{- fail (printf \"contextConfigMaps %q: expected NAMESPACE/NAME\" .) }}
+{{- end }}
+{{- $ns := index $parts 0 }}
+{{- $name := index $parts 1 }}
+{{- range $component, $verbs := dict \"webhook\" (list \"list\" \"watch\") \"controller\" (list \"get\") }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  labels:
+    app.kubernetes.io/component: {{ $component }}
+    app.kubernetes.io/managed-by: meshgate
+    app.kubernetes.io/name: meshgate
+  name: meshgate-{{ $component }}-context-{{ $name }}
+  namespace: {{ $ns }}
+rules:
+- apiGroups:
+  - \"\"
+  resourceNames:
+  - {{ $name }}
+  resources:
+  - configmaps
+  verbs:
+{{- range $verbs }}
+  - {{ . }}
+{{- end }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  labels:
+    app.kubernetes.io/component: {{ $component }}
+    app.kubernetes.io/managed-by: meshgate
+    app.kubernetes.io/name: meshgate
+  name: meshgate-{{ $component }}-context-{{ $name }}
+  namespace: {{ $ns }}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: Role
+  name: meshgate-{{ $component }}-context-{{ $name }}
+subjects:
+- kind: ServiceAccount
+  name: meshgate-{{ $component }}
+  namespace: {{ $.Release.Namespace }}
+{{- end }}
 {{- end }}
 ";
 
@@ -151,6 +211,7 @@ pub fn options(profile: &str, repair: Option<RepairAction>, taint: &str) -> Inst
         node_paths: Default::default(),
         repair,
         webhook_ingress_from: Vec::new(),
+        context_config_maps: Vec::new(),
     }
 }
 
@@ -204,6 +265,10 @@ pub fn files() -> anyhow::Result<Vec<(String, String)>> {
         (
             "templates/networkpolicy-meshgate-webhook.yaml".to_owned(),
             NETWORK_POLICY.to_owned(),
+        ),
+        (
+            "templates/rbac-context-config-maps.yaml".to_owned(),
+            CONTEXT_CONFIG_MAPS.to_owned(),
         ),
     ];
     for profile in PROFILES {

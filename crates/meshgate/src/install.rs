@@ -45,6 +45,10 @@ pub struct InstallOptions {
     /// port only from them (the API server's source addresses, which differ per cluster), and
     /// to its health and metrics port from anywhere. Empty: no NetworkPolicy.
     pub webhook_ingress_from: Vec<String>,
+    /// `NAMESPACE/NAME` of ConfigMaps that policies' `configMap` context entries read: the
+    /// webhook may list and watch them, the controller (backfill) get them, by name; no other
+    /// ConfigMap.
+    pub context_config_maps: Vec<String>,
 }
 
 pub use meshgate_core::repair::RepairAction;
@@ -217,6 +221,38 @@ fn meta(name: &str, namespace: Option<&str>, component: &str) -> Value {
     m
 }
 
+/// The Roles and RoleBindings that let the webhook (list, watch) and the controller (get) read
+/// one ConfigMap, `NAMESPACE/NAME`, for policies' context entries.
+pub fn context_config_map_rbac(install_ns: &str, entry: &str) -> anyhow::Result<Vec<Value>> {
+    let Some((ns, name)) = entry.split_once('/') else {
+        anyhow::bail!("--context-config-map {entry:?}: expected NAMESPACE/NAME");
+    };
+    let valid = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 200
+            && s.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+    };
+    if !valid(ns) || !valid(name) {
+        anyhow::bail!(
+            "--context-config-map {entry:?}: NAMESPACE and NAME must be Kubernetes names (lowercase alphanumerics, '-' and '.')"
+        );
+    }
+    let mut out = Vec::new();
+    for (component, verbs) in [
+        ("webhook", json!(["list", "watch"])),
+        ("controller", json!(["get"])),
+    ] {
+        let role = format!("meshgate-{component}-context-{name}");
+        out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta(&role, Some(ns), component),
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name], "verbs": verbs}]}));
+        out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta(&role, Some(ns), component),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
+            "subjects": [{"kind": "ServiceAccount", "name": format!("meshgate-{component}"), "namespace": install_ns}]}));
+    }
+    Ok(out)
+}
+
 /// The mesh profile behind an install profile (`kubeflow` is Istio's sidecar mode with a
 /// policy).
 pub fn mesh_profile(profile: &str) -> anyhow::Result<Profile> {
@@ -361,6 +397,12 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": meta(&name, None, c),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]}));
+    }
+    // The ConfigMaps policies read in context entries, by name: the webhook watches each one
+    // alone (a field selector on its name, which RBAC authorizes against `resourceNames`), the
+    // controller's backfill reads it.
+    for entry in &o.context_config_maps {
+        out.extend(context_config_map_rbac(ns, entry)?);
     }
     // Tenants: a namespace's admins and editors may manage the NamespacedMutationPolicies of
     // their namespace (aggregated into the built-in `admin` and `edit` roles), viewers read

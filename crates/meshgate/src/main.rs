@@ -242,6 +242,11 @@ enum Command {
         /// per cluster: the control plane's node or VPC range). Off by default.
         #[arg(long = "webhook-ingress-from")]
         webhook_ingress_from: Vec<String>,
+        /// A ConfigMap (`NAMESPACE/NAME`, repeatable) that policies' `configMap` context
+        /// entries read: the webhook may list and watch it, the controller get it, by name, and
+        /// no other ConfigMap. A policy's `status.configMaps` lists the ones it needs.
+        #[arg(long = "context-config-map")]
+        context_config_maps: Vec<String>,
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
@@ -620,6 +625,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             cni_plugin,
             repair,
             webhook_ingress_from,
+            context_config_maps,
             kubeconfig,
         } => {
             let strategy = meshgate::install::Strategy::choose(&strategy)?;
@@ -659,6 +665,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     }
                 }),
                 webhook_ingress_from,
+                context_config_maps,
             })?;
             let Some(client) = client else {
                 return emit(&render::to_yaml_stream(&docs)?);

@@ -140,7 +140,7 @@ fn lint_and_template_equal_install_for_every_combination() {
             }
         }
     }
-    // The webhook's NetworkPolicy: the same from both.
+    // The webhook's NetworkPolicy and the policies' ConfigMap Roles: the same from both.
     let templated = run(
         &helm,
         &[
@@ -157,6 +157,8 @@ fn lint_and_template_equal_install_for_every_combination() {
             "nodeTaint=policy",
             "--set",
             "webhookIngressFrom={10.0.0.0/8,192.168.1.0/24}",
+            "--set",
+            "contextConfigMaps={shop/mesh-settings,default/egress}",
         ],
     );
     let installed = run(
@@ -175,8 +177,37 @@ fn lint_and_template_equal_install_for_every_combination() {
             "10.0.0.0/8",
             "--webhook-ingress-from",
             "192.168.1.0/24",
+            "--context-config-map",
+            "shop/mesh-settings",
+            "--context-config-map",
+            "default/egress",
         ],
     );
+    // The Roles for policies' ConfigMaps: the same objects, one pair per component and name.
+    let context_rbac = |docs: &[Value]| -> Vec<Value> {
+        let mut found: Vec<Value> = docs
+            .iter()
+            .filter(|d| {
+                d["metadata"]["name"]
+                    .as_str()
+                    .is_some_and(|n| n.contains("-context-"))
+            })
+            .cloned()
+            .collect();
+        found.sort_by_key(|d| {
+            format!(
+                "{}/{}/{}",
+                d["kind"], d["metadata"]["namespace"], d["metadata"]["name"]
+            )
+        });
+        found
+    };
+    let (from_helm, from_install) = (
+        context_rbac(&objects(&templated)),
+        context_rbac(&objects(&installed)),
+    );
+    assert_eq!(from_helm.len(), 8, "{from_helm:#?}");
+    assert_eq!(from_helm, from_install);
     let policy_of = |docs: Vec<Value>| {
         docs.into_iter()
             .find(|d| d["kind"] == "NetworkPolicy")

@@ -22,6 +22,7 @@ fn options(profile: &str) -> InstallOptions {
         node_paths: Default::default(),
         repair: None,
         webhook_ingress_from: Vec::new(),
+        context_config_maps: Vec::new(),
     }
 }
 

@@ -397,6 +397,7 @@ async fn namespaced_policies_stay_in_their_namespace() {
         node_paths: Default::default(),
         repair: None,
         webhook_ingress_from: Vec::new(),
+        context_config_maps: Vec::new(),
     })
     .expect("install renders");
     let role: Vec<Value> = docs

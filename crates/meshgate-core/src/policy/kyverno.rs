@@ -95,9 +95,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use meshgate_api::LabelSelector;
 use meshgate_api::mutation_policy::{
-    ConditionOperator, Conditions, ContextEntry, ContextVariable, ForEach, ForEachOrder,
-    JsonPatchOp, JsonPatchOperation, JsonPatchOptions, MatchResources, MetadataMutation, Mutation,
-    MutationPolicySpec, MutationTarget, OnConflict, Operation, PreCondition,
+    ConditionOperator, Conditions, ContextConfigMap, ContextEntry, ContextVariable, ForEach,
+    ForEachOrder, JsonPatchOp, JsonPatchOperation, JsonPatchOptions, MatchResources,
+    MetadataMutation, Mutation, MutationPolicySpec, MutationTarget, OnConflict, Operation,
+    PreCondition,
 };
 use serde_json::Value;
 
@@ -1284,8 +1285,11 @@ fn context_entries(v: &Value, path: &str) -> Result<Vec<ContextEntry>, String> {
             return Err(format!("{at}.name: required"));
         }
         let at = format!("{at} ({name})");
+        if let Some(cm) = e.get("configMap").filter(|v| !v.is_null()) {
+            out.push(config_map_entry(name, cm, &at)?);
+            continue;
+        }
         for (kind, why) in [
-            ("configMap", "reads a ConfigMap at admission"),
             ("apiCall", "calls the API server at admission"),
             ("globalReference", "reads a Kyverno GlobalContextEntry"),
             ("imageRegistry", "reads an image registry at admission"),
@@ -1315,14 +1319,42 @@ fn context_entries(v: &Value, path: &str) -> Result<Vec<ContextEntry>, String> {
         };
         out.push(ContextEntry {
             name: name.to_owned(),
-            variable: ContextVariable {
+            variable: Some(ContextVariable {
                 value: var.get("value").filter(|v| !v.is_null()).cloned(),
                 jmes_path,
                 default: var.get("default").filter(|v| !v.is_null()).cloned(),
-            },
+            }),
+            config_map: None,
         });
     }
     Ok(out)
+}
+
+/// A Kyverno `configMap` context entry: `name` and `namespace`, both literal (the webhook reads
+/// only the ConfigMaps granted to it by name).
+fn config_map_entry(name: &str, cm: &Value, at: &str) -> Result<ContextEntry, String> {
+    let field = |f: &str| -> Result<String, String> {
+        match cm.get(f) {
+            None | Some(Value::Null) => Ok(String::new()),
+            Some(Value::String(v)) if v.contains("{{") => Err(format!(
+                "{at}.configMap.{f}: {v:?}: not converted: a ConfigMap named by a variable could be any ConfigMap, and meshgate's webhook reads only the ConfigMaps granted to it by name"
+            )),
+            Some(Value::String(v)) => Ok(v.clone()),
+            Some(_) => Err(format!("{at}.configMap.{f}: must be a string")),
+        }
+    };
+    let config_map = ContextConfigMap {
+        name: field("name")?,
+        namespace: field("namespace")?,
+    };
+    if config_map.name.is_empty() {
+        return Err(format!("{at}.configMap.name: required"));
+    }
+    Ok(ContextEntry {
+        name: name.to_owned(),
+        variable: None,
+        config_map: Some(config_map),
+    })
 }
 
 /// `mutate.foreach` entries as mutations, one each.

@@ -73,6 +73,8 @@ pub struct MatchContext<'a> {
     pub namespace: &'a str,
     /// The labels of that namespace.
     pub namespace_labels: &'a BTreeMap<String, String>,
+    /// Where `configMap` context entries are read.
+    pub cluster: &'a dyn super::context::ClusterData,
 }
 
 /// An object's own `metadata.labels` (non-string values ignored).
@@ -346,6 +348,7 @@ mod tests {
             operation: op,
             namespace: ns,
             namespace_labels: labels,
+            cluster: &crate::policy::context::NoCluster,
         }
     }
 

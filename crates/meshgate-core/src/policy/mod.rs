@@ -150,6 +150,7 @@
 //! [`crate::admission`]'s.
 
 pub mod admission;
+pub mod context;
 mod images;
 pub mod json6902;
 pub mod kyverno;
@@ -226,9 +227,10 @@ impl PolicyError {
 }
 
 /// The spec a `NamespacedMutationPolicy` in `namespace` applies with: its own, confined to that
-/// namespace (`match.namespaces` set to it). Refused, naming the field: `match.namespaces`
-/// naming another namespace, a `namespaceSelector` (it would read other namespaces' labels),
-/// and `existing` (backfill is for cluster-wide policies).
+/// namespace (`match.namespaces` set to it, and its `configMap` context entries' namespace when
+/// they give none). Refused, naming the field: `match.namespaces` naming another namespace, a
+/// `namespaceSelector` (it would read other namespaces' labels), a `configMap` entry of another
+/// namespace, and `existing` (backfill is for cluster-wide policies).
 pub fn confine(
     spec: &MutationPolicySpec,
     namespace: &str,
@@ -251,10 +253,22 @@ pub fn confine(
                 .to_owned(),
         );
     }
+    let mut confined = spec.clone();
+    // A ConfigMap context entry reads the policy's own namespace, and no other (Kyverno's rule
+    // for namespaced policies).
+    for cm in context::config_map_entries_mut(&mut confined) {
+        if cm.namespace.is_empty() {
+            cm.namespace = namespace.to_owned();
+        } else if cm.namespace != namespace {
+            errors.push(format!(
+                "context configMap {}/{}: a NamespacedMutationPolicy reads ConfigMaps of its own namespace ({namespace}) only",
+                cm.namespace, cm.name
+            ));
+        }
+    }
     if !errors.is_empty() {
         return Err(errors);
     }
-    let mut confined = spec.clone();
     confined.match_.namespaces = vec![namespace.to_owned()];
     Ok(confined)
 }
@@ -317,6 +331,7 @@ where
                 meshgate_api::mutation_policy::Operation::Update => "UPDATE",
             },
             namespace: ctx.namespace,
+            cluster: ctx.cluster,
         };
         match apply_mutations(name, spec, target, &request) {
             Ok(true) => {
@@ -338,11 +353,13 @@ pub fn admission_patch(original: &Value, patched: &Value) -> JsonPatch {
     JsonPatch::diff(original, patched)
 }
 
-/// What the variables `request.operation` and `request.namespace` hold.
+/// What the variables `request.operation` and `request.namespace` hold, and where `configMap`
+/// context entries are read.
 #[derive(Clone, Copy, Debug)]
 pub struct Request<'a> {
     pub operation: &'a str,
     pub namespace: &'a str,
+    pub cluster: &'a dyn context::ClusterData,
 }
 
 /// Applies the mutations of one policy, in order, to its `target` (a Pod, a pod template, or
@@ -372,6 +389,7 @@ pub fn apply_mutations(
             index,
             path: String::new(),
             depth: 0,
+            cluster: request.cluster,
         };
         apply_evaluated(&at, mutation, &vars, &mut work)?;
     }
@@ -389,6 +407,7 @@ struct Nested<'a> {
     index: usize,
     path: String,
     depth: usize,
+    cluster: &'a dyn context::ClusterData,
 }
 
 impl Nested<'_> {
@@ -417,7 +436,7 @@ fn apply_evaluated(
     work: &mut Value,
 ) -> Result<(), PolicyError> {
     // The context entries, before the preconditions (Kyverno loads a rule's context first).
-    let vars = outer.with_context(&mutation.context);
+    let vars = outer.with_context(&mutation.context, at.cluster);
     if let Some(p) = &mutation.preconditions
         && !vars
             .holds(p)
@@ -463,7 +482,7 @@ fn apply_evaluated(
         // its context per element): `request.object` is the object before the first element.
         let each = vars
             .with_element_at(element, i, at.depth)
-            .with_context(&foreach.context);
+            .with_context(&foreach.context, at.cluster);
         if let Some(p) = &foreach.preconditions
             && !each
                 .holds(p)
@@ -500,6 +519,7 @@ fn apply_each(
             index: at.index,
             path: format!("{}.mutations[{i}]", at.path),
             depth,
+            cluster: at.cluster,
         };
         apply_evaluated(&here, sub, &current, work)?;
         if *work != before {

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use meshgate_api::mutation_policy::{MutationPolicySpec, Operation};
 use serde_json::Value;
 
+use super::context::GivenConfigMaps;
 use super::{MatchContext, PolicyError, admission_patch, apply, validate};
 use crate::object::patch::JsonPatch;
 
@@ -70,7 +71,8 @@ pub fn document_namespace(
 /// `metadata.namespace` (`"default"` when unset; none for the cluster-scoped kinds of
 /// [`super::matching::CLUSTER_SCOPED_KINDS`], a Namespace being its own), its labels come from
 /// `namespace_labels` (a Namespace's from its own labels).
-/// Every policy is validated first. `null` documents (empty YAML documents) pass through
+/// `configMap` context entries read the ConfigMaps of `docs` (one not given fails the policy on
+/// that object, saying so). Every policy is validated first. `null` documents (empty YAML documents) pass through
 /// unchanged; any other non-object is an error naming the document's index.
 pub fn render(
     docs: Vec<Value>,
@@ -82,6 +84,11 @@ pub fn render(
             name: name.clone(),
             errors,
         })?;
+    }
+    // `configMap` context entries read the ConfigMaps of the input.
+    let mut config_maps = GivenConfigMaps::default();
+    for doc in &docs {
+        config_maps.add(doc);
     }
     let mut out = Vec::with_capacity(docs.len());
     for (index, doc) in docs.into_iter().enumerate() {
@@ -107,6 +114,7 @@ pub fn render(
             operation: Operation::Create,
             namespace: &namespace,
             namespace_labels: &labels,
+            cluster: &config_maps,
         };
         let applied = apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &doc, &ctx);
         out.push(RenderedDoc {

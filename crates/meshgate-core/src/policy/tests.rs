@@ -35,6 +35,7 @@ fn create_in(ns: &str) -> MatchContext<'_> {
         operation: Operation::Create,
         namespace: ns,
         namespace_labels: no_labels(),
+        cluster: &crate::policy::context::NoCluster,
     }
 }
 
@@ -660,6 +661,7 @@ fn namespace_selector_sees_the_namespace_labels() {
         [("istio-injection".to_owned(), "enabled".to_owned())].into();
     let ctx = MatchContext {
         namespace_labels: &labels,
+        cluster: &crate::policy::context::NoCluster,
         ..create_in("shop")
     };
     assert!(policy_matches(&s, &pod, &ctx));
@@ -962,6 +964,7 @@ fn cluster_scoped_objects_match_no_namespace_constraint() {
         operation: Operation::Create,
         namespace: "",
         namespace_labels: no_labels(),
+        cluster: &crate::policy::context::NoCluster,
     };
     let applies = |m: &str| {
         let s = spec(&format!(
@@ -1601,4 +1604,152 @@ fn imported_rules_apply_in_the_order_kyverno_applies_them() {
     let imported = crate::policy::kyverno::import(&doc).expect("imports");
     let names: Vec<&str> = imported.policies.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["order-tag", "order-then-mark"]);
+}
+
+/// A policy whose annotation comes from a ConfigMap (`context[].configMap`).
+fn config_map_policy(namespace: &str) -> MutationPolicySpec {
+    spec(&format!(
+        r#"
+match: {{kinds: [Pod]}}
+mutations:
+- context:
+  - name: mesh
+    configMap: {{name: mesh-settings{namespace}}}
+  annotations:
+    values:
+      traffic.sidecar.istio.io/excludeOutboundIPRanges: "{{{{ mesh.data.exclude }}}}"
+      settings-from: "{{{{ mesh.metadata.namespace }}}}/{{{{ mesh.metadata.name }}}}"
+"#
+    ))
+}
+
+fn settings(namespace: &str, exclude: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"name": "mesh-settings", "namespace": namespace},
+           "data": {"exclude": exclude}})
+}
+
+#[test]
+fn a_config_map_entry_reads_data_and_metadata_from_the_cluster_data() {
+    use crate::policy::context::GivenConfigMaps;
+    let pod = yaml(POD);
+    let policy = config_map_policy("");
+    let mut maps = GivenConfigMaps::read();
+    maps.add(&settings("default", "10.96.0.1/32"));
+    maps.add(&settings("other", "0.0.0.0/0"));
+    let ctx = MatchContext {
+        cluster: &maps,
+        ..create_in("shop")
+    };
+    let applied = apply([("p", &policy)], &pod, &ctx);
+    assert!(applied.failed.is_empty(), "{:?}", applied.failed);
+    let annotations = &applied.object["metadata"]["annotations"];
+    assert_eq!(
+        annotations["traffic.sidecar.istio.io/excludeOutboundIPRanges"], "10.96.0.1/32",
+        "no namespace given: `default`, as Kyverno"
+    );
+    assert_eq!(annotations["settings-from"], "default/mesh-settings");
+
+    // Absent: the policy fails on the object, naming the ConfigMap; nothing else changes.
+    let absent = apply(
+        [("p", &policy)],
+        &pod,
+        &MatchContext {
+            cluster: &GivenConfigMaps::read(),
+            ..create_in("shop")
+        },
+    );
+    assert_eq!(absent.object, pod);
+    let message = absent
+        .failed
+        .first()
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    assert!(
+        message.contains("ConfigMap default/mesh-settings not found"),
+        "{message}"
+    );
+
+    // Without a cluster (the controller's plan tests, the native compiler): it says so.
+    let none = failure("p", &policy, &pod).to_string();
+    assert!(none.contains("no cluster to read it from"), "{none}");
+}
+
+#[test]
+fn a_config_map_entry_is_read_only_where_a_variable_names_it() {
+    // Kyverno loads context entries lazily: an unreadable ConfigMap fails only the
+    // expressions that name it.
+    let policy = spec(
+        r#"
+match: {kinds: [Pod]}
+mutations:
+- context:
+  - name: unused
+    configMap: {name: absent}
+  labels:
+    values: {fixed: "yes"}
+"#,
+    );
+    let applied = run(&[("p", &policy)], &yaml(POD));
+    assert_eq!(applied.object["metadata"]["labels"]["fixed"], "yes");
+}
+
+#[test]
+fn render_reads_the_config_maps_of_its_input_and_names_a_missing_one() {
+    let policy = config_map_policy(", namespace: shop");
+    let mut pod = yaml(POD);
+    pod["metadata"]["namespace"] = json!("shop");
+    let policies = vec![("p".to_owned(), policy)];
+    let no_labels = |_: &str| BTreeMap::new();
+    let out = render(
+        vec![settings("shop", "10.0.0.0/8"), pod.clone()],
+        &policies,
+        &no_labels,
+    )
+    .expect("render");
+    assert_eq!(
+        out[1].object["metadata"]["annotations"]["traffic.sidecar.istio.io/excludeOutboundIPRanges"],
+        "10.0.0.0/8"
+    );
+    let out = render(vec![pod.clone()], &policies, &no_labels).expect("render");
+    assert_eq!(out[0].object, pod);
+    let message = out[0]
+        .failed
+        .first()
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    assert!(
+        message.contains("ConfigMap shop/mesh-settings is not in the input"),
+        "{message}"
+    );
+}
+
+#[test]
+fn config_map_entries_are_literal_and_a_namespaced_policy_reads_its_own_namespace() {
+    let mut bad = config_map_policy("");
+    if let Some(cm) = bad.mutations[0].context[0].config_map.as_mut() {
+        cm.name = "{{ request.namespace }}-settings".into();
+    }
+    let errors = validate(&bad).expect_err("a variable name is refused");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("context[0].configMap.name") && e.contains("must be literal")),
+        "{errors:?}"
+    );
+
+    let confined = confine(&config_map_policy(""), "team-a").expect("own namespace");
+    assert_eq!(
+        context::config_maps_named(&confined)
+            .into_iter()
+            .collect::<Vec<_>>(),
+        vec![("team-a".to_owned(), "mesh-settings".to_owned())],
+        "no namespace given: the policy's own"
+    );
+    let errors = confine(&config_map_policy(", namespace: other"), "team-a")
+        .expect_err("another namespace is refused");
+    assert!(
+        errors.iter().any(|e| e.contains("other/mesh-settings")),
+        "{errors:?}"
+    );
 }

@@ -141,6 +141,38 @@ fn mutation(m: &Mutation, path: &str, level: usize, errors: &mut Vec<String>) {
     }
 }
 
+/// A `configMap` entry names one ConfigMap, literally: the webhook may read only the ConfigMaps
+/// granted to it by name, so a name computed per request could not be read.
+fn config_map_entry(
+    cm: &meshgate_api::mutation_policy::ContextConfigMap,
+    at: &str,
+    errors: &mut Vec<String>,
+) {
+    for (field, value) in [("name", &cm.name), ("namespace", &cm.namespace)] {
+        if value.contains("{{") {
+            errors.push(format!(
+                "{at}.configMap.{field}: {value:?}: must be literal (the webhook reads only the ConfigMaps granted to it by name)"
+            ));
+        } else if field == "name" && value.is_empty() {
+            errors.push(format!("{at}.configMap.name: required"));
+        } else if !value.is_empty() && !is_dns1123_subdomain(value) {
+            errors.push(format!(
+                "{at}.configMap.{field}: {value:?} is not a valid name"
+            ));
+        }
+    }
+}
+
+/// A Kubernetes object name (DNS-1123 subdomain): at most 253 lowercase alphanumerics, `-` and
+/// `.`, starting and ending with an alphanumeric.
+fn is_dns1123_subdomain(s: &str) -> bool {
+    let alnum = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit();
+    s.len() <= 253
+        && s.starts_with(alnum)
+        && s.ends_with(alnum)
+        && s.chars().all(|c| alnum(c) || c == '-' || c == '.')
+}
+
 /// Every variable compiles and names a root meshgate provides or a context entry in scope
 /// (`outer`: the enclosing mutations'); `element` only in a foreach, `element<N>` only inside
 /// N + 1 of them (`depth`: the enclosing foreach loops).
@@ -177,7 +209,24 @@ fn variables(m: &Mutation, path: &str, outer: &[String], depth: usize, errors: &
                 depth,
                 context: &names,
             };
-            let v = &e.variable;
+            let v = match (&e.variable, &e.config_map) {
+                (Some(v), None) => v,
+                (None, Some(cm)) => {
+                    config_map_entry(cm, &here, errors);
+                    names.push(e.name.clone());
+                    continue;
+                }
+                (Some(_), Some(_)) => {
+                    errors.push(format!(
+                        "{here}: set one of variable and configMap, not both"
+                    ));
+                    continue;
+                }
+                (None, None) => {
+                    errors.push(format!("{here}: set variable or configMap"));
+                    continue;
+                }
+            };
             if v.value.is_none() && v.jmes_path.is_none() && v.default.is_none() {
                 errors.push(format!("{here}.variable: set value, jmesPath or default"));
             }

@@ -56,6 +56,7 @@ use jmespath::{Rcvar, Runtime, Variable};
 use meshgate_api::mutation_policy::{ConditionOperator, Conditions, ContextEntry, PreCondition};
 use serde_json::{Map, Value};
 
+use super::context::ClusterData;
 use super::pattern::wildcard_match;
 
 /// The variable roots meshgate provides (besides the mutation's context entries).
@@ -140,10 +141,14 @@ impl Vars {
     /// These variables with the `context` entries, evaluated in order, each seeing the earlier
     /// ones (Kyverno's `variable` entries). An entry that fails is an error only for the
     /// expressions that name it, as Kyverno loads entries when a variable names them.
-    pub fn with_context(&self, entries: &[ContextEntry]) -> Self {
+    pub fn with_context(&self, entries: &[ContextEntry], cluster: &dyn ClusterData) -> Self {
         let mut out = self.clone();
         for entry in entries {
-            match out.context_value(entry) {
+            let value = match &entry.variable {
+                Some(_) => out.context_value(entry),
+                None => super::context::load(entry, cluster),
+            };
+            match value {
                 Ok(v) => out.set(&entry.name, v),
                 Err(e) => {
                     if let Value::Object(m) = &mut out.json {
@@ -162,7 +167,9 @@ impl Vars {
 
     /// Kyverno's variable loader (`pkg/engine/context/loaders/variable.go`).
     fn context_value(&self, entry: &ContextEntry) -> Result<Value, String> {
-        let var = &entry.variable;
+        let Some(var) = &entry.variable else {
+            return Err("not a variable entry".to_owned());
+        };
         let path = match &var.jmes_path {
             Some(p) if !p.is_empty() => match self.substitute_str(p)? {
                 Value::String(p) => Some(p),
@@ -1091,7 +1098,7 @@ mod tests {
             {"name": "fixed", "variable": {"value": "v-{{ tier }}"}},
         ]))
         .expect("entries");
-        let v = vars().with_context(&entries);
+        let v = vars().with_context(&entries, &crate::policy::context::NoCluster);
         assert_eq!(v.substitute_str("{{ app }}"), Ok(json!("shop")));
         assert_eq!(v.substitute_str("{{ tier }}"), Ok(json!("shop-default")));
         assert_eq!(v.substitute_str("{{ names }}"), Ok(json!("a")));

@@ -122,6 +122,16 @@ impl Webhook {
 /// Starts meshgate's webhook on loopback with a serving certificate from a fresh CA. It runs on
 /// the background runtime, so it lives as long as the test binary.
 pub async fn start_webhook(cp: &ControlPlane, config: GateConfig) -> Webhook {
+    start_webhook_as(cp, config, None).await
+}
+
+/// [`start_webhook`], as the ServiceAccount `meshgate-webhook` of `namespace` when given
+/// (impersonated: the RBAC `install` renders applies).
+pub async fn start_webhook_as(
+    cp: &ControlPlane,
+    config: GateConfig,
+    namespace: Option<&str>,
+) -> Webhook {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let ca = meshgate_pki::Ca::new("meshgate-e2e-ca", Duration::from_secs(3600)).expect("ca");
     let serving = ca
@@ -142,9 +152,13 @@ pub async fn start_webhook(cp: &ControlPlane, config: GateConfig) -> Webhook {
         request_timeout: Duration::from_secs(10),
         max_in_flight: meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT,
     };
+    let namespace = namespace.map(str::to_owned);
     let server = background()
         .spawn(async move {
-            let client = client_from(&kubeconfig).await;
+            let client = match namespace {
+                Some(ns) => client_as_service_account(&kubeconfig, &ns, "meshgate-webhook").await,
+                None => client_from(&kubeconfig).await,
+            };
             meshgate::run::start_webhook(client, settings)
                 .await
                 .expect("webhook starts")
@@ -533,18 +547,27 @@ pub async fn install_identities_with(
     namespace: &str,
     repair: Option<meshgate::install::RepairAction>,
 ) {
-    let docs = meshgate::install::render(&meshgate::install::InstallOptions {
-        profile: profile.into(),
-        namespace: namespace.into(),
-        image: "meshgate/meshgate:test".into(),
-        node_taint: meshgate::install::NodeTaint::Webhook,
-        pod_gate: meshgate::install::PodGate::Webhook,
-        strategy: meshgate::install::Strategy::Pod,
-        node_paths: Default::default(),
-        repair,
-        webhook_ingress_from: Vec::new(),
-    })
-    .expect("install renders");
+    install_identities_of(
+        client,
+        &meshgate::install::InstallOptions {
+            profile: profile.into(),
+            namespace: namespace.into(),
+            image: "meshgate/meshgate:test".into(),
+            node_taint: meshgate::install::NodeTaint::Webhook,
+            pod_gate: meshgate::install::PodGate::Webhook,
+            strategy: meshgate::install::Strategy::Pod,
+            node_paths: Default::default(),
+            repair,
+            webhook_ingress_from: Vec::new(),
+            context_config_maps: Vec::new(),
+        },
+    )
+    .await;
+}
+
+/// [`install_identities`] for any install options.
+pub async fn install_identities_of(client: &Client, options: &meshgate::install::InstallOptions) {
+    let docs = meshgate::install::render(options).expect("install renders");
     let identities: Vec<serde_json::Value> = docs
         .into_iter()
         .filter(|d| {
