@@ -1009,3 +1009,103 @@ spec:
         "{text}"
     );
 }
+
+/// `import kyverno` over policies written in the style of Kyverno's sample library
+/// (`tests/fixtures/policy/kyverno-library/`, their README): each mutate rule either converts,
+/// and then applies without error, or is refused with a note naming the exact field.
+#[test]
+fn library_style_policies_convert_or_name_the_field_they_cannot() {
+    let dir = format!(
+        "{}/tests/fixtures/policy/kyverno-library",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("corpus")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 10, "the corpus: {files:?}");
+    let pod = doc("
+apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: shop}
+spec:
+  initContainers: [{name: init, image: registry.example.com/tools/init:1.0}]
+  containers:
+  - {name: app, image: registry.example.com/shop/web:3.0, resources: {limits: {memory: 256Mi}}}
+  - {name: log, image: fluent/bit}
+  volumes: [{name: scratch, emptyDir: {}}]
+");
+    let job = doc("
+apiVersion: batch/v1
+kind: Job
+metadata: {name: once, namespace: shop}
+spec:
+  template:
+    spec:
+      restartPolicy: Never
+      containers: [{name: run, image: busybox}]
+");
+    for file in files {
+        let name = file
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        let text = std::fs::read_to_string(&file).expect("read");
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&text).expect("YAML");
+        let (expect, policy, config_maps) = (&docs[0], &docs[1], &docs[2..]);
+        let converted = expect["converted"].as_array().map_or(0, Vec::len);
+        let refused: BTreeMap<String, String> = expect["refused"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let (policies, notes) = match import(policy) {
+            Ok(out) => (out.policies, out.notes),
+            Err(KyvernoError::NothingConvertible { notes, .. }) => (Vec::new(), notes),
+            Err(e) => panic!("{name}: {e}"),
+        };
+        assert_eq!(
+            policies.len(),
+            converted,
+            "{name}: converted rules; notes {notes:#?}"
+        );
+        assert_eq!(notes.len(), refused.len(), "{name}: notes {notes:#?}");
+        for (rule, field) in &refused {
+            assert!(
+                notes
+                    .iter()
+                    .any(|n| n.contains(&format!("({rule})")) && n.contains(field.as_str())),
+                "{name}: rule {rule} must be refused naming {field}: {notes:#?}"
+            );
+        }
+        let mut maps = meshgate_core::policy::context::GivenConfigMaps::read();
+        for cm in config_maps {
+            maps.add(cm);
+        }
+        let labels = BTreeMap::from([("istio-injection".to_owned(), "enabled".to_owned())]);
+        for (policy_name, spec) in &policies {
+            assert_eq!(validate(spec), Ok(()), "{name}: {policy_name}");
+            for object in [&pod, &job] {
+                let ctx = MatchContext {
+                    operation: Operation::Create,
+                    namespace: "shop",
+                    namespace_labels: &labels,
+                    cluster: &maps,
+                };
+                let applied = apply([(policy_name.as_str(), spec)], object, &ctx);
+                assert!(
+                    applied.failed.is_empty(),
+                    "{name}: {policy_name} fails on {}: {:?}",
+                    object["kind"],
+                    applied.failed
+                );
+            }
+        }
+    }
+}
