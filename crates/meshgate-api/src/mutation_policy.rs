@@ -191,7 +191,9 @@ pub struct Mutation {
 pub struct ContextEntry {
     /// The variable's name, used as the root of expressions (`{{ name.field }}`).
     pub name: String,
-    /// A value computed from the request and the earlier entries.
+    /// A value computed from the request and the earlier entries: `value` (with variables), or
+    /// `jmesPath` over `value` or, without `value`, over all variables; `default` when that
+    /// gives nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub variable: Option<ContextVariable>,
     /// A ConfigMap's `data` and `metadata` (`{{ name.data.key }}`), read at admission from the
@@ -206,8 +208,8 @@ pub struct ContextEntry {
 #[serde(rename_all = "camelCase")]
 pub struct ContextConfigMap {
     pub name: String,
-    /// Default: `default` for a MutationPolicy, the policy's own namespace for a
-    /// NamespacedMutationPolicy (which may read no other), as in Kyverno.
+    /// Required in a MutationPolicy (Kyverno's policy validation requires it too); in a
+    /// NamespacedMutationPolicy, its own namespace when empty, and no other.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub namespace: String,
 }

@@ -1109,3 +1109,101 @@ spec:
         }
     }
 }
+
+/// Kyverno's CEL `MutatingPolicy`: a mutation whose expression reads nothing of the request
+/// converts (and gives what `render` gives applying the MutatingPolicy itself); one that reads
+/// the object is refused, naming the expression's field.
+#[test]
+fn a_mutating_policy_converts_where_its_expressions_are_constant() {
+    let policy = doc(r#"
+apiVersion: policies.kyverno.io/v1
+kind: MutatingPolicy
+metadata: {name: mesh-dns}
+spec:
+  matchConstraints:
+    resourceRules:
+    - apiGroups: [""]
+      apiVersions: [v1]
+      operations: [CREATE]
+      resources: [pods]
+    namespaceSelector:
+      matchLabels: {mesh: "on"}
+  mutations:
+  - patchType: ApplyConfiguration
+    applyConfiguration:
+      expression: >
+        Object{
+          metadata: Object.metadata{annotations: {"traffic.sidecar.istio.io/excludeOutboundIPRanges": "169.254.169.254/32"}},
+          spec: Object.spec{dnsConfig: Object.spec.dnsConfig{options: [Object.spec.dnsConfig.options{name: "ndots", value: "2"}]}}
+        }
+  - patchType: JSONPatch
+    jsonPatch:
+      expression: >
+        [JSONPatch{op: "add", path: "/metadata/labels/mesh-dns", value: "set"}]
+"#);
+    let out = import(&policy).expect("converts");
+    assert!(out.notes.is_empty(), "{:?}", out.notes);
+    let [(name, spec)] = <[_; 1]>::try_from(out.policies).expect("one policy");
+    assert_eq!(name, "mesh-dns");
+    assert_eq!(spec.target, MutationTarget::Object);
+    assert_eq!(spec.match_.kinds, ["Pod"]);
+    assert_eq!(spec.match_.operations, [Operation::Create]);
+    let pod = doc("
+apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: shop, labels: {app: web}}
+spec:
+  containers: [{name: app, image: registry.example.com/shop/web:3.0}]
+");
+    let labels = BTreeMap::from([("mesh".to_owned(), "on".to_owned())]);
+    let converted = apply(
+        [(name.as_str(), &spec)],
+        &pod,
+        &MatchContext {
+            operation: Operation::Create,
+            namespace: "shop",
+            namespace_labels: &labels,
+            cluster: &meshgate_core::policy::context::NoCluster,
+        },
+    );
+    assert!(converted.failed.is_empty(), "{:?}", converted.failed);
+    let original = meshgate_core::policy::admission::apply(
+        &[("mesh-dns".to_owned(), policy.clone())],
+        &pod,
+        &meshgate_core::policy::admission::AdmissionRequest {
+            operation: "CREATE",
+            namespace: "shop",
+            namespace_labels: &labels,
+        },
+    )
+    .expect("applies");
+    assert_eq!(
+        converted.object, original.object,
+        "the same as the MutatingPolicy itself"
+    );
+    assert_eq!(
+        converted.object["spec"]["dnsConfig"]["options"][0]["value"],
+        "2"
+    );
+    assert_eq!(converted.object["metadata"]["labels"]["mesh-dns"], "set");
+
+    // An expression that reads the object is refused, naming its field.
+    let mut reads = policy.clone();
+    reads["spec"]["mutations"][1]["jsonPatch"]["expression"] = json!(
+        "[JSONPatch{op: \"add\", path: \"/metadata/labels/owner\", value: object.metadata.name}]"
+    );
+    reads["spec"]["matchConditions"] = json!([{"name": "x", "expression": "true"}]);
+    match import(&reads) {
+        Err(KyvernoError::NothingConvertible { notes, .. }) => {
+            assert!(
+                notes.iter().any(|n| n.starts_with("spec.mutations[1].jsonPatch.expression: not converted")),
+                "{notes:#?}"
+            );
+            assert!(
+                notes.iter().any(|n| n.starts_with("spec.matchConditions")),
+                "{notes:#?}"
+            );
+        }
+        other => panic!("refused expected: {other:?}"),
+    }
+}

@@ -6,7 +6,8 @@
 //! more for each cause issue #30 numbers: context `variable` entries, nested `{{ }}`, null
 //! substitution, rules on workload objects and Kyverno's pod-controller autogen, `images`,
 //! foreach order and preconditions, match by names and annotations, list order after a strategic
-//! merge with `(name)` anchors, and the Deployment volume + volumeMount case. Nothing here says
+//! merge with `(name)` anchors, the Deployment volume + volumeMount case, and `configMap` context
+//! entries (the CLI gets the case's ConfigMaps as values: `cli_values`). Nothing here says
 //! what the result should be: the real CLI does. Each object ends in one of:
 //!
 //! * **agree**: both give the same object (compared as JSON values, whole: the CLI adds no
@@ -95,6 +96,9 @@ struct Case {
     name: String,
     causes: Vec<u64>,
     policies: Vec<Value>,
+    /// The ConfigMaps the policies' `configMap` context entries read (data, not objects to
+    /// mutate): given to `render` with each object, and to the CLI as the entries' values.
+    config_maps: Vec<Value>,
     objects: Vec<Value>,
     deviations: Vec<Deviation>,
 }
@@ -167,12 +171,36 @@ fn read_cases() -> Vec<Case> {
                         .and_then(Value::as_str)
                         .is_some_and(|a| a.starts_with("kyverno.io/"))
                 });
+            // A ConfigMap a policy's `configMap` context entry names is data, not an object.
+            let read: BTreeSet<String> = policies
+                .iter()
+                .flat_map(|p| p["spec"]["rules"].as_array().cloned().unwrap_or_default())
+                .flat_map(|r| {
+                    let mut entries = r["context"].as_array().cloned().unwrap_or_default();
+                    for f in r["mutate"]["foreach"].as_array().into_iter().flatten() {
+                        entries.extend(f["context"].as_array().cloned().unwrap_or_default());
+                    }
+                    entries
+                })
+                .filter_map(|e| {
+                    let cm = e.get("configMap")?;
+                    Some(format!(
+                        "ConfigMap/{}/{}",
+                        cm["namespace"].as_str().unwrap_or("default"),
+                        cm["name"].as_str()?
+                    ))
+                })
+                .collect();
+            let (config_maps, objects): (Vec<Value>, Vec<Value>) = objects
+                .into_iter()
+                .partition(|d| d["apiVersion"] == "v1" && read.contains(&object_id(d)));
             assert!(!policies.is_empty(), "{name}: no Kyverno policy");
             assert!(!objects.is_empty(), "{name}: no object");
             Case {
                 name,
                 causes,
                 policies,
+                config_maps,
                 objects,
                 deviations,
             }
@@ -200,18 +228,27 @@ struct KyvernoResult {
     errors: Vec<String>,
 }
 
-fn kyverno_apply(cli: &Path, dir: &Path, policy: &Path, object: &Path) -> KyvernoResult {
+fn kyverno_apply(
+    cli: &Path,
+    dir: &Path,
+    policy: &Path,
+    object: &Path,
+    values: Option<&Path>,
+) -> KyvernoResult {
     let out_dir = dir.join("kyverno-out");
-    let out = Command::new(cli)
+    let mut command = Command::new(cli);
+    command
         .arg("apply")
         .arg(policy)
         .arg("--resource")
         .arg(object)
         .arg("-o")
         .arg(&out_dir)
-        .arg("--remove-color")
-        .output()
-        .expect("run kyverno");
+        .arg("--remove-color");
+    if let Some(values) = values {
+        command.arg("--values-file").arg(values);
+    }
+    let out = command.output().expect("run kyverno");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let said = format!(
@@ -255,7 +292,8 @@ fn kyverno_apply(cli: &Path, dir: &Path, policy: &Path, object: &Path) -> Kyvern
     KyvernoResult { object, errors }
 }
 
-/// `meshgate render --policy POLICY -f OBJECT`: the object, or the reason it refused.
+/// `meshgate render --policy POLICY -f OBJECT` (the file may hold the case's ConfigMaps before
+/// the object): the object, or the reason it refused.
 fn meshgate_render(policy: &Path, object: &Path) -> Result<Value, String> {
     let out = Command::new(env!("CARGO_BIN_EXE_meshgate"))
         .arg("render")
@@ -271,10 +309,70 @@ fn meshgate_render(policy: &Path, object: &Path) -> Result<Value, String> {
     }
     let docs = meshgate::render::parse_documents("render", &String::from_utf8_lossy(&out.stdout))
         .unwrap_or_else(|e| panic!("{e}"));
-    match <[Value; 1]>::try_from(docs) {
-        Ok([o]) => Ok(o),
-        Err(docs) => panic!("render printed {} documents, not 1", docs.len()),
+    // The object is the last document (the ConfigMaps come first).
+    let n = docs.len();
+    docs.into_iter()
+        .rfind(|d| !(d["apiVersion"] == "v1" && d["kind"] == "ConfigMap") || n == 1)
+        .ok_or_else(|| "render printed no object".to_owned())
+}
+
+/// The Kyverno CLI's values file for the case's ConfigMaps, or `None` when no policy reads one.
+///
+/// Offline, `kyverno apply` loads no `configMap` context entry: its context loader
+/// (`cmd/cli/kubectl-kyverno/store`, `mockContextLoader`) sets the variables the values file
+/// gives per policy and rule, then loads `variable` entries only. So each `configMap` entry is
+/// given as the value Kyverno's loader would make of the ConfigMap
+/// (`pkg/engine/context/loaders/configmap.go`: `{"data": …, "metadata": …}`, namespace
+/// `default` when none is named). What this proves is everything after the load; the load
+/// itself is proven on the real API server (`policies_context`).
+fn cli_values(policies: &[Value], config_maps: &[Value]) -> Option<Value> {
+    let find = |ns: &str, name: &str| {
+        config_maps.iter().find(|cm| {
+            cm["metadata"]["name"] == name
+                && cm["metadata"]["namespace"].as_str().unwrap_or("default") == ns
+        })
+    };
+    let mut out_policies = Vec::new();
+    for policy in policies {
+        let mut rules = Vec::new();
+        for rule in policy["spec"]["rules"].as_array().into_iter().flatten() {
+            let mut values = serde_json::Map::new();
+            let foreach_entries = rule["mutate"]["foreach"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|f| f["context"].as_array().into_iter().flatten());
+            for entry in rule["context"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .chain(foreach_entries)
+            {
+                let Some(cm) = entry.get("configMap") else {
+                    continue;
+                };
+                let ns = cm["namespace"].as_str().unwrap_or("default");
+                let name = cm["name"].as_str().unwrap_or_default();
+                let found = find(ns, name)
+                    .unwrap_or_else(|| panic!("the case reads ConfigMap {ns}/{name}: add it"));
+                values.insert(
+                    entry["name"].as_str().unwrap_or_default().to_owned(),
+                    meshgate_core::policy::context::config_map_value(found),
+                );
+            }
+            if !values.is_empty() {
+                rules.push(serde_json::json!({"name": rule["name"], "values": values}));
+            }
+        }
+        if !rules.is_empty() {
+            out_policies
+                .push(serde_json::json!({"name": policy["metadata"]["name"], "rules": rules}));
+        }
     }
+    (!out_policies.is_empty()).then(|| {
+        serde_json::json!({"apiVersion": "cli.kyverno.io/v1alpha1", "kind": "Value",
+                           "metadata": {"name": "values"}, "policies": out_policies})
+    })
 }
 
 /// Where two values differ, as `path: kyverno …, meshgate …` lines.
@@ -309,8 +407,15 @@ enum Outcome {
     Differ { kind: &'static str, detail: String },
 }
 
-fn compare(cli: &Path, dir: &Path, policy: &Path, object: &Path) -> Outcome {
-    let kyverno = kyverno_apply(cli, dir, policy, object);
+fn compare_with(
+    cli: &Path,
+    dir: &Path,
+    policy: &Path,
+    resource: &Path,
+    object: &Path,
+    values: Option<&Path>,
+) -> Outcome {
+    let kyverno = kyverno_apply(cli, dir, policy, resource, values);
     // Compared whole: no field is ignored. The CLI prints the object as Kyverno's engine left
     // it (`-o DIR`, YAML of the unstructured object) and adds nothing of its own to the objects
     // of these cases (no `creationTimestamp: null`, no status, no annotation of applied
@@ -413,6 +518,11 @@ fn kyverno_and_render_agree() {
         let dir = tempfile::tempdir().unwrap();
         let policy = dir.path().join("policy.yaml");
         std::fs::write(&policy, yaml_stream(&case.policies)).unwrap();
+        let values = cli_values(&case.policies, &case.config_maps).map(|v| {
+            let file = dir.path().join("values.yaml");
+            std::fs::write(&file, yaml_stream(&[v])).unwrap();
+            file
+        });
         let mut seen = BTreeSet::new();
         for (i, object) in case.objects.iter().enumerate() {
             let id = object_id(object);
@@ -420,8 +530,13 @@ fn kyverno_and_render_agree() {
             let at = dir.path().join(format!("object-{i}"));
             std::fs::create_dir(&at).unwrap();
             let file = at.join("object.yaml");
-            std::fs::write(&file, yaml_stream(std::slice::from_ref(object))).unwrap();
-            let outcome = compare(&cli, &at, &policy, &file);
+            let mut input = case.config_maps.clone();
+            input.push(object.clone());
+            std::fs::write(&file, yaml_stream(&input)).unwrap();
+            // The CLI is given the object alone: the ConfigMaps reach it as values.
+            let resource = at.join("resource.yaml");
+            std::fs::write(&resource, yaml_stream(std::slice::from_ref(object))).unwrap();
+            let outcome = compare_with(&cli, &at, &policy, &resource, &file, values.as_deref());
             let listed = case.deviations.iter().find(|d| d.object == id);
             match (outcome, listed) {
                 (Outcome::Agree, None) => {

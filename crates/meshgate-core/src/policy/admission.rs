@@ -156,6 +156,13 @@ fn evaluate(env: &Arc<Env>, expression: &str, vars: &Value) -> Result<Value, Str
         .map_err(|e| format!("{expression:?}: result: {e}"))
 }
 
+/// The value of a CEL expression that reads no variable (`Err` with the evaluation error
+/// otherwise: an undeclared `object`, say), for `import` of Kyverno's MutatingPolicy.
+pub(crate) fn constant(expression: &str) -> Result<Value, String> {
+    let env = environment(&[expression])?;
+    evaluate(&env, expression, &Value::Object(serde_json::Map::new()))
+}
+
 /// The plural resource of a kind.
 fn resource_of(kind: &str) -> String {
     const TABLE: &[(&str, &str)] = &[

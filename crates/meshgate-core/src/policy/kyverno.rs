@@ -122,9 +122,10 @@ pub struct KyvernoImport {
 /// Why a Kyverno policy cannot be imported at all.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum KyvernoError {
-    /// Not a `kyverno.io/v1` or `kyverno.io/v2beta1` `ClusterPolicy` / `Policy`.
+    /// Not a `kyverno.io/v1` or `kyverno.io/v2beta1` `ClusterPolicy` / `Policy`, nor a
+    /// `policies.kyverno.io` `MutatingPolicy`.
     #[error(
-        "not a Kyverno policy: apiVersion {api_version:?}, kind {kind:?} (expected kyverno.io/v1 or kyverno.io/v2beta1 ClusterPolicy or Policy)"
+        "not a Kyverno policy: apiVersion {api_version:?}, kind {kind:?} (expected kyverno.io/v1 or kyverno.io/v2beta1 ClusterPolicy or Policy, or a policies.kyverno.io MutatingPolicy)"
     )]
     NotAPolicy { api_version: String, kind: String },
     /// A field every Kyverno policy has is missing or of the wrong type.
@@ -137,6 +138,9 @@ pub enum KyvernoError {
 
 /// Converts the mutate rules of a Kyverno policy. See the module documentation.
 pub fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
+    if super::kyverno_cel::is_mutating_policy(doc) {
+        return super::kyverno_cel::import(doc);
+    }
     let str_at = |p: &str| doc.pointer(p).and_then(Value::as_str).unwrap_or_default();
     let (api_version, kind) = (str_at("/apiVersion"), str_at("/kind"));
     if !matches!(api_version, "kyverno.io/v1" | "kyverno.io/v2beta1")
@@ -609,7 +613,7 @@ fn convert_rule(
     if match_.operations.is_empty() {
         match_.operations = vec![Operation::Create, Operation::Update];
     }
-    let spec = MutationPolicySpec {
+    let mut spec = MutationPolicySpec {
         match_,
         exclude: exclude.map(Desc::into_match),
         pod_templates,
@@ -620,6 +624,15 @@ fn convert_rule(
             .then(|| format!("applied Kyverno rule {}/{rule_name}", ctx.policy)),
         existing: Default::default(),
     };
+    // A namespaced Policy's configMap entries read its own namespace when they name none
+    // (Kyverno's loader); a ClusterPolicy's must name one (Kyverno's policy validation).
+    if let Some(ns) = ctx.namespace {
+        for cm in super::context::config_map_entries_mut(&mut spec) {
+            if cm.namespace.is_empty() {
+                cm.namespace = ns.to_owned();
+            }
+        }
+    }
     validate(&spec)
         .map_err(|errors| format!("the converted policy is invalid: {}", errors.join("; ")))?;
     Ok(Some(spec))

@@ -154,6 +154,7 @@ pub mod context;
 mod images;
 pub mod json6902;
 pub mod kyverno;
+pub mod kyverno_cel;
 mod matching;
 pub mod native;
 mod pattern;
@@ -451,8 +452,10 @@ fn apply_evaluated(
         }
         return apply_each(at, &mutation.mutations, &vars, at.depth, work);
     };
+    // Kyverno's `EvaluateList` queries the context: a key missing on the path is an error
+    // (its "Unknown key"), as in any variable.
     let list = match vars
-        .eval(&foreach.list)
+        .query(&foreach.list)
         .map_err(|e| at.failed(format!("foreach.list: {e}")))?
     {
         Value::Null => Vec::new(),

@@ -1608,7 +1608,7 @@ fn imported_rules_apply_in_the_order_kyverno_applies_them() {
 
 /// A policy whose annotation comes from a ConfigMap (`context[].configMap`).
 fn config_map_policy(namespace: &str) -> MutationPolicySpec {
-    spec(&format!(
+    serde_saphyr::from_str(&format!(
         r#"
 match: {{kinds: [Pod]}}
 mutations:
@@ -1621,6 +1621,7 @@ mutations:
       settings-from: "{{{{ mesh.metadata.namespace }}}}/{{{{ mesh.metadata.name }}}}"
 "#
     ))
+    .unwrap()
 }
 
 fn settings(namespace: &str, exclude: &str) -> Value {
@@ -1633,7 +1634,8 @@ fn settings(namespace: &str, exclude: &str) -> Value {
 fn a_config_map_entry_reads_data_and_metadata_from_the_cluster_data() {
     use crate::policy::context::GivenConfigMaps;
     let pod = yaml(POD);
-    let policy = config_map_policy("");
+    let policy = config_map_policy(", namespace: default");
+    assert_eq!(validate(&policy), Ok(()));
     let mut maps = GivenConfigMaps::read();
     maps.add(&settings("default", "10.96.0.1/32"));
     maps.add(&settings("other", "0.0.0.0/0"));
@@ -1646,7 +1648,7 @@ fn a_config_map_entry_reads_data_and_metadata_from_the_cluster_data() {
     let annotations = &applied.object["metadata"]["annotations"];
     assert_eq!(
         annotations["traffic.sidecar.istio.io/excludeOutboundIPRanges"], "10.96.0.1/32",
-        "no namespace given: `default`, as Kyverno"
+        "the named namespace's, not another's"
     );
     assert_eq!(annotations["settings-from"], "default/mesh-settings");
 
@@ -1685,7 +1687,7 @@ match: {kinds: [Pod]}
 mutations:
 - context:
   - name: unused
-    configMap: {name: absent}
+    configMap: {name: absent, namespace: default}
   labels:
     values: {fixed: "yes"}
 "#,
@@ -1735,6 +1737,14 @@ fn config_map_entries_are_literal_and_a_namespaced_policy_reads_its_own_namespac
         errors
             .iter()
             .any(|e| e.contains("context[0].configMap.name") && e.contains("must be literal")),
+        "{errors:?}"
+    );
+    // A cluster-wide policy names the namespace, as Kyverno's policy validation requires.
+    let errors = validate(&config_map_policy("")).expect_err("no namespace");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.ends_with("context[0].configMap.namespace: required")),
         "{errors:?}"
     );
 

@@ -153,8 +153,10 @@ fn config_map_entry(
             errors.push(format!(
                 "{at}.configMap.{field}: {value:?}: must be literal (the webhook reads only the ConfigMaps granted to it by name)"
             ));
-        } else if field == "name" && value.is_empty() {
-            errors.push(format!("{at}.configMap.name: required"));
+        } else if value.is_empty() {
+            // Kyverno's policy validation requires the namespace too; a
+            // NamespacedMutationPolicy's entries get its own (`confine`).
+            errors.push(format!("{at}.configMap.{field}: required"));
         } else if !value.is_empty() && !is_dns1123_subdomain(value) {
             errors.push(format!(
                 "{at}.configMap.{field}: {value:?} is not a valid name"
