@@ -22,7 +22,6 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use meshgate_api::MutationPolicy;
-use meshgate_api::config::GateConfig;
 use serde_json::{Value, json};
 
 const INSTALL_NS: &str = "meshgate-system";
@@ -108,13 +107,7 @@ async fn a_config_map_context_entry_is_read_from_the_granted_config_map_only() {
         .expect("deployment created");
 
     // The webhook and the controller, as their ServiceAccounts.
-    let config = GateConfig {
-        init_gate: meshgate_api::config::InitGate {
-            enabled: false,
-            ..Default::default()
-        },
-        ..GateConfig::default()
-    };
+    let config = policies_only_config();
     let webhook = start_webhook_as(&cp, config.clone(), Some(INSTALL_NS)).await;
     register(
         &admin,

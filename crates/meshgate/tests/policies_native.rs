@@ -19,7 +19,7 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingAdmissionPolicy, MutatingAdmissionPolicyBinding, MutatingWebhookConfiguration,
 };
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
-use meshgate_api::{GateConfig, MutationPolicy};
+use meshgate_api::MutationPolicy;
 use meshgate_core::policy::native::native_name;
 use meshgate_core::registration::{PolicyResource, policy_rules};
 use serde::Deserialize;
@@ -323,13 +323,7 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
     }
 
     // 1. The webhook path: meshgate's webhook registered for every kind of the corpus.
-    let config = GateConfig {
-        init_gate: meshgate_api::config::InitGate {
-            enabled: false,
-            ..Default::default()
-        },
-        ..GateConfig::default()
-    };
+    let config = policies_only_config();
     let webhook = start_webhook(&cp, config.clone()).await;
     let mut mwc = webhook.registration(CONFIGURATION, &config, true, false);
     let extra: Vec<PolicyResource> = ["services", "configmaps", "namespaces"]

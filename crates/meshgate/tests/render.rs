@@ -137,7 +137,7 @@ spec:
     match: {any: [{resources: {kinds: [Pod]}}]}
     context:
     - name: settings
-      configMap: {name: settings, namespace: default}
+      apiCall: {urlPath: \"/api/v1/namespaces/default/configmaps/settings\", jmesPath: data}
     mutate:
       patchStrategicMerge:
         metadata: {labels: {copied: \"{{ settings.data.name }}\"}}

@@ -176,6 +176,17 @@ pub async fn start_webhook_as(
     }
 }
 
+/// The webhook's configuration for the policy path alone: no init gate.
+pub fn policies_only_config() -> GateConfig {
+    GateConfig {
+        init_gate: meshgate_api::config::InitGate {
+            enabled: false,
+            ..Default::default()
+        },
+        ..GateConfig::default()
+    }
+}
+
 /// The name of the `MutatingWebhookConfiguration` that [`serve_policies`] registers.
 pub const POLICIES_CONFIGURATION: &str = "meshgate-policies";
 
@@ -188,13 +199,7 @@ pub async fn serve_policies(cp: &ControlPlane) {
     READY
         .get_or_init(|| async {
             install_crds(&client).await;
-            let config = GateConfig {
-                init_gate: meshgate_api::config::InitGate {
-                    enabled: false,
-                    ..Default::default()
-                },
-                ..GateConfig::default()
-            };
+            let config = policies_only_config();
             let webhook = start_webhook(cp, config.clone()).await;
             let mwc = webhook.registration(POLICIES_CONFIGURATION, &config, true, false);
             let hooks = mwc["webhooks"].as_array().expect("webhooks");
