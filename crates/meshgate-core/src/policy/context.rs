@@ -7,11 +7,11 @@
 //! ([`GivenConfigMaps`]), and callers without a cluster with [`NoCluster`].
 //!
 //! Kyverno's loader (`pkg/engine/context/loaders/configmap.go`) makes the entry's value
-//! `{"data": <the ConfigMap's data>, "metadata": <its metadata>}` ([`config_map_value`]), with
-//! the namespace `default` when none is given (a namespaced policy's own namespace, and no
-//! other, for a namespaced policy: [`super::confine`] sets it). A ConfigMap that does not exist
-//! or cannot be read fails the entry, and so the expressions that name it (Kyverno loads
-//! entries lazily).
+//! `{"data": <the ConfigMap's data>, "metadata": <its metadata>}` ([`config_map_value`]). The
+//! namespace is required in a cluster-wide policy (`validate`, as Kyverno's policy validation);
+//! a namespaced policy reads its own, and no other ([`super::confine`] sets it). A ConfigMap
+//! that does not exist or cannot be read fails the entry, and so the expressions that name it
+//! (Kyverno loads entries lazily).
 
 use std::collections::{BTreeMap, BTreeSet};
 
