@@ -22,8 +22,10 @@ pub enum RunError {
     },
 }
 
-/// Settings of the controller.
-#[derive(Clone, Debug)]
+/// Settings of the controller. The default is a single replica (no leader election) with the
+/// node gate's defaults and nothing optional: no health endpoint, certificates, repair, policy
+/// webhook upkeep or native mode.
+#[derive(Clone, Debug, Default)]
 pub struct ControllerSettings {
     /// `None`: no leader election (a single replica).
     pub lease: Option<LeaseSettings>,

@@ -260,15 +260,10 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
         &cp,
         NS,
         meshgate::run::ControllerSettings {
-            lease: None,
-            health_addr: None,
-            node_gate: Default::default(),
             certs: Some(meshgate_controller::certs::CertSettings::new(NS)),
-            repair: Default::default(),
             policy_webhook: Some("meshgate".into()),
             native_policies: true,
-            native_gate: None,
-            excluded_namespaces: None,
+            ..Default::default()
         },
     );
     let secrets: Api<Secret> = Api::namespaced(client.clone(), NS);

@@ -471,8 +471,6 @@ async fn the_components_do_everything_under_their_installed_identities() {
                 duration: 15,
                 grace: 5,
             }),
-            health_addr: None,
-            node_gate: Default::default(),
             certs: Some(meshgate_controller::certs::CertSettings::new(NS)),
             repair: meshgate_core::repair::RepairSettings {
                 enabled: true,
@@ -491,7 +489,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
                 .expect("config"),
                 "meshgate".into(),
             )),
-            excluded_namespaces: None,
+            ..Default::default()
         },
     );
 

@@ -118,15 +118,7 @@ async fn a_config_map_context_entry_is_read_from_the_granted_config_map_only() {
         &cp,
         INSTALL_NS,
         meshgate::run::ControllerSettings {
-            lease: None,
-            health_addr: None,
-            node_gate: Default::default(),
-            certs: None,
-            repair: Default::default(),
-            policy_webhook: None,
-            native_policies: false,
-            native_gate: None,
-            excluded_namespaces: None,
+            ..Default::default()
         },
     );
 

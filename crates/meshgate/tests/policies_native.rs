@@ -358,15 +358,8 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
         &cp,
         CONTROLLER_NAMESPACE,
         meshgate::run::ControllerSettings {
-            lease: None,
-            health_addr: None,
-            node_gate: Default::default(),
-            certs: None,
-            repair: Default::default(),
-            policy_webhook: None,
             native_policies: true,
-            native_gate: None,
-            excluded_namespaces: None,
+            ..Default::default()
         },
     );
     for case in &corpus.cases {

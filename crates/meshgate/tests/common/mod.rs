@@ -215,15 +215,8 @@ pub async fn serve_policies(cp: &ControlPlane) {
             background().spawn(async move {
                 let client = client_from(&kubeconfig).await;
                 let settings = meshgate::run::ControllerSettings {
-                    lease: None,
-                    health_addr: None,
-                    node_gate: Default::default(),
-                    certs: None,
-                    repair: Default::default(),
                     policy_webhook: Some(POLICIES_CONFIGURATION.into()),
-                    native_policies: false,
-                    native_gate: None,
-                    excluded_namespaces: None,
+                    ..Default::default()
                 };
                 if let Err(e) = meshgate::run::run_controller(
                     client,
