@@ -45,10 +45,14 @@
 //! always used, and without one it sets `MESHGATE_KYVERNO_OPTIONAL=1` and this test passes
 //! without checking.
 
+#[path = "common/kyverno_cases.rs"]
+mod kyverno_cases;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use kyverno_cases::{diff, object_id, read_cases, render};
 use serde_json::Value;
 
 /// The workspace root.
@@ -81,139 +85,6 @@ fn kyverno_cli() -> Result<PathBuf, String> {
             script.display(),
             String::from_utf8_lossy(&out.stderr)
         )),
-    }
-}
-
-/// A documented deviation: meshgate differs from Kyverno on purpose for this object.
-#[derive(Debug)]
-struct Deviation {
-    object: String,
-    kind: String,
-    reason: String,
-}
-
-struct Case {
-    name: String,
-    causes: Vec<u64>,
-    policies: Vec<Value>,
-    /// The ConfigMaps the policies' `configMap` context entries read (data, not objects to
-    /// mutate): given to `render` with each object, and to the CLI as the entries' values.
-    config_maps: Vec<Value>,
-    objects: Vec<Value>,
-    deviations: Vec<Deviation>,
-}
-
-fn read_cases() -> Vec<Case> {
-    let dir = root().join("crates/meshgate/tests/fixtures/kyverno_oracle");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.expect("directory entry").path())
-        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
-        .collect();
-    files.sort();
-    files
-        .iter()
-        .map(|file| {
-            let name = file
-                .file_stem()
-                .expect("file name")
-                .to_string_lossy()
-                .into_owned();
-            let docs = meshgate::render::read_documents(file).unwrap_or_else(|e| panic!("{e}"));
-            let (head, rest) = docs
-                .split_first()
-                .unwrap_or_else(|| panic!("{name}: empty"));
-            let causes: Vec<u64> = head
-                .get("cause")
-                .and_then(Value::as_array)
-                .unwrap_or_else(|| panic!("{name}: cause: a list of issue #30's cause numbers"))
-                .iter()
-                .map(|c| c.as_u64().unwrap_or_else(|| panic!("{name}: cause {c}")))
-                .collect();
-            assert!(
-                head.get("about").and_then(Value::as_str).is_some(),
-                "{name}: about: required"
-            );
-            let deviations = head
-                .get("deviations")
-                .and_then(Value::as_array)
-                .map(|ds| {
-                    ds.iter()
-                        .map(|d| {
-                            let field = |f: &str| {
-                                d.get(f)
-                                    .and_then(Value::as_str)
-                                    .unwrap_or_else(|| panic!("{name}: deviations[].{f}"))
-                                    .to_owned()
-                            };
-                            let dev = Deviation {
-                                object: field("object"),
-                                kind: field("kind"),
-                                reason: field("reason"),
-                            };
-                            assert!(
-                                ["differs", "refused", "accepted"].contains(&dev.kind.as_str()),
-                                "{name}: deviation kind {:?}",
-                                dev.kind
-                            );
-                            assert!(
-                                dev.reason.len() > 20,
-                                "{name}: a deviation needs its reason"
-                            );
-                            dev
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
-            let (policies, objects): (Vec<Value>, Vec<Value>) =
-                rest.iter().cloned().partition(|d| {
-                    d.get("apiVersion")
-                        .and_then(Value::as_str)
-                        .is_some_and(|a| a.starts_with("kyverno.io/"))
-                });
-            // A ConfigMap a policy's `configMap` context entry names is data, not an object.
-            let read: BTreeSet<String> = policies
-                .iter()
-                .flat_map(|p| p["spec"]["rules"].as_array().cloned().unwrap_or_default())
-                .flat_map(|r| {
-                    let mut entries = r["context"].as_array().cloned().unwrap_or_default();
-                    for f in r["mutate"]["foreach"].as_array().into_iter().flatten() {
-                        entries.extend(f["context"].as_array().cloned().unwrap_or_default());
-                    }
-                    entries
-                })
-                .filter_map(|e| {
-                    let cm = e.get("configMap")?;
-                    Some(format!(
-                        "ConfigMap/{}/{}",
-                        cm["namespace"].as_str().unwrap_or("default"),
-                        cm["name"].as_str()?
-                    ))
-                })
-                .collect();
-            let (config_maps, objects): (Vec<Value>, Vec<Value>) = objects
-                .into_iter()
-                .partition(|d| d["apiVersion"] == "v1" && read.contains(&object_id(d)));
-            assert!(!policies.is_empty(), "{name}: no Kyverno policy");
-            assert!(!objects.is_empty(), "{name}: no object");
-            Case {
-                name,
-                causes,
-                policies,
-                config_maps,
-                objects,
-                deviations,
-            }
-        })
-        .collect()
-}
-
-/// `Kind/namespace/name`, or `Kind/name` without a namespace.
-fn object_id(o: &Value) -> String {
-    let s = |p: &str| o.pointer(p).and_then(Value::as_str).unwrap_or_default();
-    match s("/metadata/namespace") {
-        "" => format!("{}/{}", s("/kind"), s("/metadata/name")),
-        ns => format!("{}/{ns}/{}", s("/kind"), s("/metadata/name")),
     }
 }
 
@@ -292,30 +163,6 @@ fn kyverno_apply(
     KyvernoResult { object, errors }
 }
 
-/// `meshgate render --policy POLICY -f OBJECT` (the file may hold the case's ConfigMaps before
-/// the object): the object, or the reason it refused.
-fn meshgate_render(policy: &Path, object: &Path) -> Result<Value, String> {
-    let out = Command::new(env!("CARGO_BIN_EXE_meshgate"))
-        .arg("render")
-        .arg("--policy")
-        .arg(policy)
-        .arg("-f")
-        .arg(object)
-        .output()
-        .expect("run meshgate");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    if !out.status.success() {
-        return Err(stderr.trim().to_owned());
-    }
-    let docs = meshgate::render::parse_documents("render", &String::from_utf8_lossy(&out.stdout))
-        .unwrap_or_else(|e| panic!("{e}"));
-    // The object is the last document (the ConfigMaps come first).
-    let n = docs.len();
-    docs.into_iter()
-        .rfind(|d| !(d["apiVersion"] == "v1" && d["kind"] == "ConfigMap") || n == 1)
-        .ok_or_else(|| "render printed no object".to_owned())
-}
-
 /// The Kyverno CLI's values file for the case's ConfigMaps, or `None` when no policy reads one.
 ///
 /// Offline, `kyverno apply` loads no `configMap` context entry: its context loader
@@ -375,33 +222,6 @@ fn cli_values(policies: &[Value], config_maps: &[Value]) -> Option<Value> {
     })
 }
 
-/// Where two values differ, as `path: kyverno …, meshgate …` lines.
-fn diff(path: &str, k: &Value, m: &Value, out: &mut Vec<String>) {
-    match (k, m) {
-        (Value::Object(a), Value::Object(b)) => {
-            let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
-            for key in keys {
-                let p = format!("{path}/{}", key.replace('~', "~0").replace('/', "~1"));
-                match (a.get(key), b.get(key)) {
-                    (Some(x), Some(y)) => diff(&p, x, y, out),
-                    (x, y) => out.push(format!(
-                        "{p}: kyverno {}, meshgate {}",
-                        x.map_or("absent".into(), Value::to_string),
-                        y.map_or("absent".into(), Value::to_string)
-                    )),
-                }
-            }
-        }
-        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => {
-            for (i, (x, y)) in a.iter().zip(b).enumerate() {
-                diff(&format!("{path}/{i}"), x, y, out);
-            }
-        }
-        _ if k != m => out.push(format!("{path}: kyverno {k}, meshgate {m}")),
-        _ => {}
-    }
-}
-
 enum Outcome {
     Agree,
     Differ { kind: &'static str, detail: String },
@@ -421,10 +241,10 @@ fn compare_with(
     // of these cases (no `creationTimestamp: null`, no status, no annotation of applied
     // policies), so nothing is a CLI artefact to remove.
     let k = kyverno.object;
-    let strict = meshgate_render(policy, object);
+    let strict = render(policy, object, false);
     let against = |m: Value, kind: &'static str| {
         let mut lines = Vec::new();
-        diff("", &k, &m, &mut lines);
+        diff("", ("kyverno", &k), ("meshgate", &m), &mut lines);
         if lines.is_empty() {
             Outcome::Agree
         } else {

@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod istio;
+pub mod kyverno_cases;
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
