@@ -185,7 +185,8 @@ pub struct Mutation {
     pub mutations: Vec<Mutation>,
 }
 
-/// A named variable (Kyverno's `context` entry): exactly one of `variable` and `configMap`.
+/// A named variable (Kyverno's `context` entry): exactly one of `variable`, `configMap` and
+/// `apiCall`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ContextEntry {
@@ -200,6 +201,33 @@ pub struct ContextEntry {
     /// webhook's watch cache of the ConfigMaps policies name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config_map: Option<ContextConfigMap>,
+    /// An object or list read from the API server at admission (`{{ name.spec.field }}`), as
+    /// the webhook's ServiceAccount (grant it with `meshgate install --context-api-read`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_call: Option<ContextApiCall>,
+}
+
+/// A GET of the API server (Kyverno's `apiCall` entry with its default method): the response,
+/// or `jmesPath` over it; `default` when the GET fails.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContextApiCall {
+    /// The path, with variables: `/api/v1/namespaces/{{ request.namespace }}`,
+    /// `/apis/apps/v1/namespaces/shop/deployments`. It must start with `/api/` or `/apis/`; a
+    /// NamespacedMutationPolicy may read only under its own namespace.
+    pub url_path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub jmes_path: Option<String>,
+    /// The entry's value when the GET fails (not found, forbidden, timed out); `jmesPath` is
+    /// not applied to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "any_value")]
+    pub default: Option<serde_json::Value>,
+    /// The only namespace the call may read (a NamespacedMutationPolicy's own), set when the
+    /// policy is confined to its namespace; not part of the API.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub confined_to: Option<String>,
 }
 
 /// The ConfigMap a context entry reads: both names literal, as the webhook may read only the

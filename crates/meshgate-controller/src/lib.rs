@@ -14,6 +14,7 @@
 //! the result with optimistic locking.
 
 pub mod agents;
+pub mod api_reader;
 pub mod certs;
 pub mod conditions;
 pub mod discovery;

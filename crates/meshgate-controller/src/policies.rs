@@ -61,7 +61,7 @@ use meshgate_api::mutation_policy::{
 };
 use meshgate_api::{GateConfig, MutationPolicy, MutationPolicySpec, names};
 use meshgate_core::patch::{JsonPatch, escape};
-use meshgate_core::policy::context::{self, ClusterData, GivenConfigMaps};
+use meshgate_core::policy::context::{self, ClusterData, GivenObjects};
 use meshgate_core::policy::{
     self, MatchContext, PolicyError, native, opted_out, pod_template_path, policy_matches,
 };
@@ -614,8 +614,8 @@ impl Limiter {
 /// The ConfigMaps the policy's `configMap` context entries name, read once per pass: one that
 /// does not exist is absent, one that cannot be read (no RBAC grant: `meshgate install
 /// --context-config-map`) fails the policy on every object, saying why.
-async fn read_config_maps(client: &kube::Client, spec: &MutationPolicySpec) -> GivenConfigMaps {
-    let mut out = GivenConfigMaps::read();
+async fn read_config_maps(client: &kube::Client, spec: &MutationPolicySpec) -> GivenObjects {
+    let mut out = GivenObjects::read();
     for (namespace, name) in context::config_maps_named(spec) {
         let api = Api::<DynamicObject>::namespaced_with(
             client.clone(),
@@ -651,12 +651,14 @@ async fn backfill(ctx: &Ctx, name: &str, spec: &MutationPolicySpec) -> Result<Op
     };
     let mut limiter = Limiter::new(spec.existing.rate_per_second);
     let config_maps = read_config_maps(&ctx.client, spec).await;
+    // `apiCall` entries GET as the controller, once per path per pass.
+    let reads = crate::api_reader::ApiReads::new(&ctx.client, &config_maps);
     let input = PlanInput {
         policy: name,
         spec,
         namespaces: &namespaces,
         excluded: &ctx.settings.excluded_namespaces,
-        cluster: &config_maps,
+        cluster: &reads,
     };
     for (kind, resource) in workload_resources() {
         let api = Api::<DynamicObject>::all_with(ctx.client.clone(), &resource);

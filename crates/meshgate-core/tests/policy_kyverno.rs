@@ -85,24 +85,29 @@ fn the_istio_outbound_policy_converts_and_works() {
 }
 
 #[test]
-fn variables_foreach_and_config_map_context_convert_and_api_calls_are_reported() {
+fn variables_foreach_and_context_entries_convert() {
     let out = import(&fixture("kyverno/variables-foreach.yaml")).unwrap();
     let names: Vec<&str> = out.policies.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(
         names,
         [
-            "dynamic-things-label-with-namespace",
-            "dynamic-things-pull-policy-per-container",
-            "dynamic-things-with-context"
+            "dynamic-things-1-label-with-namespace",
+            "dynamic-things-2-pull-policy-per-container",
+            "dynamic-things-3-with-context",
+            "dynamic-things-4-with-api-call"
         ]
     );
-    assert_eq!(out.notes.len(), 1, "{:#?}", out.notes);
-    assert!(
-        out.notes[0].starts_with(
-            "spec.rules[3] (with-api-call): not converted: spec.rules[3].context[0] (quota).apiCall: not converted: the entry calls the API server at admission"
-        ),
-        "{}",
-        out.notes[0]
+    assert!(out.notes.is_empty(), "{:#?}", out.notes);
+    let call = out.policies[3].1.mutations[0].context[0]
+        .api_call
+        .as_ref()
+        .expect("an apiCall entry");
+    assert_eq!(
+        (call.url_path.as_str(), call.jmes_path.as_deref()),
+        (
+            "/api/v1/namespaces/{{ request.namespace }}/resourcequotas",
+            Some("items | length(@)")
+        )
     );
     assert_eq!(out.ignored.len(), 1);
     for (_, spec) in &out.policies {
@@ -111,13 +116,13 @@ fn variables_foreach_and_config_map_context_convert_and_api_calls_are_reported()
     // The ConfigMap rule: its precondition reads the ConfigMap the cluster has.
     let (_, with_context) = &out.policies[2];
     let cm = |enabled: &str| {
-        let mut maps = meshgate_core::policy::context::GivenConfigMaps::read();
+        let mut maps = meshgate_core::policy::context::GivenObjects::read();
         maps.add(&doc(&format!(
             "{{apiVersion: v1, kind: ConfigMap, metadata: {{name: settings, namespace: default}}, data: {{enabled: \"{enabled}\"}}}}"
         )));
         maps
     };
-    let labelled = |maps: &meshgate_core::policy::context::GivenConfigMaps| {
+    let labelled = |maps: &meshgate_core::policy::context::GivenObjects| {
         let ctx = MatchContext {
             operation: Operation::Create,
             namespace: "shop",
@@ -829,31 +834,57 @@ spec:
     }
 }
 
-/// Context entries that need the cluster stay refused, naming the entry.
+/// An `apiCall` entry converts as a GET; a POST, `data` or a `service` call is refused, naming
+/// the field.
 #[test]
-fn api_call_context_is_refused_by_name() {
-    let policy = doc(r#"
+fn api_call_context_converts_a_get_and_refuses_the_rest_by_name() {
+    let policy = |call: &str| {
+        doc(&format!(
+            r#"
 apiVersion: kyverno.io/v1
 kind: ClusterPolicy
-metadata: {name: calls}
+metadata: {{name: calls}}
 spec:
   rules:
   - name: r
-    match: {any: [{resources: {kinds: [Pod]}}]}
+    match: {{any: [{{resources: {{kinds: [Pod]}}}}]}}
     mutate:
       foreach:
       - list: request.object.spec.containers
         context:
         - name: svc
-          apiCall: {urlPath: /api/v1/services}
-        patchStrategicMerge: {metadata: {labels: {x: "y"}}}
-"#);
-    let err = import(&policy).expect_err("nothing converts");
-    let text = err.to_string();
-    assert!(
-        text.contains("spec.rules[0].mutate.foreach[0].context[0] (svc).apiCall: not converted"),
-        "{text}"
-    );
+          apiCall: {call}
+        patchStrategicMerge: {{metadata: {{labels: {{x: "{{{{ svc }}}}"}}}}}}
+"#
+        ))
+    };
+    let out = import(&policy(
+        "{urlPath: /api/v1/services, method: GET, jmesPath: 'items | length(@)'}",
+    ))
+    .expect("a GET converts");
+    assert!(out.notes.is_empty(), "{:#?}", out.notes);
+    for (call, field) in [
+        (
+            "{urlPath: /api/v1/services, method: POST}",
+            "apiCall.method",
+        ),
+        (
+            "{service: {url: 'https://quota.example'}}",
+            "apiCall.service",
+        ),
+        (
+            "{urlPath: /apis/authorization.k8s.io/v1/subjectaccessreviews, data: [{key: a, value: b}]}",
+            "apiCall.data",
+        ),
+    ] {
+        let text = import(&policy(call)).expect_err("refused").to_string();
+        assert!(
+            text.contains(&format!(
+                "spec.rules[0].mutate.foreach[0].context[0] (svc).{field}: not converted"
+            )),
+            "{text}"
+        );
+    }
 }
 
 /// Issue #30, cause 6: rule preconditions over several foreach entries are evaluated once, on
@@ -1084,7 +1115,7 @@ spec:
                 "{name}: rule {rule} must be refused naming {field}: {notes:#?}"
             );
         }
-        let mut maps = meshgate_core::policy::context::GivenConfigMaps::read();
+        let mut maps = meshgate_core::policy::context::GivenObjects::read();
         for cm in config_maps {
             maps.add(cm);
         }

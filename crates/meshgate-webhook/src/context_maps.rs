@@ -207,6 +207,11 @@ impl ClusterData for ContextMaps {
             )),
         }
     }
+
+    /// Paths are read by `meshgate_controller::api_reader`, not from this cache.
+    fn get(&self, path: &str) -> Result<Value, String> {
+        Err(format!("GET {path}: not read (no API client)"))
+    }
 }
 
 #[cfg(test)]

@@ -52,11 +52,21 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
             .map_err(|e| (500, e.to_string()))?;
         &namespace_meta.labels
     };
+    // `apiCall` context entries GET through the webhook's client, once per path per review.
+    let reads;
+    let cluster: &dyn meshgate_core::policy::context::ClusterData = match app.sources.api_client() {
+        Some(client) => {
+            reads =
+                meshgate_controller::api_reader::ApiReads::new(client, app.sources.cluster_data());
+            &reads
+        }
+        None => app.sources.cluster_data(),
+    };
     let ctx = MatchContext {
         operation,
         namespace: &req.namespace,
         namespace_labels: labels,
-        cluster: app.sources.cluster_data(),
+        cluster,
     };
     let applied = policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &object, &ctx);
     let mut warnings = Vec::with_capacity(applied.failed.len());

@@ -441,6 +441,14 @@ impl Sources {
         &*self.0.config_maps
     }
 
+    /// The client `apiCall` context entries GET with (none for fixed data).
+    pub fn api_client(&self) -> Option<&kube::Client> {
+        match &self.0.origin {
+            Origin::Fixed { .. } => None,
+            Origin::Cluster { client, .. } => Some(client),
+        }
+    }
+
     /// Whether the caches have their first full list.
     pub fn ready(&self) -> bool {
         match &self.0.origin {

@@ -61,6 +61,10 @@ webhookIngressFrom: []
 # and watch them, the controller get them, by name, and no other ConfigMap. A policy's
 # status.configMaps lists the ones it needs. As `meshgate install --context-config-map`.
 contextConfigMaps: []
+# Resources (RESOURCE or RESOURCE.GROUP: namespaces, deployments.apps) that policies' apiCall
+# context entries GET: the webhook and the controller may get and list them, cluster-wide.
+# As `meshgate install --context-api-read`.
+contextApiReads: []
 ";
 
 /// The webhook's NetworkPolicy, as `install --webhook-ingress-from` renders it.
@@ -156,6 +160,65 @@ subjects:
 {{- end }}
 ";
 
+/// The ClusterRoles that let the webhook and the controller get and list what policies'
+/// `apiCall` entries read, as `install --context-api-read` renders them.
+const CONTEXT_API_READS: &str = "\
+# Written with `meshgate install --context-api-read` (crates/meshgate/src/install.rs); the helm
+# test compares the two.
+{{- if .Values.contextApiReads }}
+{{- $groups := dict }}
+{{- range .Values.contextApiReads }}
+{{- $parts := splitList \".\" . }}
+{{- $resource := first $parts }}
+{{- $group := join \".\" (rest $parts) }}
+{{- if not (regexMatch \"^[a-z0-9-]+$\" $resource) }}
+{{- fail (printf \"contextApiReads %q: expected RESOURCE or RESOURCE.GROUP\" .) }}
+{{- end }}
+{{- $_ := set $groups $group (append (get $groups $group | default list) $resource) }}
+{{- end }}
+{{- range $component := list \"controller\" \"webhook\" }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  labels:
+    app.kubernetes.io/component: {{ $component }}
+    app.kubernetes.io/managed-by: meshgate
+    app.kubernetes.io/name: meshgate
+  name: meshgate-{{ $component }}-context-api-reads
+rules:
+{{- range $group, $resources := $groups }}
+- apiGroups:
+  - {{ $group | quote }}
+  resources:
+{{- range ($resources | sortAlpha | uniq) }}
+  - {{ . }}
+{{- end }}
+  verbs:
+  - get
+  - list
+{{- end }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata:
+  labels:
+    app.kubernetes.io/component: {{ $component }}
+    app.kubernetes.io/managed-by: meshgate
+    app.kubernetes.io/name: meshgate
+  name: meshgate-{{ $component }}-context-api-reads
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: meshgate-{{ $component }}-context-api-reads
+subjects:
+- kind: ServiceAccount
+  name: meshgate-{{ $component }}
+  namespace: {{ $.Release.Namespace }}
+{{- end }}
+{{- end }}
+";
+
 const HELPERS: &str = "\
 {{/* The node taint path: policy or webhook. */}}
 {{- define \"meshgate.nodeTaint\" -}}
@@ -212,6 +275,7 @@ pub fn options(profile: &str, repair: Option<RepairAction>, taint: &str) -> Inst
         repair,
         webhook_ingress_from: Vec::new(),
         context_config_maps: Vec::new(),
+        context_api_reads: Vec::new(),
     }
 }
 
@@ -269,6 +333,10 @@ pub fn files() -> anyhow::Result<Vec<(String, String)>> {
         (
             "templates/rbac-context-config-maps.yaml".to_owned(),
             CONTEXT_CONFIG_MAPS.to_owned(),
+        ),
+        (
+            "templates/rbac-context-api-reads.yaml".to_owned(),
+            CONTEXT_API_READS.to_owned(),
         ),
     ];
     for profile in PROFILES {

@@ -49,6 +49,10 @@ pub struct InstallOptions {
     /// webhook may list and watch them, the controller (backfill) get them, by name; no other
     /// ConfigMap.
     pub context_config_maps: Vec<String>,
+    /// Resources (`RESOURCE` or `RESOURCE.GROUP`, as kubectl names them: `namespaces`,
+    /// `deployments.apps`) that policies' `apiCall` context entries GET: the webhook and the
+    /// controller may get and list them, cluster-wide.
+    pub context_api_reads: Vec<String>,
 }
 
 pub use meshgate_core::repair::RepairAction;
@@ -253,6 +257,51 @@ pub fn context_config_map_rbac(install_ns: &str, entry: &str) -> anyhow::Result<
     Ok(out)
 }
 
+/// The ClusterRoles and bindings that let the webhook and the controller get and list the
+/// resources (`RESOURCE[.GROUP]`) policies' `apiCall` context entries read; none for none.
+pub fn context_api_read_rbac(install_ns: &str, reads: &[String]) -> anyhow::Result<Vec<Value>> {
+    let mut groups: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        Default::default();
+    for entry in reads {
+        let (resource, group) = entry.split_once('.').unwrap_or((entry, ""));
+        let name = |s: &str| {
+            s.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+        };
+        if resource.is_empty() || !name(resource) || !name(group) || resource == "*" {
+            anyhow::bail!(
+                "--context-api-read {entry:?}: expected RESOURCE or RESOURCE.GROUP (as kubectl names them: namespaces, deployments.apps)"
+            );
+        }
+        groups
+            .entry(group.to_owned())
+            .or_default()
+            .insert(resource.to_owned());
+    }
+    if groups.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rules: Vec<Value> = groups
+        .iter()
+        .map(|(group, resources)| {
+            json!({"apiGroups": [group], "resources": resources, "verbs": ["get", "list"]})
+        })
+        .collect();
+    let mut out = Vec::new();
+    for component in ["controller", "webhook"] {
+        let name = format!("meshgate-{component}-context-api-reads");
+        out.push(
+            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": meta(&name, None, component), "rules": rules}),
+        );
+        out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": meta(&name, None, component),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": format!("meshgate-{component}"), "namespace": install_ns}]}));
+    }
+    Ok(out)
+}
+
 /// The mesh profile behind an install profile (`kubeflow` is Istio's sidecar mode with a
 /// policy).
 pub fn mesh_profile(profile: &str) -> anyhow::Result<Profile> {
@@ -404,6 +453,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     for entry in &o.context_config_maps {
         out.extend(context_config_map_rbac(ns, entry)?);
     }
+    // The resources policies' apiCall entries GET, cluster-wide.
+    out.extend(context_api_read_rbac(ns, &o.context_api_reads)?);
     // Tenants: a namespace's admins and editors may manage the NamespacedMutationPolicies of
     // their namespace (aggregated into the built-in `admin` and `edit` roles), viewers read
     // them. Cluster-wide MutationPolicies are not aggregated anywhere: creating one is as strong

@@ -247,6 +247,11 @@ enum Command {
         /// no other ConfigMap. A policy's `status.configMaps` lists the ones it needs.
         #[arg(long = "context-config-map")]
         context_config_maps: Vec<String>,
+        /// A resource (`RESOURCE` or `RESOURCE.GROUP`, repeatable: `namespaces`,
+        /// `deployments.apps`) that policies' `apiCall` context entries GET: the webhook and
+        /// the controller may get and list it, cluster-wide.
+        #[arg(long = "context-api-read")]
+        context_api_reads: Vec<String>,
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
@@ -626,6 +631,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             repair,
             webhook_ingress_from,
             context_config_maps,
+            context_api_reads,
             kubeconfig,
         } => {
             let strategy = meshgate::install::Strategy::choose(&strategy)?;
@@ -666,6 +672,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 }),
                 webhook_ingress_from,
                 context_config_maps,
+                context_api_reads,
             })?;
             let Some(client) = client else {
                 return emit(&render::to_yaml_stream(&docs)?);

@@ -159,6 +159,8 @@ fn lint_and_template_equal_install_for_every_combination() {
             "webhookIngressFrom={10.0.0.0/8,192.168.1.0/24}",
             "--set",
             "contextConfigMaps={shop/mesh-settings,default/egress}",
+            "--set",
+            "contextApiReads={services,deployments.apps,namespaces}",
         ],
     );
     let installed = run(
@@ -181,6 +183,12 @@ fn lint_and_template_equal_install_for_every_combination() {
             "shop/mesh-settings",
             "--context-config-map",
             "default/egress",
+            "--context-api-read",
+            "services",
+            "--context-api-read",
+            "deployments.apps",
+            "--context-api-read",
+            "namespaces",
         ],
     );
     // The Roles for policies' ConfigMaps: the same objects, one pair per component and name.
@@ -206,7 +214,9 @@ fn lint_and_template_equal_install_for_every_combination() {
         context_rbac(&objects(&templated)),
         context_rbac(&objects(&installed)),
     );
-    assert_eq!(from_helm.len(), 8, "{from_helm:#?}");
+    // Two ConfigMaps × two components × Role and RoleBinding, and the apiCall reads: two
+    // components × ClusterRole and ClusterRoleBinding.
+    assert_eq!(from_helm.len(), 12, "{from_helm:#?}");
     assert_eq!(from_helm, from_install);
     let policy_of = |docs: Vec<Value>| {
         docs.into_iter()

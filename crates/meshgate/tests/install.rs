@@ -23,6 +23,7 @@ fn options(profile: &str) -> InstallOptions {
         repair: None,
         webhook_ingress_from: Vec::new(),
         context_config_maps: Vec::new(),
+        context_api_reads: Vec::new(),
     }
 }
 

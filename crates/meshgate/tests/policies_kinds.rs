@@ -398,6 +398,7 @@ async fn namespaced_policies_stay_in_their_namespace() {
         repair: None,
         webhook_ingress_from: Vec::new(),
         context_config_maps: Vec::new(),
+        context_api_reads: Vec::new(),
     })
     .expect("install renders");
     let role: Vec<Value> = docs

@@ -49,6 +49,7 @@ fn resource(kind: &str) -> ApiResource {
     let (group, plural) = match kind {
         "Pod" => ("", "pods"),
         "ConfigMap" => ("", "configmaps"),
+        "Service" => ("", "services"),
         "Deployment" => ("apps", "deployments"),
         "StatefulSet" => ("apps", "statefulsets"),
         "Job" => ("batch", "jobs"),
@@ -165,12 +166,7 @@ struct Rendered {
     partial: Value,
 }
 
-fn render_object(
-    dir: &Path,
-    policies: &[Value],
-    config_maps: &[Value],
-    object: &Value,
-) -> Rendered {
+fn render_object(dir: &Path, policies: &[Value], inputs: &[Value], object: &Value) -> Rendered {
     let policy = dir.join("policies.yaml");
     std::fs::write(
         &policy,
@@ -178,7 +174,7 @@ fn render_object(
     )
     .expect("write");
     let input = dir.join("input.yaml");
-    let mut docs = config_maps.to_vec();
+    let mut docs = inputs.to_vec();
     docs.push(object.clone());
     std::fs::write(
         &input,
@@ -215,6 +211,47 @@ async fn defaulted(client: &kube::Client, rendered: &Value) -> Value {
         .unwrap_or_else(|e| panic!("{}: defaulting: {e}", object_id(rendered)));
     s["metadata"]["namespace"] = ns;
     stored(&s)
+}
+
+/// What `render` is given besides the object: the ConfigMaps the case's `configMap` entries
+/// read, and the objects its `apiCall` entries GET (in the case's namespaces, as created).
+fn given(case: &Case) -> Vec<Value> {
+    let mut out = case.config_maps.clone();
+    out.extend(case.data.iter().map(|d| placed(case, d)));
+    out
+}
+
+/// The resources (`RESOURCE[.GROUP]`) the cases' `apiCall` entries GET: what the webhook and
+/// the controller are granted (`meshgate install --context-api-read`).
+fn api_reads(cases: &[Case]) -> Vec<String> {
+    let mut out = BTreeSet::new();
+    for case in cases {
+        let text = serde_json::to_string(&case.policies).expect("json");
+        for part in text.split("\"urlPath\":\"").skip(1) {
+            let path = part.split('"').next().unwrap_or_default();
+            // The variables stand for names; the resource is literal.
+            let literal = path
+                .split("{{")
+                .enumerate()
+                .map(|(i, s)| {
+                    if i == 0 {
+                        s
+                    } else {
+                        s.split_once("}}").map_or(s, |(_, r)| r)
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join("x");
+            let p = meshgate_core::policy::context::api_path(&literal)
+                .unwrap_or_else(|e| panic!("{}: {e}", case.name));
+            out.insert(if p.group.is_empty() {
+                p.resource
+            } else {
+                format!("{}.{}", p.resource, p.group)
+            });
+        }
+    }
+    out.into_iter().collect()
 }
 
 /// The webhook's `meshgate_webhook_policy_failures_total`, summed over `policies`.
@@ -323,6 +360,13 @@ async fn webhook_render_and_native_agree_on_every_cause() {
         cm["metadata"]["namespace"] = json!(ns);
         create(&client, &cm, true).await.expect("ConfigMap created");
     }
+    for case in &cases {
+        for d in &case.data {
+            create(&client, &placed(case, d), true)
+                .await
+                .unwrap_or_else(|e| panic!("{}: {}: {e}", case.name, object_id(d)));
+        }
+    }
     install_identities_of(
         &client,
         &meshgate::install::InstallOptions {
@@ -339,6 +383,7 @@ async fn webhook_render_and_native_agree_on_every_cause() {
                 .iter()
                 .map(|(ns, cm)| format!("{ns}/{}", cm["metadata"]["name"].as_str().expect("name")))
                 .collect(),
+            context_api_reads: api_reads(&cases),
         },
     )
     .await;
@@ -364,7 +409,7 @@ async fn webhook_render_and_native_agree_on_every_cause() {
                     .await
                     .unwrap_or_else(|e| panic!("{}: {}: {e}", case.name, object_id(object))),
             );
-            let rendered = render_object(&case_dir, &case.policies, &case.config_maps, &plain);
+            let rendered = render_object(&case_dir, &case.policies, &given(case), &plain);
             list.push(Expected {
                 id: object_id(object),
                 placed,
@@ -532,7 +577,7 @@ async fn webhook_render_and_native_agree_on_every_cause() {
         let policies = imported(case, &dir.path().join(&case.name), Some(subset));
         let mut served = false;
         for e in &expected[&case.name] {
-            let rendered = render_object(&case_dir, &policies, &case.config_maps, &e.plain);
+            let rendered = render_object(&case_dir, &policies, &given(case), &e.plain);
             if !served && stored(&rendered.partial) != e.plain {
                 let plain = e.plain.clone();
                 probe(

@@ -137,7 +137,7 @@ spec:
     match: {any: [{resources: {kinds: [Pod]}}]}
     context:
     - name: settings
-      apiCall: {urlPath: \"/api/v1/namespaces/default/configmaps/settings\", jmesPath: data}
+      apiCall: {service: {url: \"https://settings.platform.svc/name\"}, jmesPath: data}
     mutate:
       patchStrategicMerge:
         metadata: {labels: {copied: \"{{ settings.data.name }}\"}}

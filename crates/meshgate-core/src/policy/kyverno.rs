@@ -627,7 +627,10 @@ fn convert_rule(
     // A namespaced Policy's configMap entries read its own namespace when they name none
     // (Kyverno's loader); a ClusterPolicy's must name one (Kyverno's policy validation).
     if let Some(ns) = ctx.namespace {
-        for cm in super::context::config_map_entries_mut(&mut spec) {
+        for cm in super::context::entries_mut(&mut spec)
+            .into_iter()
+            .filter_map(|e| e.config_map.as_mut())
+        {
             if cm.namespace.is_empty() {
                 cm.namespace = ns.to_owned();
             }
@@ -1284,8 +1287,8 @@ fn condition(v: &Value, path: &str) -> Result<PreCondition, String> {
     })
 }
 
-/// Kyverno `context` entries: `variable` entries convert; the others need the cluster at
-/// admission and are refused, naming the entry.
+/// Kyverno `context` entries: `variable`, `configMap` and `apiCall` (GET of an API path)
+/// entries convert; the others are refused, naming the entry.
 fn context_entries(v: &Value, path: &str) -> Result<Vec<ContextEntry>, String> {
     let list = v
         .as_array()
@@ -1302,8 +1305,11 @@ fn context_entries(v: &Value, path: &str) -> Result<Vec<ContextEntry>, String> {
             out.push(config_map_entry(name, cm, &at)?);
             continue;
         }
+        if let Some(call) = e.get("apiCall").filter(|v| !v.is_null()) {
+            out.push(api_call_entry(name, call, &at)?);
+            continue;
+        }
         for (kind, why) in [
-            ("apiCall", "calls the API server at admission"),
             ("globalReference", "reads a Kyverno GlobalContextEntry"),
             ("imageRegistry", "reads an image registry at admission"),
         ] {
@@ -1338,6 +1344,7 @@ fn context_entries(v: &Value, path: &str) -> Result<Vec<ContextEntry>, String> {
                 default: var.get("default").filter(|v| !v.is_null()).cloned(),
             }),
             config_map: None,
+            api_call: None,
         });
     }
     Ok(out)
@@ -1367,6 +1374,53 @@ fn config_map_entry(name: &str, cm: &Value, at: &str) -> Result<ContextEntry, St
         name: name.to_owned(),
         variable: None,
         config_map: Some(config_map),
+        api_call: None,
+    })
+}
+
+/// A Kyverno `apiCall` context entry: a GET of `urlPath` (with `jmesPath` and `default`). A
+/// POST, `data` and a `service` call are refused, naming the field: meshgate's webhook reads the
+/// API server only.
+fn api_call_entry(name: &str, call: &Value, at: &str) -> Result<ContextEntry, String> {
+    let Some(fields) = call.as_object() else {
+        return Err(format!("{at}.apiCall: must be an object"));
+    };
+    for (field, value) in fields {
+        match (field.as_str(), value) {
+            (_, Value::Null) | ("urlPath" | "jmesPath" | "default", _) => {}
+            ("method", Value::String(m)) if m == "GET" => {}
+            ("method", other) => {
+                return Err(format!(
+                    "{at}.apiCall.method: not converted: {other}: meshgate's webhook only reads (GET)"
+                ));
+            }
+            ("data", Value::Array(d)) if d.is_empty() => {}
+            ("service", _) | ("data", _) => {
+                return Err(format!(
+                    "{at}.apiCall.{field}: not converted: meshgate's webhook calls only the API server, with GET"
+                ));
+            }
+            (other, _) => return Err(format!("{at}.apiCall.{other}: not an apiCall field")),
+        }
+    }
+    let text = |f: &str| match call.get(f) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(v)) => Ok(Some(v.clone())),
+        Some(_) => Err(format!("{at}.apiCall.{f}: must be a string")),
+    };
+    let url_path = text("urlPath")?.filter(|p| !p.is_empty()).ok_or_else(|| {
+        format!("{at}.apiCall.urlPath: required (a service call is not converted)")
+    })?;
+    Ok(ContextEntry {
+        name: name.to_owned(),
+        variable: None,
+        config_map: None,
+        api_call: Some(meshgate_api::mutation_policy::ContextApiCall {
+            url_path,
+            jmes_path: text("jmesPath")?,
+            default: call.get("default").filter(|v| !v.is_null()).cloned(),
+            confined_to: None,
+        }),
     })
 }
 

@@ -228,8 +228,8 @@ impl PolicyError {
 }
 
 /// The spec a `NamespacedMutationPolicy` in `namespace` applies with: its own, confined to that
-/// namespace (`match.namespaces` set to it, and its `configMap` context entries' namespace when
-/// they give none). Refused, naming the field: `match.namespaces` naming another namespace, a
+/// namespace (`match.namespaces` set to it, its `configMap` context entries' namespace when
+/// they give none, and its `apiCall` entries limited to paths under it). Refused, naming the field: `match.namespaces` naming another namespace, a
 /// `namespaceSelector` (it would read other namespaces' labels), a `configMap` entry of another
 /// namespace, and `existing` (backfill is for cluster-wide policies).
 pub fn confine(
@@ -255,9 +255,15 @@ pub fn confine(
         );
     }
     let mut confined = spec.clone();
-    // A ConfigMap context entry reads the policy's own namespace, and no other (Kyverno's rule
-    // for namespaced policies).
-    for cm in context::config_map_entries_mut(&mut confined) {
+    // A ConfigMap context entry reads the policy's own namespace, and no other, and an apiCall
+    // only paths under it (Kyverno's rules for namespaced policies).
+    for entry in context::entries_mut(&mut confined) {
+        if let Some(call) = entry.api_call.as_mut() {
+            call.confined_to = Some(namespace.to_owned());
+        }
+        let Some(cm) = entry.config_map.as_mut() else {
+            continue;
+        };
         if cm.namespace.is_empty() {
             cm.namespace = namespace.to_owned();
         } else if cm.namespace != namespace {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use meshgate_api::mutation_policy::{MutationPolicySpec, Operation};
 use serde_json::Value;
 
-use super::context::GivenConfigMaps;
+use super::context::GivenObjects;
 use super::{MatchContext, PolicyError, admission_patch, apply, validate};
 use crate::object::patch::JsonPatch;
 
@@ -85,10 +85,11 @@ pub fn render(
             errors,
         })?;
     }
-    // `configMap` context entries read the ConfigMaps of the input.
-    let mut config_maps = GivenConfigMaps::default();
+    // `configMap` context entries read the ConfigMaps of the input, `apiCall` entries its
+    // objects (as given, before any policy).
+    let mut given = GivenObjects::default();
     for doc in &docs {
-        config_maps.add(doc);
+        given.add(doc);
     }
     let mut out = Vec::with_capacity(docs.len());
     for (index, doc) in docs.into_iter().enumerate() {
@@ -114,7 +115,7 @@ pub fn render(
             operation: Operation::Create,
             namespace: &namespace,
             namespace_labels: &labels,
-            cluster: &config_maps,
+            cluster: &given,
         };
         let applied = apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &doc, &ctx);
         out.push(RenderedDoc {

@@ -1632,11 +1632,11 @@ fn settings(namespace: &str, exclude: &str) -> Value {
 
 #[test]
 fn a_config_map_entry_reads_data_and_metadata_from_the_cluster_data() {
-    use crate::policy::context::GivenConfigMaps;
+    use crate::policy::context::GivenObjects;
     let pod = yaml(POD);
     let policy = config_map_policy(", namespace: default");
     assert_eq!(validate(&policy), Ok(()));
-    let mut maps = GivenConfigMaps::read();
+    let mut maps = GivenObjects::read();
     maps.add(&settings("default", "10.96.0.1/32"));
     maps.add(&settings("other", "0.0.0.0/0"));
     let ctx = MatchContext {
@@ -1657,7 +1657,7 @@ fn a_config_map_entry_reads_data_and_metadata_from_the_cluster_data() {
         [("p", &policy)],
         &pod,
         &MatchContext {
-            cluster: &GivenConfigMaps::read(),
+            cluster: &GivenObjects::read(),
             ..create_in("shop")
         },
     );
@@ -1761,5 +1761,187 @@ fn config_map_entries_are_literal_and_a_namespaced_policy_reads_its_own_namespac
     assert!(
         errors.iter().any(|e| e.contains("other/mesh-settings")),
         "{errors:?}"
+    );
+}
+
+/// A policy whose `apiCall` entries read the request's Namespace (a label, through `jmesPath`),
+/// a Service's first port, and an absent ConfigMap with a `default`.
+fn api_call_policy() -> MutationPolicySpec {
+    spec(
+        r#"
+match: {kinds: [Pod]}
+mutations:
+- context:
+  - name: team
+    apiCall:
+      urlPath: "/api/v1/namespaces/{{ request.namespace }}"
+      jmesPath: "metadata.labels.team"
+  - name: port
+    apiCall:
+      urlPath: "/api/v1/namespaces/{{ request.namespace }}/services/backend"
+      jmesPath: "to_string(spec.ports[0].port)"
+  - name: feature
+    apiCall:
+      urlPath: "/api/v1/namespaces/{{ request.namespace }}/configmaps/feature"
+      default: {data: {mode: "off"}}
+  annotations:
+    values:
+      example.com/team: "{{ team }}"
+      example.com/backend-port: "{{ port }}"
+      example.com/mode: "{{ feature.data.mode }}"
+"#,
+    )
+}
+
+#[test]
+fn an_api_call_entry_reads_the_given_objects_with_jmespath_and_default() {
+    use crate::policy::context::GivenObjects;
+    let mut pod = yaml(POD);
+    pod["metadata"]["namespace"] = "shop".into();
+    let mut given = GivenObjects::default();
+    given.add(&serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": "shop", "labels": {"team": "payments"}}}));
+    given.add(&serde_json::json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "backend", "namespace": "shop"},
+        "spec": {"ports": [{"port": 8443}]}}));
+    let ctx = MatchContext {
+        cluster: &given,
+        ..create_in("shop")
+    };
+    let applied = apply([("p", &api_call_policy())], &pod, &ctx);
+    assert!(applied.failed.is_empty(), "{:?}", applied.failed);
+    let a = &applied.object["metadata"]["annotations"];
+    assert_eq!(a["example.com/team"], "payments");
+    assert_eq!(a["example.com/backend-port"], "8443");
+    assert_eq!(a["example.com/mode"], "off", "the default of a failed GET");
+
+    // The Service not given: the entry fails, and with it the policy, naming the path.
+    let mut without = GivenObjects::default();
+    without.add(&serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": "shop", "labels": {"team": "payments"}}}));
+    let failed = apply(
+        [("p", &api_call_policy())],
+        &pod,
+        &MatchContext {
+            cluster: &without,
+            ..create_in("shop")
+        },
+    );
+    assert_eq!(failed.object, pod);
+    let message = failed.failed[0].to_string();
+    assert!(
+        message.contains("/api/v1/namespaces/shop/services/backend")
+            && message.contains("not in the input"),
+        "{message}"
+    );
+}
+
+#[test]
+fn an_api_call_list_is_the_given_objects_of_the_resource() {
+    use crate::policy::context::GivenObjects;
+    let policy = spec(
+        r#"
+match: {kinds: [Pod]}
+mutations:
+- context:
+  - name: deployments
+    apiCall:
+      urlPath: "/apis/apps/v1/namespaces/{{ request.namespace }}/deployments"
+      jmesPath: "items[].metadata.name | join(',', @)"
+  annotations:
+    values: {example.com/deployments: "{{ deployments }}"}
+"#,
+    );
+    let mut given = GivenObjects::default();
+    for (ns, name) in [("shop", "web"), ("other", "db"), ("shop", "api")] {
+        given.add(
+            &serde_json::json!({"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": name, "namespace": ns}}),
+        );
+    }
+    let applied = apply(
+        [("p", &policy)],
+        &yaml(POD),
+        &MatchContext {
+            cluster: &given,
+            ..create_in("shop")
+        },
+    );
+    assert!(applied.failed.is_empty(), "{:?}", applied.failed);
+    assert_eq!(
+        applied.object["metadata"]["annotations"]["example.com/deployments"], "api,web",
+        "the namespace's, sorted by name"
+    );
+}
+
+#[test]
+fn api_call_paths_are_the_apis_and_a_namespaced_policy_reads_its_own_namespace() {
+    use crate::policy::context::{GivenObjects, api_path};
+    for bad in [
+        "https://example.com/api/v1/pods",
+        "/version",
+        "/api/v1/namespaces/shop/pods/web/log",
+        "/api/v1/../secrets",
+        "api/v1/pods",
+    ] {
+        assert!(api_path(bad).is_err(), "{bad} is refused");
+    }
+    let p = api_path("/apis/apps/v1/namespaces/shop/deployments/web?x=1").unwrap();
+    assert_eq!(
+        (
+            p.api_version(),
+            p.namespace.as_deref(),
+            p.resource.as_str(),
+            p.name.as_deref()
+        ),
+        (
+            "apps/v1".to_owned(),
+            Some("shop"),
+            "deployments",
+            Some("web")
+        )
+    );
+    // A literal path outside the API is a validation error, naming the field.
+    let literal = spec(
+        r#"
+match: {kinds: [Pod]}
+mutations:
+- context:
+  - name: v
+    apiCall: {urlPath: "/api/v1/namespaces/shop"}
+  labels: {values: {a: "{{ v.metadata.name }}"}}
+"#,
+    );
+    let mut outside = literal.clone();
+    outside.mutations[0].context[0]
+        .api_call
+        .as_mut()
+        .unwrap()
+        .url_path = "/healthz".into();
+    let errors = validate(&outside).unwrap_err();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("context[0].apiCall.urlPath")),
+        "{errors:?}"
+    );
+    // A NamespacedMutationPolicy in `team-a` may not read `shop`.
+    let confined = crate::policy::confine(&literal, "team-a").unwrap();
+    let mut given = GivenObjects::default();
+    given.add(
+        &serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop"}}),
+    );
+    let applied = apply(
+        [("team-a/p", &confined)],
+        &yaml(POD),
+        &MatchContext {
+            cluster: &given,
+            ..create_in("team-a")
+        },
+    );
+    let message = applied.failed[0].to_string();
+    assert!(
+        message.contains("reads only under its own namespace (team-a)"),
+        "{message}"
     );
 }

@@ -211,24 +211,49 @@ fn variables(m: &Mutation, path: &str, outer: &[String], depth: usize, errors: &
                 depth,
                 context: &names,
             };
-            let v = match (&e.variable, &e.config_map) {
-                (Some(v), None) => v,
-                (None, Some(cm)) => {
-                    config_map_entry(cm, &here, errors);
-                    names.push(e.name.clone());
-                    continue;
+            let set = [
+                e.variable.is_some(),
+                e.config_map.is_some(),
+                e.api_call.is_some(),
+            ];
+            if set.iter().filter(|s| **s).count() != 1 {
+                errors.push(format!(
+                    "{here}: set exactly one of variable, configMap and apiCall"
+                ));
+                continue;
+            }
+            if let Some(cm) = &e.config_map {
+                config_map_entry(cm, &here, errors);
+                names.push(e.name.clone());
+                continue;
+            }
+            if let Some(call) = &e.api_call {
+                let url = Value::String(call.url_path.clone());
+                if call.url_path.is_empty() {
+                    errors.push(format!("{here}.apiCall.urlPath: required"));
+                } else if !call.url_path.contains("{{")
+                    && let Err(why) = super::context::api_path(&call.url_path)
+                {
+                    errors.push(format!("{here}.apiCall.urlPath: {why}"));
                 }
-                (Some(_), Some(_)) => {
-                    errors.push(format!(
-                        "{here}: set one of variable and configMap, not both"
-                    ));
-                    continue;
+                check_value(&url, format!("{here}.apiCall.urlPath"), scope, errors);
+                if let Some(p) = &call.jmes_path {
+                    check_value(
+                        &Value::String(p.clone()),
+                        format!("{here}.apiCall.jmesPath"),
+                        scope,
+                        errors,
+                    );
+                    if !p.contains("{{")
+                        && let Err(why) = super::variables::compiles(p)
+                    {
+                        errors.push(format!("{here}.apiCall.jmesPath: {why}"));
+                    }
                 }
-                (None, None) => {
-                    errors.push(format!("{here}: set variable or configMap"));
-                    continue;
-                }
-            };
+                names.push(e.name.clone());
+                continue;
+            }
+            let Some(v) = &e.variable else { continue };
             if v.value.is_none() && v.jmes_path.is_none() && v.default.is_none() {
                 errors.push(format!("{here}.variable: set value, jmesPath or default"));
             }

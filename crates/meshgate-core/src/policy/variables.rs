@@ -146,7 +146,7 @@ impl Vars {
         for entry in entries {
             let value = match &entry.variable {
                 Some(_) => out.context_value(entry),
-                None => super::context::load(entry, cluster),
+                None => super::context::load(entry, cluster, &out),
             };
             match value {
                 Ok(v) => out.set(&entry.name, v),
@@ -345,8 +345,16 @@ fn compile<'a>(
     Ok((compiled, data))
 }
 
+/// Whether a JMESPath expression compiles, and if not, why.
+pub fn compiles(expression: &str) -> Result<(), String> {
+    runtime()
+        .compile(expression)
+        .map(|_| ())
+        .map_err(|e| first_line(&e.to_string()).to_owned())
+}
+
 /// One JMESPath expression over `data`, with Kyverno's "Unknown key" errors.
-fn query(expression: &str, data: &Value) -> Result<Value, String> {
+pub(crate) fn query(expression: &str, data: &Value) -> Result<Value, String> {
     let (compiled, data) = compile(expression, data)?;
     let fail = |e: &dyn std::fmt::Display| {
         format!("{{{{ {expression} }}}}: {}", first_line(&e.to_string()))

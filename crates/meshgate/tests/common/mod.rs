@@ -559,6 +559,7 @@ pub async fn install_identities_with(
             repair,
             webhook_ingress_from: Vec::new(),
             context_config_maps: Vec::new(),
+            context_api_reads: Vec::new(),
         },
     )
     .await;
