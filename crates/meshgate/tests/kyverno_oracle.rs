@@ -99,24 +99,31 @@ struct KyvernoResult {
     errors: Vec<String>,
 }
 
-fn kyverno_apply(
-    cli: &Path,
-    dir: &Path,
-    policy: &Path,
-    object: &Path,
-    values: Option<&Path>,
-) -> KyvernoResult {
+/// The inputs of one `kyverno apply`: the object's file and name, the file of the objects the
+/// policies' `apiCall` entries read (given as resources too: the CLI answers their GETs from the
+/// resources it is given), and the values file.
+struct CliInput<'a> {
+    object: &'a Path,
+    name: &'a str,
+    data: Option<&'a Path>,
+    values: Option<&'a Path>,
+}
+
+fn kyverno_apply(cli: &Path, dir: &Path, policy: &Path, input: &CliInput<'_>) -> KyvernoResult {
     let out_dir = dir.join("kyverno-out");
     let mut command = Command::new(cli);
     command
         .arg("apply")
         .arg(policy)
         .arg("--resource")
-        .arg(object)
+        .arg(input.object)
         .arg("-o")
         .arg(&out_dir)
         .arg("--remove-color");
-    if let Some(values) = values {
+    if let Some(data) = input.data {
+        command.arg("--resource").arg(data);
+    }
+    if let Some(values) = input.values {
         command.arg("--values-file").arg(values);
     }
     let out = command.output().expect("run kyverno");
@@ -144,18 +151,11 @@ fn kyverno_apply(
         out.status.success() || !errors.is_empty(),
         "Kyverno failed without a rule error:\n{said}"
     );
-    // One file per object (`<name>-mutated.yaml`), the object after each policy appended; the
-    // last is the object after all of them.
-    let files: Vec<PathBuf> = std::fs::read_dir(&out_dir)
-        .unwrap_or_else(|e| panic!("{}: {e}\n{said}", out_dir.display()))
-        .map(|e| e.expect("directory entry").path())
-        .collect();
-    assert_eq!(
-        files.len(),
-        1,
-        "one output file expected: {files:?}\n{said}"
-    );
-    let docs = meshgate::render::read_documents(&files[0]).unwrap_or_else(|e| panic!("{e}"));
+    // One file per resource (`<name>-mutated.yaml`), the object after each policy appended;
+    // the last is the object after all of them.
+    let file = out_dir.join(format!("{}-mutated.yaml", input.name));
+    assert!(file.is_file(), "{} expected\n{said}", file.display());
+    let docs = meshgate::render::read_documents(&file).unwrap_or_else(|e| panic!("{e}"));
     let object = docs
         .into_iter()
         .rfind(Value::is_object)
@@ -231,11 +231,10 @@ fn compare_with(
     cli: &Path,
     dir: &Path,
     policy: &Path,
-    resource: &Path,
+    input: &CliInput<'_>,
     object: &Path,
-    values: Option<&Path>,
 ) -> Outcome {
-    let kyverno = kyverno_apply(cli, dir, policy, resource, values);
+    let kyverno = kyverno_apply(cli, dir, policy, input);
     // Compared whole: no field is ignored. The CLI prints the object as Kyverno's engine left
     // it (`-o DIR`, YAML of the unstructured object) and adds nothing of its own to the objects
     // of these cases (no `creationTimestamp: null`, no status, no annotation of applied
@@ -351,12 +350,31 @@ fn kyverno_and_render_agree() {
             std::fs::create_dir(&at).unwrap();
             let file = at.join("object.yaml");
             let mut input = case.config_maps.clone();
+            input.extend(case.data.iter().cloned());
             input.push(object.clone());
             std::fs::write(&file, yaml_stream(&input)).unwrap();
-            // The CLI is given the object alone: the ConfigMaps reach it as values.
+            // The CLI is given the object, and the objects apiCall entries read: the
+            // ConfigMaps reach it as values.
             let resource = at.join("resource.yaml");
             std::fs::write(&resource, yaml_stream(std::slice::from_ref(object))).unwrap();
-            let outcome = compare_with(&cli, &at, &policy, &resource, &file, values.as_deref());
+            let data = (!case.data.is_empty()).then(|| {
+                let file = at.join("data.yaml");
+                std::fs::write(&file, yaml_stream(&case.data)).unwrap();
+                file
+            });
+            let name = object["metadata"]["name"].as_str().unwrap_or_default();
+            assert!(
+                case.data.iter().all(|d| d["metadata"]["name"] != name),
+                "{}: {id}: a data object of the same name (the CLI's output files are by name)",
+                case.name
+            );
+            let cli_input = CliInput {
+                object: &resource,
+                name,
+                data: data.as_deref(),
+                values: values.as_deref(),
+            };
+            let outcome = compare_with(&cli, &at, &policy, &cli_input, &file);
             let listed = case.deviations.iter().find(|d| d.object == id);
             match (outcome, listed) {
                 (Outcome::Agree, None) => {

@@ -76,6 +76,7 @@ async fn a_config_map_context_entry_is_read_from_the_granted_config_map_only() {
             repair: None,
             webhook_ingress_from: Vec::new(),
             context_config_maps: vec![format!("{app_ns}/{granted}")],
+            context_api_reads: Vec::new(),
         },
     )
     .await;
@@ -279,5 +280,191 @@ async fn a_config_map_context_entry_is_read_from_the_granted_config_map_only() {
         rendered_pod["metadata"]["annotations"][ANNOTATION], "10.96.0.10/32",
         "render gives the webhook's value: {stdout}"
     );
+    controller.finish().await;
+}
+
+const PORT_ANNOTATION: &str = "example.com/backend-port";
+
+/// The port annotation a pod gets at admission (a dry run unless `name` is given).
+async fn port_annotation(pods: &Api<Pod>, name: Option<&str>) -> Option<String> {
+    let pod: Pod = serde_json::from_value(common::pod(name.unwrap_or("probe"))).expect("pod");
+    let params = PostParams {
+        dry_run: name.is_none(),
+        ..Default::default()
+    };
+    pods.create(&params, &pod)
+        .await
+        .expect("pod admitted")
+        .metadata
+        .annotations
+        .and_then(|a| a.get(PORT_ANNOTATION).cloned())
+}
+
+fn api_call_policy(name: &str, app_ns: &str, path: &str, existing: bool) -> Value {
+    json!({"apiVersion": "meshgate.dev/v1alpha1", "kind": "MutationPolicy", "metadata": {"name": name},
+           "spec": {"match": {"kinds": ["Pod"], "namespaces": [app_ns]}, "podTemplates": true,
+                    "existing": {"enabled": existing, "ratePerSecond": 100},
+                    "mutations": [{
+                        "context": [{"name": "port", "apiCall": {"urlPath": path,
+                                     "jmesPath": "to_string(spec.ports[0].port)"}}],
+                        "annotations": {"values": {PORT_ANNOTATION: "{{ port }}"}}}]}})
+}
+
+/// `apiCall` context entries GET as the installed identities: the webhook at admission (each
+/// review reads the current object: a changed Service reaches the next pod), the controller in
+/// the backfill; a path the identities were not granted (`--context-api-read`) fails the policy,
+/// counted, and the pod is admitted with the others.
+#[tokio::test]
+async fn an_api_call_entry_reads_what_the_installed_identities_may_get() {
+    let cp = control_plane(false).await;
+    let admin = cp.client().await.expect("client");
+    install_crds(&admin).await;
+    let app_ns = cp.namespace("apicall", &[]).await.expect("namespace");
+    install_identities_of(
+        &admin,
+        &meshgate::install::InstallOptions {
+            profile: "istio-sidecar".into(),
+            namespace: INSTALL_NS.into(),
+            image: "meshgate/meshgate:test".into(),
+            node_taint: meshgate::install::NodeTaint::Webhook,
+            pod_gate: meshgate::install::PodGate::Webhook,
+            strategy: meshgate::install::Strategy::Pod,
+            node_paths: Default::default(),
+            repair: None,
+            webhook_ingress_from: Vec::new(),
+            context_config_maps: Vec::new(),
+            context_api_reads: vec!["services".into()],
+        },
+    )
+    .await;
+    let services: Api<k8s_openapi::api::core::v1::Service> =
+        Api::namespaced(admin.clone(), &app_ns);
+    services
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(
+                json!({"metadata": {"name": "backend"}, "spec": {"ports": [{"port": 8443}]}}),
+            )
+            .expect("service"),
+        )
+        .await
+        .expect("service created");
+    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), &app_ns);
+    deployments
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"replicas": 0,
+                "selector": {"matchLabels": {"app": "web"}},
+                "template": {"metadata": {"labels": {"app": "web"}},
+                             "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]}}}}))
+            .expect("deployment"),
+        )
+        .await
+        .expect("deployment created");
+
+    let config = policies_only_config();
+    let webhook = start_webhook_as(&cp, config.clone(), Some(INSTALL_NS)).await;
+    register(
+        &admin,
+        &webhook.registration("meshgate-apicall", &config, true, false),
+    )
+    .await;
+    let controller = ControllerTask::start(&cp, INSTALL_NS, Default::default());
+    let policies: Api<MutationPolicy> = Api::all(admin.clone());
+    let service_path = "/api/v1/namespaces/{{ request.namespace }}/services/backend";
+    policies
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(api_call_policy("api-granted", &app_ns, service_path, true))
+                .expect("policy"),
+        )
+        .await
+        .expect("policy created");
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), &app_ns);
+    let dry_run_port = || port_annotation(&pods, None);
+    wait_for(
+        "a pod to get the Service's port, read by the webhook",
+        Duration::from_secs(60),
+        || async { dry_run_port().await.as_deref() == Some("8443") },
+    )
+    .await;
+    wait_for(
+        "the backfill, as the controller, to read it into the Deployment's template",
+        Duration::from_secs(60),
+        || async {
+            deployments
+                .get("web")
+                .await
+                .ok()
+                .and_then(|d| d.spec)
+                .and_then(|s| s.template.metadata)
+                .and_then(|m| m.annotations)
+                .and_then(|a| a.get(PORT_ANNOTATION).cloned())
+                .as_deref()
+                == Some("8443")
+        },
+    )
+    .await;
+    // Each review reads the Service as it is now.
+    services
+        .patch(
+            "backend",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"ports": [{"port": 9443}]}})),
+        )
+        .await
+        .expect("service changed");
+    assert_eq!(dry_run_port().await.as_deref(), Some("9443"));
+
+    // A Secret was not granted: the policy reading one fails on every pod (counted), and the
+    // pod is admitted with the granted policy's value.
+    let secret_path = "/api/v1/namespaces/{{ request.namespace }}/secrets/backend";
+    policies
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(api_call_policy(
+                "api-not-granted",
+                &app_ns,
+                secret_path,
+                false,
+            ))
+            .expect("policy"),
+        )
+        .await
+        .expect("policy created");
+    let health: std::net::SocketAddr = webhook.health.parse().expect("health address");
+    let failures = || async {
+        let (_, body) = http_get(health, "/metrics").await.expect("metrics");
+        body.lines()
+            .filter(|l| {
+                l.starts_with("meshgate_webhook_policy_failures_total{")
+                    && l.contains("policy=\"api-not-granted\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let probes = std::sync::atomic::AtomicU32::new(0);
+    let create_pod = |n: u32| {
+        let name = format!("real-{n}");
+        let pods = pods.clone();
+        async move { port_annotation(&pods, Some(&name)).await }
+    };
+    wait_for(
+        "the webhook to fail the policy whose GET is forbidden",
+        Duration::from_secs(60),
+        || async {
+            create_pod(probes.fetch_add(1, std::sync::atomic::Ordering::Relaxed)).await;
+            failures().await >= 1.0
+        },
+    )
+    .await;
+    let before = failures().await;
+    let port = create_pod(1000).await;
+    assert_eq!(
+        failures().await,
+        before + 1.0,
+        "this review failed the policy"
+    );
+    assert_eq!(port.as_deref(), Some("9443"), "the granted policy applied");
     controller.finish().await;
 }

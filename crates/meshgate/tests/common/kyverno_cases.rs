@@ -25,6 +25,9 @@ pub struct Case {
     /// The ConfigMaps the policies' `configMap` context entries read (data, not objects to
     /// mutate): given to `render` with each object, and to the CLI as the entries' values.
     pub config_maps: Vec<Value>,
+    /// The objects the policies' `apiCall` entries read (the header's `data`): given to
+    /// `render` and to the CLI with each object, not compared.
+    pub data: Vec<Value>,
     pub objects: Vec<Value>,
     pub deviations: Vec<Deviation>,
 }
@@ -121,6 +124,26 @@ pub fn read_cases() -> Vec<Case> {
             let (config_maps, objects): (Vec<Value>, Vec<Value>) = objects
                 .into_iter()
                 .partition(|d| d["apiVersion"] == "v1" && read.contains(&object_id(d)));
+            // The objects the header names as `data` are what `apiCall` entries GET.
+            let data_ids: BTreeSet<String> = head
+                .get("data")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .map(|d| {
+                    d.as_str()
+                        .unwrap_or_else(|| panic!("{name}: data: Kind/namespace/name"))
+                        .to_owned()
+                })
+                .collect();
+            let (data, objects): (Vec<Value>, Vec<Value>) = objects
+                .into_iter()
+                .partition(|d| data_ids.contains(&object_id(d)));
+            assert_eq!(
+                data.len(),
+                data_ids.len(),
+                "{name}: data names objects of the case"
+            );
             assert!(!policies.is_empty(), "{name}: no Kyverno policy");
             assert!(!objects.is_empty(), "{name}: no object");
             Case {
@@ -128,6 +151,7 @@ pub fn read_cases() -> Vec<Case> {
                 causes,
                 policies,
                 config_maps,
+                data,
                 objects,
                 deviations,
             }
