@@ -388,7 +388,9 @@ pub enum JsonPatchOp {
     Test,
 }
 
-/// Backfill of existing workloads.
+/// Backfill of existing objects: workloads (their pod templates, or with `target: Object`
+/// themselves), and the objects of the other kinds `match.kinds` names that the controller may
+/// list and patch (`meshgate install --existing-kind`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ExistingResources {
@@ -433,21 +435,22 @@ pub struct MutationPolicyStatus {
     pub config_maps: Vec<String>,
 }
 
-/// Result of the last pass over existing workloads.
+/// Result of the last pass over existing objects.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ExistingReport {
-    /// Workloads that matched.
+    /// Objects that matched.
     pub matched: u32,
-    /// Workloads changed (or, in dry run, that would change).
+    /// Objects changed (or, in dry run, that would change).
     pub mutated: u32,
-    /// Workloads that already carried the mutation.
+    /// Objects that already carried the mutation.
     pub unchanged: u32,
     /// Bare pods that match: reported, never changed or deleted.
     pub bare_pods: u32,
     pub failed: u32,
     pub dry_run: bool,
-    /// `Kind namespace/name` of the changed workloads (at most 50).
+    /// `Kind namespace/name` (`Kind name` when cluster-scoped) of the changed objects (at most
+    /// 50).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub changed: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -27,6 +27,12 @@
 //!     as an UPDATE, which is harmless: mutations are idempotent.
 //!   - With `spec.existing.dryRun` nothing is written; `mutated` and `changed` report what
 //!     would change.
+//!   - Then every object of the other kinds the policy's `match.kinds` names (a Service, a
+//!     ConfigMap, a Namespace, a custom resource: resolved by discovery, the group's preferred
+//!     version unless the entry names one), written the same way as the object itself (the
+//!     policy's changes to it). The controller may list and patch them only where `meshgate
+//!     install --existing-kind` granted it: a kind it may not list counts as one failure that
+//!     says what to grant. Wildcard kinds are not visited (the Ready message says so).
 //!   - Pods that no controller owns (no ownerReference with `controller: true`) and that the
 //!     policy matches are counted as `bare_pods`; they are never changed or deleted (their
 //!     spec is mostly immutable, and recreating them is the owner's decision).
@@ -551,6 +557,8 @@ struct Pass {
     report: ExistingReport,
     /// `Kind ns/name: message` of each failed workload.
     failures: Vec<String>,
+    /// `kinds` entries the pass did not visit (wildcards).
+    not_visited: Vec<String>,
 }
 
 impl Pass {
@@ -558,12 +566,12 @@ impl Pass {
         let r = &self.report;
         let mut s = if r.dry_run {
             format!(
-                "dry run: {} workloads matched, {} would be mutated, {} already carry the mutation, {} failed",
+                "dry run: {} objects matched, {} would be mutated, {} already carry the mutation, {} failed",
                 r.matched, r.mutated, r.unchanged, r.failed
             )
         } else {
             format!(
-                "{} workloads matched, {} mutated, {} already carried the mutation, {} failed",
+                "{} objects matched, {} mutated, {} already carried the mutation, {} failed",
                 r.matched, r.mutated, r.unchanged, r.failed
             )
         };
@@ -573,8 +581,73 @@ impl Pass {
                 r.bare_pods
             ));
         }
+        if !self.not_visited.is_empty() {
+            s.push_str(&format!(
+                "; kinds {} not visited (wildcard kinds are applied at admission only)",
+                self.not_visited.join(", ")
+            ));
+        }
         s
     }
+}
+
+/// The resources of the policy's other kinds (not Pods and the workloads), with whether they
+/// are namespaced, by discovery: the group's preferred version unless the entry names versions.
+/// Also the entries not visited (wildcard kinds). An entry the API server does not serve has
+/// nothing to visit.
+async fn other_kinds(
+    client: &kube::Client,
+    spec: &MutationPolicySpec,
+) -> Result<(Vec<(ApiResource, bool)>, Vec<String>), Error> {
+    let entries = policy_kind_entries([spec]);
+    let (wild, named): (Vec<String>, Vec<String>) = entries.into_iter().partition(|e| {
+        meshgate_core::policy::parse_kind(e).is_ok_and(|(_, _, kind)| kind.contains(['*', '?']))
+    });
+    if named.is_empty() {
+        return Ok((Vec::new(), wild));
+    }
+    let discovery = kube::discovery::Discovery::new(client.clone())
+        .run()
+        .await
+        .map_err(|source| Error::List {
+            what: "API resources (discovery)",
+            source,
+        })?;
+    let mut out: Vec<(ApiResource, bool)> = Vec::new();
+    for entry in &named {
+        let Ok((group, version, kind)) = meshgate_core::policy::parse_kind(entry) else {
+            continue;
+        };
+        for g in discovery.groups() {
+            if !group.is_none_or(|p| meshgate_core::policy::wildcard_match(p, g.name())) {
+                continue;
+            }
+            let versions: Vec<String> = match version {
+                Some(p) => g
+                    .versions()
+                    .filter(|v| meshgate_core::policy::wildcard_match(p, v))
+                    .map(str::to_owned)
+                    .collect(),
+                None => g
+                    .preferred_version()
+                    .into_iter()
+                    .map(str::to_owned)
+                    .collect(),
+            };
+            for v in &versions {
+                for (ar, caps) in g.versioned_resources(v) {
+                    if ar.kind == kind
+                        && !ar.plural.contains('/')
+                        && !out.iter().any(|(o, _)| o == &ar)
+                    {
+                        let namespaced = caps.scope == kube::discovery::Scope::Namespaced;
+                        out.push((ar, namespaced));
+                    }
+                }
+            }
+        }
+    }
+    Ok((out, wild))
 }
 
 /// The workload kinds, in the order they are visited.
@@ -648,6 +721,7 @@ async fn backfill(ctx: &Ctx, name: &str, spec: &MutationPolicySpec) -> Result<Op
             ..ExistingReport::default()
         },
         failures: Vec::new(),
+        not_visited: Vec::new(),
     };
     let mut limiter = Limiter::new(spec.existing.rate_per_second);
     let config_maps = read_config_maps(&ctx.client, spec).await;
@@ -674,9 +748,68 @@ async fn backfill(ctx: &Ctx, name: &str, spec: &MutationPolicySpec) -> Result<Op
                 .await
                 .map_err(|source| Error::List { what: kind, source })?;
             for obj in list.items {
-                let outcome =
-                    mutate_workload(ctx, &input, kind, &resource, obj, dry_run, &mut limiter).await;
+                let outcome = mutate_object(
+                    ctx,
+                    &input,
+                    kind,
+                    &resource,
+                    true,
+                    obj,
+                    dry_run,
+                    &mut limiter,
+                )
+                .await;
                 if !pass.record(kind, outcome) {
+                    return Ok(None);
+                }
+            }
+            token = list.metadata.continue_.filter(|t| !t.is_empty());
+            if token.is_none() {
+                break;
+            }
+        }
+    }
+    // The other kinds the policy names: the objects themselves.
+    let (others, not_visited) = other_kinds(&ctx.client, spec).await?;
+    pass.not_visited = not_visited;
+    for (resource, namespaced) in others {
+        let kind = resource.kind.clone();
+        let api = Api::<DynamicObject>::all_with(ctx.client.clone(), &resource);
+        let mut token: Option<String> = None;
+        loop {
+            let lp = ListParams {
+                limit: Some(PAGE),
+                continue_token: token.clone(),
+                ..ListParams::default()
+            };
+            let list = match api.list(&lp).await {
+                Ok(list) => list,
+                Err(e) => {
+                    let grant = if resource.group.is_empty() {
+                        resource.plural.clone()
+                    } else {
+                        format!("{}.{}", resource.plural, resource.group)
+                    };
+                    pass.report.failed += 1;
+                    pass.failures.push(format!(
+                        "{kind}: not listed: {e} (grant it with meshgate install --existing-kind {grant})"
+                    ));
+                    break;
+                }
+            };
+            for obj in list.items {
+                let outcome = mutate_object(
+                    ctx,
+                    &input,
+                    &kind,
+                    &resource,
+                    namespaced,
+                    obj,
+                    dry_run,
+                    &mut limiter,
+                )
+                .await;
+                if !pass.record(&kind, outcome) {
                     return Ok(None);
                 }
             }
@@ -705,7 +838,7 @@ impl Pass {
                 r.matched += 1;
                 r.mutated += 1;
                 if r.changed.len() < MAX_CHANGED {
-                    r.changed.push(format!("{kind} {namespace}/{name}"));
+                    r.changed.push(object_ref(kind, &namespace, &name));
                 }
             }
             Outcome::Failed {
@@ -715,13 +848,24 @@ impl Pass {
             } => {
                 r.matched += 1;
                 r.failed += 1;
-                tracing::warn!(kind, %namespace, %name, %message, "existing workload not mutated");
-                self.failures
-                    .push(format!("{kind} {namespace}/{name}: {message}"));
+                tracing::warn!(kind, %namespace, %name, %message, "existing object not mutated");
+                self.failures.push(format!(
+                    "{}: {message}",
+                    object_ref(kind, &namespace, &name)
+                ));
             }
             Outcome::LostLeadership => return false,
         }
         true
+    }
+}
+
+/// `Kind namespace/name`, or `Kind name` for a cluster-scoped object.
+fn object_ref(kind: &str, namespace: &str, name: &str) -> String {
+    if namespace.is_empty() {
+        format!("{kind} {name}")
+    } else {
+        format!("{kind} {namespace}/{name}")
     }
 }
 
@@ -743,12 +887,14 @@ enum Outcome {
     LostLeadership,
 }
 
-/// Reads, plans and writes one workload, retrying on conflicts.
-async fn mutate_workload(
+/// Reads, plans and writes one object, retrying on conflicts.
+#[allow(clippy::too_many_arguments)]
+async fn mutate_object(
     ctx: &Ctx,
     input: &PlanInput<'_>,
     kind: &str,
     resource: &ApiResource,
+    namespaced: bool,
     obj: DynamicObject,
     dry_run: bool,
     limiter: &mut Limiter,
@@ -760,7 +906,11 @@ async fn mutate_workload(
         name: name.clone(),
         message,
     };
-    let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &namespace, resource);
+    let api = if namespaced {
+        Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &namespace, resource)
+    } else {
+        Api::<DynamicObject>::all_with(ctx.client.clone(), resource)
+    };
     let mut object = workload_value(&obj, kind, resource);
     for attempt in 1..=MAX_ATTEMPTS {
         let (patch, tested) = match plan(input, &object) {
@@ -793,7 +943,7 @@ async fn mutate_workload(
         };
         let err = match api.patch(&name, &pp, &Patch::<()>::Json(patch)).await {
             Ok(_) => {
-                tracing::info!(kind, %namespace, %name, policy = input.policy, "pod template mutated");
+                tracing::info!(kind, %namespace, %name, policy = input.policy, "existing object mutated");
                 return Outcome::Mutated {
                     namespace: namespace.clone(),
                     name: name.clone(),
@@ -929,10 +1079,7 @@ impl PlanInput<'_> {
     /// created now, else as updated), or `None` when it does not match, is in an excluded
     /// namespace, or is opted out.
     fn operation(&self, object: &Value) -> Option<Operation> {
-        let namespace = object
-            .pointer("/metadata/namespace")
-            .and_then(Value::as_str)
-            .unwrap_or_default();
+        let (namespace, namespace_labels) = self.namespace_of(object);
         if self.excluded.iter().any(|n| n == namespace) || opted_out(object) {
             return None;
         }
@@ -948,8 +1095,6 @@ impl PlanInput<'_> {
         {
             return None;
         }
-        let empty = BTreeMap::new();
-        let namespace_labels = self.namespaces.get(namespace).unwrap_or(&empty);
         [Operation::Create, Operation::Update]
             .into_iter()
             .find(|&operation| {
@@ -959,11 +1104,31 @@ impl PlanInput<'_> {
                     &MatchContext {
                         operation,
                         namespace,
-                        namespace_labels,
+                        namespace_labels: &namespace_labels,
                         cluster: self.cluster,
                     },
                 )
             })
+    }
+
+    /// The object's namespace and its labels, as at admission: a Namespace is its own (its
+    /// name, its labels), a cluster-scoped object has none.
+    fn namespace_of<'o>(&self, object: &'o Value) -> (&'o str, BTreeMap<String, String>) {
+        if object.get("kind").and_then(Value::as_str) == Some("Namespace")
+            && object.get("apiVersion").and_then(Value::as_str) == Some("v1")
+        {
+            let name = object
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            return (name, meshgate_core::policy::object_labels(object));
+        }
+        let namespace = object
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let labels = self.namespaces.get(namespace).cloned().unwrap_or_default();
+        (namespace, labels)
     }
 }
 
@@ -997,26 +1162,25 @@ pub fn plan(input: &PlanInput<'_>, object: &Value) -> Result<Plan, PolicyError> 
     ) {
         return Ok(Plan::Skip);
     }
-    let Some(template) = pod_template_path(kind).filter(|p| !p.is_empty()) else {
-        return Ok(Plan::Skip);
-    };
-    // What the policy writes: the pod template, or with `target: Object` the workload itself.
-    let path: &[&str] = match input.spec.target {
-        MutationTarget::Pod => template,
-        MutationTarget::Object => &[],
+    // What the policy writes: a workload's pod template, or with `target: Object` the workload
+    // itself; an object of any other kind itself. Pods are never written (bare pods are
+    // counted).
+    let path: &[&str] = match pod_template_path(kind) {
+        Some([]) => return Ok(Plan::Skip),
+        Some(template) => match input.spec.target {
+            MutationTarget::Pod => template,
+            MutationTarget::Object => &[],
+        },
+        None => &[],
     };
     let Some(operation) = input.operation(object) else {
         return Ok(Plan::Skip);
     };
-    let namespace = object
-        .pointer("/metadata/namespace")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
-    let empty = BTreeMap::new();
+    let (namespace, namespace_labels) = input.namespace_of(object);
     let ctx = MatchContext {
         operation,
         namespace,
-        namespace_labels: input.namespaces.get(namespace).unwrap_or(&empty),
+        namespace_labels: &namespace_labels,
         cluster: input.cluster,
     };
     let applied = policy::apply([(input.policy, input.spec)], object, &ctx);
@@ -1155,6 +1319,47 @@ mod tests {
         assert_eq!(patched["metadata"], deployment("mesh")["metadata"]);
         // Applying the policy again changes nothing.
         assert_eq!(plan_of(&s, &ns, &patched), Plan::Unchanged);
+    }
+
+    #[test]
+    fn other_kinds_are_written_whole_and_a_namespace_matches_by_its_own_labels() {
+        let s = spec(MatchResources {
+            kinds: vec!["Service".to_owned(), "Namespace".to_owned()],
+            ..mesh_selector()
+        });
+        let ns = namespaces();
+        let service = |namespace: &str| {
+            serde_json::json!({"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "api", "namespace": namespace, "resourceVersion": "7"},
+                "spec": {"ports": [{"port": 80}]}})
+        };
+        let Plan::Change { patch, .. } = plan_of(&s, &ns, &service("mesh")) else {
+            panic!("expected a change");
+        };
+        let patched = patch.apply(&service("mesh")).unwrap();
+        assert_eq!(patched["metadata"]["annotations"][KEY], "0.0.0.0/0");
+        assert_eq!(plan_of(&s, &ns, &service("plain")), Plan::Skip);
+        // A Namespace is matched by its own labels (as at admission), not by a namespace's.
+        let namespace = |labels: Value| {
+            serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": "fresh", "labels": labels, "resourceVersion": "3"}})
+        };
+        assert!(matches!(
+            plan_of(&s, &ns, &namespace(serde_json::json!({"mesh": "on"}))),
+            Plan::Change { .. }
+        ));
+        assert_eq!(
+            plan_of(&s, &ns, &namespace(serde_json::json!({}))),
+            Plan::Skip
+        );
+        // Pods are never written: the backfill counts bare pods.
+        let pod_policy = spec(MatchResources {
+            kinds: vec!["Pod".to_owned()],
+            ..mesh_selector()
+        });
+        let pod = serde_json::json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "mesh"}, "spec": {"containers": []}});
+        assert_eq!(plan_of(&pod_policy, &ns, &pod), Plan::Skip);
     }
 
     #[test]

@@ -65,6 +65,10 @@ contextConfigMaps: []
 # context entries GET: the webhook and the controller may get and list them, cluster-wide.
 # As `meshgate install --context-api-read`.
 contextApiReads: []
+# Kinds other than the workloads (RESOURCE or RESOURCE.GROUP: services,
+# gateways.networking.istio.io) whose existing objects policies with existing.enabled mutate: the
+# controller may list and patch them, cluster-wide. As `meshgate install --existing-kind`.
+existingKinds: []
 ";
 
 /// The webhook's NetworkPolicy, as `install --webhook-ingress-from` renders it.
@@ -160,64 +164,79 @@ subjects:
 {{- end }}
 ";
 
-/// The ClusterRoles that let the webhook and the controller get and list what policies'
-/// `apiCall` entries read, as `install --context-api-read` renders them.
-const CONTEXT_API_READS: &str = "\
-# Written with `meshgate install --context-api-read` (crates/meshgate/src/install.rs); the helm
-# test compares the two.
-{{- if .Values.contextApiReads }}
-{{- $groups := dict }}
-{{- range .Values.contextApiReads }}
-{{- $parts := splitList \".\" . }}
-{{- $resource := first $parts }}
-{{- $group := join \".\" (rest $parts) }}
-{{- if not (regexMatch \"^[a-z0-9-]+$\" $resource) }}
-{{- fail (printf \"contextApiReads %q: expected RESOURCE or RESOURCE.GROUP\" .) }}
-{{- end }}
-{{- $_ := set $groups $group (append (get $groups $group | default list) $resource) }}
-{{- end }}
-{{- range $component := list \"controller\" \"webhook\" }}
+/// A template of ClusterRoles and bindings, one per component, with `verbs` on the resources of
+/// the list value `value` (`RESOURCE[.GROUP]`), as `install::resource_grants` renders them for
+/// `install FLAG`; the helm test compares the two.
+fn resource_grants_template(
+    flag: &str,
+    value: &str,
+    verbs: &[&str],
+    components: &[&str],
+    suffix: &str,
+) -> String {
+    let verbs: String = verbs.iter().map(|v| format!("  - {v}\n")).collect();
+    let components = components
+        .iter()
+        .map(|c| format!("\"{c}\""))
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!(
+        "\
+# Written with `meshgate install {flag}` (crates/meshgate/src/install.rs); the helm test compares
+# the two.
+{{{{- if .Values.{value} }}}}
+{{{{- $groups := dict }}}}
+{{{{- range .Values.{value} }}}}
+{{{{- $parts := splitList \".\" . }}}}
+{{{{- $resource := first $parts }}}}
+{{{{- $group := join \".\" (rest $parts) }}}}
+{{{{- if not (regexMatch \"^[a-z0-9-]+$\" $resource) }}}}
+{{{{- fail (printf \"{value} %q: expected RESOURCE or RESOURCE.GROUP\" .) }}}}
+{{{{- end }}}}
+{{{{- $_ := set $groups $group (append (get $groups $group | default list) $resource) }}}}
+{{{{- end }}}}
+{{{{- range $component := list {components} }}}}
 ---
 apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRole
 metadata:
   labels:
-    app.kubernetes.io/component: {{ $component }}
+    app.kubernetes.io/component: {{{{ $component }}}}
     app.kubernetes.io/managed-by: meshgate
     app.kubernetes.io/name: meshgate
-  name: meshgate-{{ $component }}-context-api-reads
+  name: meshgate-{{{{ $component }}}}-{suffix}
 rules:
-{{- range $group, $resources := $groups }}
+{{{{- range $group, $resources := $groups }}}}
 - apiGroups:
-  - {{ $group | quote }}
+  - {{{{ $group | quote }}}}
   resources:
-{{- range ($resources | sortAlpha | uniq) }}
-  - {{ . }}
-{{- end }}
+{{{{- range ($resources | sortAlpha | uniq) }}}}
+  - {{{{ . }}}}
+{{{{- end }}}}
   verbs:
-  - get
-  - list
-{{- end }}
+{verbs}{{{{- end }}}}
 ---
 apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRoleBinding
 metadata:
   labels:
-    app.kubernetes.io/component: {{ $component }}
+    app.kubernetes.io/component: {{{{ $component }}}}
     app.kubernetes.io/managed-by: meshgate
     app.kubernetes.io/name: meshgate
-  name: meshgate-{{ $component }}-context-api-reads
+  name: meshgate-{{{{ $component }}}}-{suffix}
 roleRef:
   apiGroup: rbac.authorization.k8s.io
   kind: ClusterRole
-  name: meshgate-{{ $component }}-context-api-reads
+  name: meshgate-{{{{ $component }}}}-{suffix}
 subjects:
 - kind: ServiceAccount
-  name: meshgate-{{ $component }}
-  namespace: {{ $.Release.Namespace }}
-{{- end }}
-{{- end }}
-";
+  name: meshgate-{{{{ $component }}}}
+  namespace: {{{{ $.Release.Namespace }}}}
+{{{{- end }}}}
+{{{{- end }}}}
+"
+    )
+}
 
 const HELPERS: &str = "\
 {{/* The node taint path: policy or webhook. */}}
@@ -276,6 +295,7 @@ pub fn options(profile: &str, repair: Option<RepairAction>, taint: &str) -> Inst
         webhook_ingress_from: Vec::new(),
         context_config_maps: Vec::new(),
         context_api_reads: Vec::new(),
+        existing_kinds: Vec::new(),
     }
 }
 
@@ -336,7 +356,23 @@ pub fn files() -> anyhow::Result<Vec<(String, String)>> {
         ),
         (
             "templates/rbac-context-api-reads.yaml".to_owned(),
-            CONTEXT_API_READS.to_owned(),
+            resource_grants_template(
+                "--context-api-read",
+                "contextApiReads",
+                &["get", "list"],
+                &["controller", "webhook"],
+                "context-api-reads",
+            ),
+        ),
+        (
+            "templates/rbac-existing-kinds.yaml".to_owned(),
+            resource_grants_template(
+                "--existing-kind",
+                "existingKinds",
+                &["get", "list", "patch"],
+                &["controller"],
+                "existing-kinds",
+            ),
         ),
     ];
     for profile in PROFILES {

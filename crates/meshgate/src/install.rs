@@ -53,6 +53,10 @@ pub struct InstallOptions {
     /// `deployments.apps`) that policies' `apiCall` context entries GET: the webhook and the
     /// controller may get and list them, cluster-wide.
     pub context_api_reads: Vec<String>,
+    /// Kinds other than the workloads (`RESOURCE[.GROUP]`: `services`, `gateways.networking.istio.io`)
+    /// whose existing objects policies' backfill (`spec.existing`) mutates: the controller may
+    /// list and patch them, cluster-wide.
+    pub existing_kinds: Vec<String>,
 }
 
 pub use meshgate_core::repair::RepairAction;
@@ -260,17 +264,52 @@ pub fn context_config_map_rbac(install_ns: &str, entry: &str) -> anyhow::Result<
 /// The ClusterRoles and bindings that let the webhook and the controller get and list the
 /// resources (`RESOURCE[.GROUP]`) policies' `apiCall` context entries read; none for none.
 pub fn context_api_read_rbac(install_ns: &str, reads: &[String]) -> anyhow::Result<Vec<Value>> {
+    resource_grants(
+        install_ns,
+        "--context-api-read",
+        reads,
+        &["get", "list"],
+        &["controller", "webhook"],
+        "context-api-reads",
+    )
+}
+
+/// The ClusterRole and binding that let the controller's backfill list and patch the objects of
+/// other kinds than the workloads (`RESOURCE[.GROUP]`) that policies with `existing` name
+/// (`get`: an object read again after a write conflict); none for none.
+pub fn existing_kind_rbac(install_ns: &str, kinds: &[String]) -> anyhow::Result<Vec<Value>> {
+    resource_grants(
+        install_ns,
+        "--existing-kind",
+        kinds,
+        &["get", "list", "patch"],
+        &["controller"],
+        "existing-kinds",
+    )
+}
+
+/// One ClusterRole and binding per component (`meshgate-<component>-<suffix>`) with `verbs` on
+/// the resources of `entries` (`RESOURCE` or `RESOURCE.GROUP`, as kubectl names them), one rule
+/// per group, sorted; none for no entries.
+fn resource_grants(
+    install_ns: &str,
+    flag: &str,
+    entries: &[String],
+    verbs: &[&str],
+    components: &[&str],
+    suffix: &str,
+) -> anyhow::Result<Vec<Value>> {
     let mut groups: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
         Default::default();
-    for entry in reads {
+    for entry in entries {
         let (resource, group) = entry.split_once('.').unwrap_or((entry, ""));
         let name = |s: &str| {
             s.chars()
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
         };
-        if resource.is_empty() || !name(resource) || !name(group) || resource == "*" {
+        if resource.is_empty() || !name(resource) || !name(group) {
             anyhow::bail!(
-                "--context-api-read {entry:?}: expected RESOURCE or RESOURCE.GROUP (as kubectl names them: namespaces, deployments.apps)"
+                "{flag} {entry:?}: expected RESOURCE or RESOURCE.GROUP (as kubectl names them: namespaces, deployments.apps)"
             );
         }
         groups
@@ -283,13 +322,11 @@ pub fn context_api_read_rbac(install_ns: &str, reads: &[String]) -> anyhow::Resu
     }
     let rules: Vec<Value> = groups
         .iter()
-        .map(|(group, resources)| {
-            json!({"apiGroups": [group], "resources": resources, "verbs": ["get", "list"]})
-        })
+        .map(|(group, resources)| json!({"apiGroups": [group], "resources": resources, "verbs": verbs}))
         .collect();
     let mut out = Vec::new();
-    for component in ["controller", "webhook"] {
-        let name = format!("meshgate-{component}-context-api-reads");
+    for component in components {
+        let name = format!("meshgate-{component}-{suffix}");
         out.push(
             json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
             "metadata": meta(&name, None, component), "rules": rules}),
@@ -455,6 +492,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     }
     // The resources policies' apiCall entries GET, cluster-wide.
     out.extend(context_api_read_rbac(ns, &o.context_api_reads)?);
+    // The other kinds the backfill mutates.
+    out.extend(existing_kind_rbac(ns, &o.existing_kinds)?);
     // Tenants: a namespace's admins and editors may manage the NamespacedMutationPolicies of
     // their namespace (aggregated into the built-in `admin` and `edit` roles), viewers read
     // them. Cluster-wide MutationPolicies are not aggregated anywhere: creating one is as strong

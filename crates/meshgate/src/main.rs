@@ -252,6 +252,11 @@ enum Command {
         /// the controller may get and list it, cluster-wide.
         #[arg(long = "context-api-read")]
         context_api_reads: Vec<String>,
+        /// A kind other than the workloads (`RESOURCE` or `RESOURCE.GROUP`, repeatable:
+        /// `services`, `gateways.networking.istio.io`) whose existing objects policies with
+        /// `existing.enabled` mutate: the controller may list and patch it, cluster-wide.
+        #[arg(long = "existing-kind")]
+        existing_kinds: Vec<String>,
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
@@ -632,6 +637,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             webhook_ingress_from,
             context_config_maps,
             context_api_reads,
+            existing_kinds,
             kubeconfig,
         } => {
             let strategy = meshgate::install::Strategy::choose(&strategy)?;
@@ -673,6 +679,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 webhook_ingress_from,
                 context_config_maps,
                 context_api_reads,
+                existing_kinds,
             })?;
             let Some(client) = client else {
                 return emit(&render::to_yaml_stream(&docs)?);

@@ -161,6 +161,8 @@ fn lint_and_template_equal_install_for_every_combination() {
             "contextConfigMaps={shop/mesh-settings,default/egress}",
             "--set",
             "contextApiReads={services,deployments.apps,namespaces}",
+            "--set",
+            "existingKinds={services,gateways.networking.istio.io}",
         ],
     );
     let installed = run(
@@ -189,16 +191,20 @@ fn lint_and_template_equal_install_for_every_combination() {
             "deployments.apps",
             "--context-api-read",
             "namespaces",
+            "--existing-kind",
+            "services",
+            "--existing-kind",
+            "gateways.networking.istio.io",
         ],
     );
-    // The Roles for policies' ConfigMaps: the same objects, one pair per component and name.
+    // The Roles for policies' context entries and backfill kinds: the same objects.
     let context_rbac = |docs: &[Value]| -> Vec<Value> {
         let mut found: Vec<Value> = docs
             .iter()
             .filter(|d| {
                 d["metadata"]["name"]
                     .as_str()
-                    .is_some_and(|n| n.contains("-context-"))
+                    .is_some_and(|n| n.contains("-context-") || n.ends_with("-existing-kinds"))
             })
             .cloned()
             .collect();
@@ -214,9 +220,9 @@ fn lint_and_template_equal_install_for_every_combination() {
         context_rbac(&objects(&templated)),
         context_rbac(&objects(&installed)),
     );
-    // Two ConfigMaps × two components × Role and RoleBinding, and the apiCall reads: two
-    // components × ClusterRole and ClusterRoleBinding.
-    assert_eq!(from_helm.len(), 12, "{from_helm:#?}");
+    // Two ConfigMaps × two components × Role and RoleBinding, the apiCall reads (two components
+    // × ClusterRole and ClusterRoleBinding) and the backfill's kinds (the controller's).
+    assert_eq!(from_helm.len(), 14, "{from_helm:#?}");
     assert_eq!(from_helm, from_install);
     let policy_of = |docs: Vec<Value>| {
         docs.into_iter()

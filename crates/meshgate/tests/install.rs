@@ -24,6 +24,7 @@ fn options(profile: &str) -> InstallOptions {
         webhook_ingress_from: Vec::new(),
         context_config_maps: Vec::new(),
         context_api_reads: Vec::new(),
+        existing_kinds: Vec::new(),
     }
 }
 

@@ -259,6 +259,7 @@ fn every_granted_permission_is_exercised_and_nothing_more() {
         webhook_ingress_from: Vec::new(),
         context_config_maps: Vec::new(),
         context_api_reads: Vec::new(),
+        existing_kinds: Vec::new(),
     })
     .expect("render");
     let granted = granted(&docs);
@@ -307,6 +308,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
         webhook_ingress_from: Vec::new(),
         context_config_maps: Vec::new(),
         context_api_reads: Vec::new(),
+        existing_kinds: Vec::new(),
     })
     .expect("render");
     // Everything but the Deployments (the components run here, as their ServiceAccounts).

@@ -15,7 +15,7 @@ use std::time::Duration;
 use common::*;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, PostParams};
 use meshgate_api::mutation_policy::{
     ExistingReport, ExistingResources, MatchResources, MetadataMutation, Mutation, OnConflict,
 };
@@ -221,34 +221,6 @@ fn report(p: &MutationPolicy) -> ExistingReport {
         .as_ref()
         .and_then(|s| s.existing.clone())
         .unwrap_or_else(|| panic!("status.existing in {:?}", p.status))
-}
-
-/// Waits for an Event on the policy with this reason; returns its note. (Events about
-/// cluster-scoped objects go to the `default` namespace.)
-async fn wait_for_event(client: &kube::Client, policy: &str, reason: &str) -> String {
-    let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client.clone(), "default");
-    let find = |api: Api<k8s_openapi::api::events::v1::Event>| async move {
-        api.list(&ListParams::default())
-            .await
-            .ok()?
-            .items
-            .into_iter()
-            .find(|e| {
-                e.reason.as_deref() == Some(reason)
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(policy)
-            })
-            .and_then(|e| e.note)
-    };
-    wait_for(
-        &format!("event {reason} on policy {policy}"),
-        Duration::from_secs(30),
-        || {
-            let api = api.clone();
-            async move { find(api).await.is_some() }
-        },
-    )
-    .await;
-    find(api).await.expect("event")
 }
 
 #[tokio::test]

@@ -77,6 +77,7 @@ async fn a_config_map_context_entry_is_read_from_the_granted_config_map_only() {
             webhook_ingress_from: Vec::new(),
             context_config_maps: vec![format!("{app_ns}/{granted}")],
             context_api_reads: Vec::new(),
+            existing_kinds: Vec::new(),
         },
     )
     .await;
@@ -334,6 +335,7 @@ async fn an_api_call_entry_reads_what_the_installed_identities_may_get() {
             webhook_ingress_from: Vec::new(),
             context_config_maps: Vec::new(),
             context_api_reads: vec!["services".into()],
+            existing_kinds: Vec::new(),
         },
     )
     .await;

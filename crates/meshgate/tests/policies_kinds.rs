@@ -399,6 +399,7 @@ async fn namespaced_policies_stay_in_their_namespace() {
         webhook_ingress_from: Vec::new(),
         context_config_maps: Vec::new(),
         context_api_reads: Vec::new(),
+        existing_kinds: Vec::new(),
     })
     .expect("install renders");
     let role: Vec<Value> = docs

@@ -384,6 +384,7 @@ async fn webhook_render_and_native_agree_on_every_cause() {
                 .map(|(ns, cm)| format!("{ns}/{}", cm["metadata"]["name"].as_str().expect("name")))
                 .collect(),
             context_api_reads: api_reads(&cases),
+            existing_kinds: Vec::new(),
         },
     )
     .await;

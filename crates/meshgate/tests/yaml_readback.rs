@@ -302,6 +302,7 @@ fn install_manifests_and_crds_read_back_as_meant() {
             webhook_ingress_from: Vec::new(),
             context_config_maps: Vec::new(),
             context_api_reads: Vec::new(),
+            existing_kinds: Vec::new(),
         })
         .expect("install renders");
         let yaml = meshgate::render::to_yaml_stream(&docs).expect("yaml");

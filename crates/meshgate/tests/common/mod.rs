@@ -560,6 +560,7 @@ pub async fn install_identities_with(
             webhook_ingress_from: Vec::new(),
             context_config_maps: Vec::new(),
             context_api_reads: Vec::new(),
+            existing_kinds: Vec::new(),
         },
     )
     .await;
@@ -697,4 +698,33 @@ impl Drop for ControllerTask {
             let _ = stop.send(());
         }
     }
+}
+
+/// Waits for an Event on the policy with this reason; returns its note. (Events about
+/// cluster-scoped objects go to the `default` namespace.)
+pub async fn wait_for_event(client: &kube::Client, policy: &str, reason: &str) -> String {
+    let api: kube::api::Api<k8s_openapi::api::events::v1::Event> =
+        kube::api::Api::namespaced(client.clone(), "default");
+    let find = |api: kube::api::Api<k8s_openapi::api::events::v1::Event>| async move {
+        api.list(&kube::api::ListParams::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some(reason)
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(policy)
+            })
+            .and_then(|e| e.note)
+    };
+    wait_for(
+        &format!("event {reason} on policy {policy}"),
+        Duration::from_secs(30),
+        || {
+            let api = api.clone();
+            async move { find(api).await.is_some() }
+        },
+    )
+    .await;
+    find(api).await.expect("event")
 }
