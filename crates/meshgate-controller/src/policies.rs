@@ -650,6 +650,14 @@ async fn other_kinds(
     Ok((out, wild))
 }
 
+/// A workload kind's name as a `'static` (for [`Error::List`]).
+fn workload_name(kind: &str) -> &'static str {
+    workload_resources()
+        .iter()
+        .find(|(k, _)| *k == kind)
+        .map_or("workloads", |(k, _)| *k)
+}
+
 /// The workload kinds, in the order they are visited.
 fn workload_resources() -> [(&'static str, ApiResource); 6] {
     [
@@ -734,45 +742,17 @@ async fn backfill(ctx: &Ctx, name: &str, spec: &MutationPolicySpec) -> Result<Op
         excluded: &ctx.settings.excluded_namespaces,
         cluster: &reads,
     };
-    for (kind, resource) in workload_resources() {
-        let api = Api::<DynamicObject>::all_with(ctx.client.clone(), &resource);
-        let mut token: Option<String> = None;
-        loop {
-            let lp = ListParams {
-                limit: Some(PAGE),
-                continue_token: token.clone(),
-                ..ListParams::default()
-            };
-            let list = api
-                .list(&lp)
-                .await
-                .map_err(|source| Error::List { what: kind, source })?;
-            for obj in list.items {
-                let outcome = mutate_object(
-                    ctx,
-                    &input,
-                    kind,
-                    &resource,
-                    true,
-                    obj,
-                    dry_run,
-                    &mut limiter,
-                )
-                .await;
-                if !pass.record(kind, outcome) {
-                    return Ok(None);
-                }
-            }
-            token = list.metadata.continue_.filter(|t| !t.is_empty());
-            if token.is_none() {
-                break;
-            }
-        }
-    }
-    // The other kinds the policy names: the objects themselves.
+    // The workloads (a list that fails fails the pass, which is retried), then the other kinds
+    // the policy names (a list that fails, not granted, is one failure of the pass).
     let (others, not_visited) = other_kinds(&ctx.client, spec).await?;
     pass.not_visited = not_visited;
-    for (resource, namespaced) in others {
+    let workloads = workload_resources()
+        .into_iter()
+        .map(|(_, resource)| (resource, true, true));
+    let others = others
+        .into_iter()
+        .map(|(resource, namespaced)| (resource, namespaced, false));
+    for (resource, namespaced, required) in workloads.chain(others) {
         let kind = resource.kind.clone();
         let api = Api::<DynamicObject>::all_with(ctx.client.clone(), &resource);
         let mut token: Option<String> = None;
@@ -784,6 +764,12 @@ async fn backfill(ctx: &Ctx, name: &str, spec: &MutationPolicySpec) -> Result<Op
             };
             let list = match api.list(&lp).await {
                 Ok(list) => list,
+                Err(source) if required => {
+                    return Err(Error::List {
+                        what: workload_name(&kind),
+                        source,
+                    });
+                }
                 Err(e) => {
                     let grant = if resource.group.is_empty() {
                         resource.plural.clone()

@@ -66,18 +66,8 @@ async fn a_config_map_context_entry_is_read_from_the_granted_config_map_only() {
     install_identities_of(
         &admin,
         &meshgate::install::InstallOptions {
-            profile: "istio-sidecar".into(),
-            namespace: INSTALL_NS.into(),
-            image: "meshgate/meshgate:test".into(),
-            node_taint: meshgate::install::NodeTaint::Webhook,
-            pod_gate: meshgate::install::PodGate::Webhook,
-            strategy: meshgate::install::Strategy::Pod,
-            node_paths: Default::default(),
-            repair: None,
-            webhook_ingress_from: Vec::new(),
             context_config_maps: vec![format!("{app_ns}/{granted}")],
-            context_api_reads: Vec::new(),
-            existing_kinds: Vec::new(),
+            ..install_options("istio-sidecar", INSTALL_NS)
         },
     )
     .await;
@@ -95,18 +85,7 @@ async fn a_config_map_context_entry_is_read_from_the_granted_config_map_only() {
             .expect("config map created");
     }
     // An existing workload, for the backfill.
-    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), &app_ns);
-    deployments
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"replicas": 0,
-                "selector": {"matchLabels": {"app": "web"}},
-                "template": {"metadata": {"labels": {"app": "web"}},
-                             "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]}}}}))
-            .expect("deployment"),
-        )
-        .await
-        .expect("deployment created");
+    let deployments = existing_deployment(&admin, &app_ns).await;
 
     // The webhook and the controller, as their ServiceAccounts.
     let config = policies_only_config();
@@ -286,6 +265,23 @@ async fn a_config_map_context_entry_is_read_from_the_granted_config_map_only() {
 
 const PORT_ANNOTATION: &str = "example.com/backend-port";
 
+/// An existing Deployment `web` in `namespace` (no replicas), for the backfill.
+async fn existing_deployment(admin: &kube::Client, namespace: &str) -> Api<Deployment> {
+    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), namespace);
+    deployments
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"replicas": 0,
+                "selector": {"matchLabels": {"app": "web"}},
+                "template": {"metadata": {"labels": {"app": "web"}},
+                             "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]}}}}))
+            .expect("deployment"),
+        )
+        .await
+        .expect("deployment created");
+    deployments
+}
+
 /// The port annotation a pod gets at admission (a dry run unless `name` is given).
 async fn port_annotation(pods: &Api<Pod>, name: Option<&str>) -> Option<String> {
     let pod: Pod = serde_json::from_value(common::pod(name.unwrap_or("probe"))).expect("pod");
@@ -324,18 +320,8 @@ async fn an_api_call_entry_reads_what_the_installed_identities_may_get() {
     install_identities_of(
         &admin,
         &meshgate::install::InstallOptions {
-            profile: "istio-sidecar".into(),
-            namespace: INSTALL_NS.into(),
-            image: "meshgate/meshgate:test".into(),
-            node_taint: meshgate::install::NodeTaint::Webhook,
-            pod_gate: meshgate::install::PodGate::Webhook,
-            strategy: meshgate::install::Strategy::Pod,
-            node_paths: Default::default(),
-            repair: None,
-            webhook_ingress_from: Vec::new(),
-            context_config_maps: Vec::new(),
             context_api_reads: vec!["services".into()],
-            existing_kinds: Vec::new(),
+            ..install_options("istio-sidecar", INSTALL_NS)
         },
     )
     .await;
@@ -351,18 +337,7 @@ async fn an_api_call_entry_reads_what_the_installed_identities_may_get() {
         )
         .await
         .expect("service created");
-    let deployments: Api<Deployment> = Api::namespaced(admin.clone(), &app_ns);
-    deployments
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({"metadata": {"name": "web"}, "spec": {"replicas": 0,
-                "selector": {"matchLabels": {"app": "web"}},
-                "template": {"metadata": {"labels": {"app": "web"}},
-                             "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]}}}}))
-            .expect("deployment"),
-        )
-        .await
-        .expect("deployment created");
+    let deployments = existing_deployment(&admin, &app_ns).await;
 
     let config = policies_only_config();
     let webhook = start_webhook_as(&cp, config.clone(), Some(INSTALL_NS)).await;

@@ -36,18 +36,8 @@ async fn the_backfill_mutates_existing_objects_of_the_kinds_it_was_granted() {
     install_identities_of(
         &client,
         &meshgate::install::InstallOptions {
-            profile: "istio-ambient".into(),
-            namespace: NS.into(),
-            image: "meshgate/meshgate:test".into(),
-            node_taint: meshgate::install::NodeTaint::Webhook,
-            pod_gate: meshgate::install::PodGate::Webhook,
-            strategy: meshgate::install::Strategy::Pod,
-            node_paths: Default::default(),
-            repair: None,
-            webhook_ingress_from: Vec::new(),
-            context_config_maps: Vec::new(),
-            context_api_reads: Vec::new(),
             existing_kinds: vec!["services".into(), "namespaces".into()],
+            ..install_options("istio-ambient", NS)
         },
     )
     .await;

@@ -370,21 +370,12 @@ async fn webhook_render_and_native_agree_on_every_cause() {
     install_identities_of(
         &client,
         &meshgate::install::InstallOptions {
-            profile: "istio-sidecar".into(),
-            namespace: INSTALL_NS.into(),
-            image: "meshgate/meshgate:test".into(),
-            node_taint: meshgate::install::NodeTaint::Webhook,
-            pod_gate: meshgate::install::PodGate::Webhook,
-            strategy: meshgate::install::Strategy::Pod,
-            node_paths: Default::default(),
-            repair: None,
-            webhook_ingress_from: Vec::new(),
             context_config_maps: config_maps
                 .iter()
                 .map(|(ns, cm)| format!("{ns}/{}", cm["metadata"]["name"].as_str().expect("name")))
                 .collect(),
             context_api_reads: api_reads(&cases),
-            existing_kinds: Vec::new(),
+            ..install_options("istio-sidecar", INSTALL_NS)
         },
     )
     .await;

@@ -549,21 +549,30 @@ pub async fn install_identities_with(
     install_identities_of(
         client,
         &meshgate::install::InstallOptions {
-            profile: profile.into(),
-            namespace: namespace.into(),
-            image: "meshgate/meshgate:test".into(),
-            node_taint: meshgate::install::NodeTaint::Webhook,
-            pod_gate: meshgate::install::PodGate::Webhook,
-            strategy: meshgate::install::Strategy::Pod,
-            node_paths: Default::default(),
             repair,
-            webhook_ingress_from: Vec::new(),
-            context_config_maps: Vec::new(),
-            context_api_reads: Vec::new(),
-            existing_kinds: Vec::new(),
+            ..install_options(profile, namespace)
         },
     )
     .await;
+}
+
+/// `meshgate install`'s options for the tests: `profile` in `namespace`, the webhook paths, no
+/// repair loop and no grants beyond the defaults.
+pub fn install_options(profile: &str, namespace: &str) -> meshgate::install::InstallOptions {
+    meshgate::install::InstallOptions {
+        profile: profile.into(),
+        namespace: namespace.into(),
+        image: "meshgate/meshgate:test".into(),
+        node_taint: meshgate::install::NodeTaint::Webhook,
+        pod_gate: meshgate::install::PodGate::Webhook,
+        strategy: meshgate::install::Strategy::Pod,
+        node_paths: Default::default(),
+        repair: None,
+        webhook_ingress_from: Vec::new(),
+        context_config_maps: Vec::new(),
+        context_api_reads: Vec::new(),
+        existing_kinds: Vec::new(),
+    }
 }
 
 /// [`install_identities`] for any install options.
