@@ -170,17 +170,7 @@ async fn a_config_map_context_entry_is_read_from_the_granted_config_map_only() {
         )
         .await
         .expect("policy created");
-    let health: std::net::SocketAddr = webhook.health.parse().expect("health address");
-    let failures = || async {
-        let (_, body) = http_get(health, "/metrics").await.expect("metrics");
-        body.lines()
-            .filter(|l| {
-                l.starts_with("meshgate_webhook_policy_failures_total{")
-                    && l.contains("policy=\"context-not-granted\"")
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>()
-    };
+    let failures = || webhook.policy_failures(&["context-not-granted"]);
     let probes = std::sync::atomic::AtomicU32::new(0);
     wait_for(
         "the webhook to fail the policy whose ConfigMap it may not read",
@@ -409,17 +399,7 @@ async fn an_api_call_entry_reads_what_the_installed_identities_may_get() {
         )
         .await
         .expect("policy created");
-    let health: std::net::SocketAddr = webhook.health.parse().expect("health address");
-    let failures = || async {
-        let (_, body) = http_get(health, "/metrics").await.expect("metrics");
-        body.lines()
-            .filter(|l| {
-                l.starts_with("meshgate_webhook_policy_failures_total{")
-                    && l.contains("policy=\"api-not-granted\"")
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>()
-    };
+    let failures = || webhook.policy_failures(&["api-not-granted"]);
     let probes = std::sync::atomic::AtomicU32::new(0);
     let create_pod = |n: u32| {
         let name = format!("real-{n}");

@@ -254,21 +254,6 @@ fn api_reads(cases: &[Case]) -> Vec<String> {
     out.into_iter().collect()
 }
 
-/// The webhook's `meshgate_webhook_policy_failures_total`, summed over `policies`.
-async fn failures(webhook: &Webhook, policies: &BTreeSet<String>) -> f64 {
-    let addr = webhook.health.parse().expect("health address");
-    let (_, body) = http_get(addr, "/metrics").await.expect("metrics");
-    body.lines()
-        .filter(|l| l.starts_with("meshgate_webhook_policy_failures_total{"))
-        .filter(|l| {
-            policies
-                .iter()
-                .any(|p| l.contains(&format!("policy=\"{p}\"")))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// Dry-run creates `object` until what is stored satisfies `done` (registrations and compiled
 /// policies take effect asynchronously); on timeout, says what was last stored.
 async fn probe(client: &kube::Client, object: &Value, what: &str, done: impl Fn(&Value) -> bool) {
@@ -468,9 +453,23 @@ async fn webhook_render_and_native_agree_on_every_cause() {
                 // A policy fails on this object: the webhook admits it without that policy,
                 // and counts the failure (of real requests only).
                 refused += 1;
-                let before = failures(&webhook, &names[&case.name]).await;
+                let before = webhook
+                    .policy_failures(
+                        &names[&case.name]
+                            .iter()
+                            .map(String::as_str)
+                            .collect::<Vec<_>>(),
+                    )
+                    .await;
                 let s = create(&client, &e.placed, true).await;
-                let after = failures(&webhook, &names[&case.name]).await;
+                let after = webhook
+                    .policy_failures(
+                        &names[&case.name]
+                            .iter()
+                            .map(String::as_str)
+                            .collect::<Vec<_>>(),
+                    )
+                    .await;
                 assert!(
                     after > before,
                     "{} {}: render refuses ({}), so the webhook must count a policy failure",

@@ -120,6 +120,24 @@ impl Webhook {
     }
 }
 
+impl Webhook {
+    /// The webhook's `meshgate_webhook_policy_failures_total` (its `/metrics`), summed over the
+    /// policies named.
+    pub async fn policy_failures(&self, policies: &[&str]) -> f64 {
+        let addr = self.health.parse().expect("health address");
+        let (_, body) = http_get(addr, "/metrics").await.expect("metrics");
+        body.lines()
+            .filter(|l| l.starts_with("meshgate_webhook_policy_failures_total{"))
+            .filter(|l| {
+                policies
+                    .iter()
+                    .any(|p| l.contains(&format!("policy=\"{p}\"")))
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
 /// Starts meshgate's webhook on loopback with a serving certificate from a fresh CA. It runs on
 /// the background runtime, so it lives as long as the test binary.
 pub async fn start_webhook(cp: &ControlPlane, config: GateConfig) -> Webhook {
