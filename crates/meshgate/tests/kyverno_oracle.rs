@@ -6,8 +6,9 @@
 //! more for each cause issue #30 numbers: context `variable` entries, nested `{{ }}`, null
 //! substitution, rules on workload objects and Kyverno's pod-controller autogen, `images`,
 //! foreach order and preconditions, match by names and annotations, list order after a strategic
-//! merge with `(name)` anchors, the Deployment volume + volumeMount case, and `configMap` context
-//! entries (the CLI gets the case's ConfigMaps as values: `cli_values`). Nothing here says
+//! merge with `(name)` anchors, the Deployment volume + volumeMount case, `configMap` context
+//! entries (the CLI gets the case's ConfigMaps as values: `cli_values`) and `apiCall` entries
+//! (the CLI answers their GETs from the objects it is given as resources: the case's `data`). Nothing here says
 //! what the result should be: the real CLI does. Each object ends in one of:
 //!
 //! * **agree**: both give the same object (compared as JSON values, whole: the CLI adds no
