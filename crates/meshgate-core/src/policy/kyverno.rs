@@ -82,9 +82,10 @@
 //!
 //! # What does not
 //! Variables in `match`/`exclude`, references (`$( )`) anywhere in a rule; context entries
-//! other than `variable` (a `configMap`, `apiCall`, `globalReference` or `imageRegistry` entry
-//! needs the cluster at admission): the rule is refused, naming the entry; `name` and `names`
-//! together; `celPreconditions`, `mutate.targets` / `mutateExistingOnPolicyUpdate`,
+//! other than `variable`, `configMap` (named literally) and `apiCall` (a GET of the API): a
+//! `globalReference` or `imageRegistry` entry, a ConfigMap named by a variable, an `apiCall`
+//! that POSTs, sends `data` or calls a `service`: the rule is refused, naming the field;
+//! `name` and `names` together; `celPreconditions`, `mutate.targets` / `mutateExistingOnPolicyUpdate`,
 //! `match`/`exclude` on the requesting user (`subjects`, `roles`, `clusterRoles`), `spec.webhookConfiguration.matchConditions`, policies with
 //! `spec.admission: false`. Validate, generate and verifyImages rules are ignored with a note.
 //! `spec.applyRules: One` is not honoured (every converted rule applies; noted). Kyverno's
@@ -1315,12 +1316,14 @@ fn context_entries(v: &Value, path: &str) -> Result<Vec<ContextEntry>, String> {
         ] {
             if e.get(kind).is_some_and(|v| !v.is_null()) {
                 return Err(format!(
-                    "{at}.{kind}: not converted: the entry {why}, which meshgate does not do (only variable entries convert)"
+                    "{at}.{kind}: not converted: the entry {why}, which meshgate does not do (variable, configMap and apiCall entries convert)"
                 ));
             }
         }
         let Some(var) = e.get("variable").filter(|v| v.is_object()) else {
-            return Err(format!("{at}: no variable (only variable entries convert)"));
+            return Err(format!(
+                "{at}: no variable, configMap or apiCall (the entries that convert)"
+            ));
         };
         if let Some(other) = var
             .as_object()
