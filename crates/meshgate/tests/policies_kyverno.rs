@@ -289,6 +289,20 @@ struct Expected {
     rendered: Rendered,
 }
 
+/// Each case with an object its policies change, and the first such object (what a probe
+/// watches).
+fn first_changed<'a>(
+    cases: &'a [Case],
+    expected: &'a BTreeMap<String, Vec<Expected>>,
+) -> impl Iterator<Item = (&'a Case, &'a Expected)> + 'a {
+    cases.iter().filter_map(|case| {
+        let e = expected[&case.name]
+            .iter()
+            .find(|e| stored(&e.rendered.partial) != e.plain)?;
+        Some((case, e))
+    })
+}
+
 #[tokio::test]
 async fn webhook_render_and_native_agree_on_every_cause() {
     let _ = tracing_subscriber::fmt()
@@ -428,20 +442,14 @@ async fn webhook_render_and_native_agree_on_every_cause() {
     }
     // The webhook serves every case: each case's first object that its policies change comes
     // out changed.
-    for case in &cases {
-        if let Some(e) = expected[&case.name]
-            .iter()
-            .find(|e| stored(&e.rendered.partial) != e.plain)
-        {
-            let plain = e.plain.clone();
-            probe(
-                &client,
-                &e.placed,
-                &format!("the webhook to serve {}", case.name),
-                |s| *s != plain,
-            )
-            .await;
-        }
+    for (case, e) in first_changed(&cases, &expected) {
+        probe(
+            &client,
+            &e.placed,
+            &format!("the webhook to serve {}", case.name),
+            |s| *s != e.plain,
+        )
+        .await;
     }
     let mut through_webhook: BTreeMap<(String, String), Value> = BTreeMap::new();
     let mut refused = 0;
@@ -506,23 +514,17 @@ async fn webhook_render_and_native_agree_on_every_cause() {
         .delete(CONFIGURATION, &DeleteParams::default())
         .await
         .expect("registration deleted");
-    for case in &cases {
-        if let Some(e) = expected[&case.name]
-            .iter()
-            .find(|e| stored(&e.rendered.partial) != e.plain)
-        {
-            let plain = e.plain.clone();
-            probe(
-                &client,
-                &e.placed,
-                &format!(
-                    "the API server to stop calling the webhook for {}",
-                    case.name
-                ),
-                |s| *s == plain,
-            )
-            .await;
-        }
+    for (case, e) in first_changed(&cases, &expected) {
+        probe(
+            &client,
+            &e.placed,
+            &format!(
+                "the API server to stop calling the webhook for {}",
+                case.name
+            ),
+            |s| *s == e.plain,
+        )
+        .await;
     }
     let controller = ControllerTask::start(
         &cp,
