@@ -47,6 +47,7 @@
 //! writes nothing (not even the status), and every policy is reconciled again when leadership is
 //! gained.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -1060,7 +1061,7 @@ pub struct PlanInput<'a> {
     pub cluster: &'a dyn ClusterData,
 }
 
-impl PlanInput<'_> {
+impl<'a> PlanInput<'a> {
     /// The operation under which the policy matches `object` (an existing object is treated as
     /// created now, else as updated), or `None` when it does not match, is in an excluded
     /// namespace, or is opted out.
@@ -1099,7 +1100,7 @@ impl PlanInput<'_> {
 
     /// The object's namespace and its labels, as at admission: a Namespace is its own (its
     /// name, its labels), a cluster-scoped object has none.
-    fn namespace_of<'o>(&self, object: &'o Value) -> (&'o str, BTreeMap<String, String>) {
+    fn namespace_of<'o>(&self, object: &'o Value) -> (&'o str, Cow<'a, BTreeMap<String, String>>) {
         if object.get("kind").and_then(Value::as_str) == Some("Namespace")
             && object.get("apiVersion").and_then(Value::as_str) == Some("v1")
         {
@@ -1107,13 +1108,19 @@ impl PlanInput<'_> {
                 .pointer("/metadata/name")
                 .and_then(Value::as_str)
                 .unwrap_or_default();
-            return (name, meshgate_core::policy::object_labels(object));
+            return (
+                name,
+                Cow::Owned(meshgate_core::policy::object_labels(object)),
+            );
         }
         let namespace = object
             .pointer("/metadata/namespace")
             .and_then(Value::as_str)
             .unwrap_or_default();
-        let labels = self.namespaces.get(namespace).cloned().unwrap_or_default();
+        let labels = self
+            .namespaces
+            .get(namespace)
+            .map_or_else(|| Cow::Owned(BTreeMap::new()), Cow::Borrowed);
         (namespace, labels)
     }
 }

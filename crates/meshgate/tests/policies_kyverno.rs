@@ -461,23 +461,11 @@ async fn webhook_render_and_native_agree_on_every_cause() {
                 // A policy fails on this object: the webhook admits it without that policy,
                 // and counts the failure (of real requests only).
                 refused += 1;
-                let before = webhook
-                    .policy_failures(
-                        &names[&case.name]
-                            .iter()
-                            .map(String::as_str)
-                            .collect::<Vec<_>>(),
-                    )
-                    .await;
+                let case_policies: Vec<&str> =
+                    names[&case.name].iter().map(String::as_str).collect();
+                let before = webhook.policy_failures(&case_policies).await;
                 let s = create(&client, &e.placed, true).await;
-                let after = webhook
-                    .policy_failures(
-                        &names[&case.name]
-                            .iter()
-                            .map(String::as_str)
-                            .collect::<Vec<_>>(),
-                    )
-                    .await;
+                let after = webhook.policy_failures(&case_policies).await;
                 assert!(
                     after > before,
                     "{} {}: render refuses ({}), so the webhook must count a policy failure",
