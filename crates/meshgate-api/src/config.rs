@@ -241,9 +241,11 @@ pub struct InitGate {
     pub primary_ip_family: IpFamily,
     /// Which gated pods get the init container. `All`: every one. `NodeBound`: only where the
     /// resource gate cannot hold the pod, because it is created with `spec.nodeName` and so
-    /// never meets the scheduler; where the resource gate is off, every gated pod. On a ready
-    /// node an init container that passes at once still costs the pod about half a second of
-    /// start (BENCHMARKS.md, pod start); the resource gate costs none.
+    /// never meets the scheduler; where the resource gate is off, every gated pod.
+    /// `TaintExempt`: only where the node gate's startup taint cannot hold the pod: created
+    /// with `spec.nodeName`, or tolerating one of [`GateConfig::node_taint_keys`] (or every
+    /// taint). On a ready node an init container that passes at once still costs the pod about
+    /// half a second of start (BENCHMARKS.md, pod start); the taint and the resource cost none.
     pub scope: InitGateScope,
 }
 
@@ -253,6 +255,7 @@ pub enum InitGateScope {
     #[default]
     All,
     NodeBound,
+    TaintExempt,
 }
 
 /// An IP family.
@@ -317,6 +320,12 @@ pub struct GateConfig {
     pub failure_policy: FailurePolicy,
     /// The API server's timeout for one call to the webhook (1 to 30).
     pub timeout_seconds: u8,
+    /// The startup taint keys of the node gates (`NodeGate` `spec.taint.key`): with
+    /// `initGate.scope: TaintExempt`, a pod that tolerates one of them gets the init gate, as
+    /// the taint cannot hold it. `install` writes its gate's key and meshgate's earlier default
+    /// key, which nodes tainted before an upgrade may still carry.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub node_taint_keys: Vec<String>,
 }
 
 impl Default for GateConfig {
@@ -329,6 +338,7 @@ impl Default for GateConfig {
             resource_gate: ResourceGate::default(),
             failure_policy: FailurePolicy::default(),
             timeout_seconds: 5,
+            node_taint_keys: Vec::new(),
         }
     }
 }
@@ -428,6 +438,12 @@ impl GateConfig {
                 .map_err(|m| invalid(&format!("{field}.objectSelector"), m))?;
         }
         let gate = &self.init_gate;
+        if gate.scope == InitGateScope::TaintExempt && self.node_taint_keys.is_empty() {
+            return Err(invalid(
+                "nodeTaintKeys",
+                "initGate.scope TaintExempt needs the gates' taint keys (the pods that tolerate one get the init gate)".into(),
+            ));
+        }
         if gate.enabled {
             if gate.image.is_empty() {
                 return Err(invalid("initGate.image", "must not be empty".into()));

@@ -49,8 +49,16 @@ pub mod names {
     pub const OPT_OUT: &str = "meshgate.dev/inject";
     /// Name of the injected init container.
     pub const GATE_CONTAINER: &str = "meshgate-wait";
-    /// Default startup taint key.
+    /// The startup taint key of a `NodeGate` that names none (the CRD's default), and of the
+    /// gate `meshgate install` rendered before it keyed its gate [`STARTUP_TAINT_KEY`]: nodes
+    /// tainted by such an install may still carry it.
     pub const DEFAULT_TAINT_KEY: &str = "node.meshgate.dev/agent-not-ready";
+    /// The key of the gate `meshgate install` and the chart render (`--taint-key`): under the
+    /// prefix `readiness.k8s.io/`, which Karpenter treats as a startup taint (it neither
+    /// launches another node for pods the taint holds nor marks the node initialized before the
+    /// taint is gone) and SIG Node's node-readiness controller uses (docs/design.md,
+    /// "Autoscalers").
+    pub const STARTUP_TAINT_KEY: &str = "readiness.k8s.io/mesh-agents";
     /// Default extended resource advertised on ready nodes.
     pub const DEFAULT_RESOURCE: &str = "meshgate.dev/mesh-ready";
     /// Node annotation: RFC 3339 time the agents of a gate were first seen Ready (bootstrap done).

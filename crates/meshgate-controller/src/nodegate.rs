@@ -41,8 +41,8 @@ use meshgate_api::node_gate::{NodeGateStatus, ResourceProvider};
 use meshgate_api::{GateNode, NodeGate, names};
 use meshgate_core::nodegate::{
     AgentState, NodeDecision, NodeState, Offer, decide_node, has_taint, is_retainted, may_remove,
-    node_condition, orphaned_taints, owned_annotation_patch, resource_patch, taint_patch,
-    taints_of,
+    node_condition, orphaned_taints, owned_annotation_patch, resource_patch, selects,
+    superseded_taints, taint_patch, taints_of,
 };
 use tokio::sync::{mpsc, watch};
 
@@ -487,6 +487,19 @@ async fn reconcile(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         remove_taint(&ctx, &api, &node, gate, &taints).await?;
         tracing::info!(node = %name, taint = %key, "removed the taint of a gate that no longer selects the node");
         // One write per reconcile: the next one starts from a fresh read.
+        return Ok(Action::requeue(Duration::from_millis(10)));
+    }
+    // meshgate's earlier key after an upgrade changed the gate's: the gates above have put
+    // their own keys where their agents are not ready, so it comes off.
+    let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
+    let superseded = superseded_taints(gates.iter().map(|g| &g.spec), labels, &taints);
+    if let Some(key) = superseded.first()
+        && let Some(gate) = gates.iter().find(|g| selects(&g.spec, labels))
+    {
+        let mut old = (**gate).clone();
+        old.spec.taint.key.clone_from(key);
+        remove_taint(&ctx, &api, &node, &old, &taints).await?;
+        tracing::info!(node = %name, taint = %key, gate = %gate.name_any(), "removed meshgate's earlier taint key; the gate's own key holds the node now");
         return Ok(Action::requeue(Duration::from_millis(10)));
     }
     ctx.reconciled(&name);

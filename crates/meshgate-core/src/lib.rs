@@ -27,7 +27,7 @@ pub mod policy;
 // Paths kept for the shells (the webhook, the controller, the CLI and their tests and benches
 // name these modules at the crate root); code inside this crate uses the domain paths.
 pub use admission::{native_gate, registration};
-pub use node_gate::{dra, nodegate, repair};
+pub use node_gate::{autoscaler, dra, nodegate, repair};
 pub use object::{patch, quantity, view};
 pub use pod_gate::{capture, gate, mesh, resources, select};
 pub use policy::kyverno;

@@ -290,6 +290,7 @@ pub fn options(profile: &str, repair: Option<RepairAction>, taint: &str) -> Inst
         // native gate is `meshgate install`'s.
         pod_gate: PodGate::Webhook,
         strategy: crate::install::Strategy::default(),
+        taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
         node_paths: Default::default(),
         repair,
         webhook_ingress_from: Vec::new(),

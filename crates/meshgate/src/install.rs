@@ -36,6 +36,8 @@ pub struct InstallOptions {
     pub pod_gate: PodGate,
     /// What holds mesh pods besides the startup taint (`--strategy`).
     pub strategy: Strategy,
+    /// The key of the default gate's startup taint (`--taint-key`).
+    pub taint_key: String,
     /// Where the node plugin finds the kubelet and the CNI configuration on the nodes.
     pub node_paths: NodePaths,
     /// The repair loop (`None`: off) and what it may do to pods: `label` them, or `delete`
@@ -97,20 +99,31 @@ impl NodeTaint {
 
 /// What holds a mesh pod back, besides the startup taint that every strategy puts on new nodes
 /// (`--strategy`; docs/design.md "Choosing the layers", with the pod start each costs on a
-/// ready node, BENCHMARKS.md).
+/// ready node, BENCHMARKS.md, and what each lets an autoscaler do, "Autoscalers").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Strategy {
+    /// The startup taint holds every mesh pod the scheduler places; the init gate
+    /// (`meshgate-wait`) goes only into pods the taint cannot hold: created bound to a node, or
+    /// tolerating the taint. The default: it costs a pod on a ready node nothing, and an
+    /// autoscaler that knows the taint's key as a startup taint (Karpenter:
+    /// `readiness.k8s.io/`; the Cluster Autoscaler:
+    /// `startup-taint.cluster-autoscaler.kubernetes.io/`) launches the nodes it would launch
+    /// without meshgate.
+    #[default]
+    Taint,
     /// Mesh pods request the gate resource, offered through DRA: a `DeviceClass` with
     /// `extendedResourceName` and a `ResourceSlice` per ready node, and the node plugin
     /// (`meshgate node`, a DaemonSet) confirms the mesh on the node before each pod's sandbox
     /// exists. Where the API server does not serve DRA the controller falls back to the node
     /// status. The init gate only for pods created bound to a node. Costs a pod on a ready node
     /// the scheduler's claim and the kubelet's prepare (about 50 ms here, BENCHMARKS.md).
+    /// Autoscalers do not provision for the request (Karpenter ignores DRA requests by default).
     Dra,
     /// Mesh pods request the gate resource, which the controller advertises in ready nodes'
-    /// status. The init gate only for pods created bound to a node. The default: it costs a pod
-    /// on a ready node nothing measurable (BENCHMARKS.md, "Pod start").
-    #[default]
+    /// status. The init gate only for pods created bound to a node. Costs a pod on a ready node
+    /// nothing measurable, but an autoscaler provisions for the request only where its node
+    /// templates carry the resource (Karpenter: a `NodeOverlay`, alpha): for clusters without
+    /// one.
     Resource,
     /// The init gate (`meshgate-wait`) in every mesh pod: it sees the mesh capture the pod
     /// itself, on any node, at about half a second of start per pod.
@@ -118,18 +131,20 @@ pub enum Strategy {
 }
 
 impl Strategy {
-    /// `--strategy dra|resource|pod`.
+    /// `--strategy taint|dra|resource|pod`.
     pub fn choose(flag: &str) -> anyhow::Result<Self> {
         Ok(match flag {
+            "taint" => Strategy::Taint,
             "dra" => Strategy::Dra,
             "resource" => Strategy::Resource,
             "pod" => Strategy::Pod,
-            other => anyhow::bail!("--strategy {other:?}: expected dra, resource or pod"),
+            other => anyhow::bail!("--strategy {other:?}: expected taint, dra, resource or pod"),
         })
     }
 
     pub fn as_str(self) -> &'static str {
         match self {
+            Strategy::Taint => "taint",
             Strategy::Dra => "dra",
             Strategy::Resource => "resource",
             Strategy::Pod => "pod",
@@ -138,6 +153,7 @@ impl Strategy {
 
     pub fn describe(self) -> String {
         match self {
+            Strategy::Taint => "taint: the startup taint holds mesh pods the scheduler places; meshgate-wait only in pods it cannot hold (bound to a node, or tolerating the taint)".into(),
             Strategy::Dra => format!(
                 "DRA: mesh pods request {} (DeviceClass, a ResourceSlice per ready node, the node plugin checks before each sandbox); meshgate-wait only in pods bound to a node",
                 names::DEFAULT_RESOURCE
@@ -150,9 +166,65 @@ impl Strategy {
         }
     }
 
-    fn resource(self) -> bool {
-        self != Strategy::Pod
+    /// Whether mesh pods request the gate resource (which autoscalers cannot provision for
+    /// without node templates that carry it).
+    pub fn requests_resource(self) -> bool {
+        matches!(self, Strategy::Dra | Strategy::Resource)
     }
+}
+
+/// The gate's taint key (`--taint-key`), and whether the autoscalers found (`None`: offline,
+/// nothing could be looked for) can live with it and the strategy: the key given, else the
+/// prefix the autoscaler found knows (`meshgate_core::autoscaler::choose_key`). Refuses a
+/// configuration an autoscaler found cannot provision for or would over-provision for, naming
+/// the fix; `say` gets one line per choice.
+pub fn choose_taint_key(
+    given: Option<String>,
+    found: Option<&[meshgate_core::autoscaler::Found]>,
+    strategy: Strategy,
+    mut say: impl FnMut(&str),
+) -> anyhow::Result<String> {
+    use meshgate_core::autoscaler::{PodRequest, choose_key, problems};
+    let key = match (given, found) {
+        (Some(key), _) => {
+            say(&format!("gate taint: {key} (--taint-key)"));
+            key
+        }
+        (None, None) => {
+            let (key, _) = choose_key(&[]);
+            say(&format!(
+                "gate taint: {key} (offline: no autoscaler can be looked for; a startup taint to Karpenter; under the Cluster Autoscaler give --taint-key {})",
+                meshgate_core::autoscaler::Autoscaler::ClusterAutoscaler.gate_key()
+            ));
+            key
+        }
+        (None, Some(found)) => {
+            let (key, why) = choose_key(found);
+            say(&format!("gate taint: {key} ({why})"));
+            key
+        }
+    };
+    let request = match strategy {
+        Strategy::Resource => PodRequest::Resource(names::DEFAULT_RESOURCE),
+        Strategy::Dra => PodRequest::Dra(names::DEFAULT_RESOURCE),
+        Strategy::Taint | Strategy::Pod => PodRequest::Nothing,
+    };
+    let mut refused = Vec::new();
+    for f in found.unwrap_or_default() {
+        for p in problems(f, &key, request) {
+            refused.push(format!("{}; fix: {}", p.message, p.fix));
+        }
+        if let Some(a) = f.autoscaler {
+            say(&format!("autoscaler found: {}", a.name()));
+        }
+    }
+    if !refused.is_empty() {
+        anyhow::bail!(
+            "this configuration would stop the cluster from scaling:\n  {}",
+            refused.join("\n  ")
+        );
+    }
+    Ok(key)
 }
 
 /// Where the init gate is decided (`--pod-gate`).
@@ -182,6 +254,7 @@ impl PodGate {
             "meshgate-system",
             "x",
             strategy,
+            names::STARTUP_TAINT_KEY,
         )?);
         Ok(match (flag, served, expressible) {
             ("webhook", _, _) => PodGate::Webhook,
@@ -353,35 +426,64 @@ pub fn mesh_profile(profile: &str) -> anyhow::Result<Profile> {
     })
 }
 
-/// The gate configuration of a profile, with the default strategy.
+/// The gate configuration of a profile, with the default strategy and taint key.
 pub fn gate_config(profile: &str, namespace: &str, image: &str) -> anyhow::Result<GateConfig> {
-    gate_config_for(profile, namespace, image, Strategy::default())
+    gate_config_for(
+        profile,
+        namespace,
+        image,
+        Strategy::default(),
+        names::STARTUP_TAINT_KEY,
+    )
 }
 
-/// The gate configuration of a profile and strategy.
+/// The gate configuration of a profile, strategy and gate taint key.
 pub fn gate_config_for(
     profile: &str,
     namespace: &str,
     image: &str,
     strategy: Strategy,
+    taint_key: &str,
 ) -> anyhow::Result<GateConfig> {
+    use meshgate_api::config::InitGateScope;
     let mut config = GateConfig {
         profiles: vec![mesh_profile(profile)?],
         ..GateConfig::default()
     };
     config.excluded_namespaces = vec!["kube-system".into(), namespace.into()];
     config.init_gate.image = image.into();
-    if strategy.resource() {
-        config.resource_gate.enabled = true;
-        config.init_gate.scope = meshgate_api::config::InitGateScope::NodeBound;
+    config.node_taint_keys = taint_keys(taint_key);
+    match strategy {
+        Strategy::Taint => config.init_gate.scope = InitGateScope::TaintExempt,
+        Strategy::Dra | Strategy::Resource => {
+            config.resource_gate.enabled = true;
+            config.init_gate.scope = InitGateScope::NodeBound;
+        }
+        Strategy::Pod => {}
     }
     config.validate()?;
     Ok(config)
 }
 
-/// The default NodeGate of a profile: the mesh's agents, from its record, and the strategy's
-/// resource.
-pub(crate) fn default_gate(profile: &str, strategy: Strategy) -> anyhow::Result<NodeGate> {
+/// The gate's key, then meshgate's earlier default key (nodes an earlier install tainted may
+/// carry it until the controller replaces it), without repeats.
+pub fn taint_keys(taint_key: &str) -> Vec<String> {
+    let mut keys = vec![taint_key.to_owned()];
+    if taint_key != names::DEFAULT_TAINT_KEY {
+        keys.push(names::DEFAULT_TAINT_KEY.to_owned());
+    }
+    keys
+}
+
+/// The default NodeGate of a profile: the mesh's agents, from its record, the taint key, and the
+/// strategy's resource. The taint strategy keeps the resource in the node status: no pod it
+/// admits requests it, but pods admitted before an upgrade from the resource strategy still
+/// find ready nodes that offer it (docs/design.md, "Upgrades").
+pub(crate) fn default_gate(
+    profile: &str,
+    strategy: Strategy,
+    taint_key: &str,
+) -> anyhow::Result<NodeGate> {
     let record = mesh_profile(profile)?.record();
     let agents: Vec<Value> = record
         .agents
@@ -391,12 +493,13 @@ pub(crate) fn default_gate(profile: &str, strategy: Strategy) -> anyhow::Result<
                    "selector": {"matchLabels": {a.label.0: a.label.1}}, "daemonSet": a.daemon_set})
         })
         .collect();
-    let mut spec = json!({"agents": agents, "mode": record.node_gate_mode});
+    let mut spec =
+        json!({"agents": agents, "mode": record.node_gate_mode, "taint": {"key": taint_key}});
     match strategy {
         Strategy::Dra => {
             spec["resource"] = json!({"name": names::DEFAULT_RESOURCE, "provider": "DRA"});
         }
-        Strategy::Resource => {
+        Strategy::Resource | Strategy::Taint => {
             spec["resource"] = json!({"name": names::DEFAULT_RESOURCE, "provider": "NodeStatus"});
         }
         Strategy::Pod => {}
@@ -407,7 +510,7 @@ pub(crate) fn default_gate(profile: &str, strategy: Strategy) -> anyhow::Result<
 /// Every manifest, in apply order.
 pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     let ns = o.namespace.as_str();
-    let config = gate_config_for(&o.profile, ns, &o.image, o.strategy)?;
+    let config = gate_config_for(&o.profile, ns, &o.image, o.strategy, &o.taint_key)?;
     let mut out = vec![
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": meta(ns, None, "namespace")}),
     ];
@@ -531,7 +634,10 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     // the mesh's own readiness taints (`MeshProfile::mesh_taints`), or meshgate and the mesh
     // wait on each other: istiod tolerates only Istio's taint, its untaint controller needs
     // istiod, and istiod meshgate's taint lifted.
-    let mut tolerations = vec![json!({"key": names::DEFAULT_TAINT_KEY, "operator": "Exists"})];
+    let mut tolerations: Vec<Value> = taint_keys(&o.taint_key)
+        .iter()
+        .map(|key| json!({"key": key, "operator": "Exists"}))
+        .collect();
     tolerations.extend(
         mesh_profile(&o.profile)?
             .record()
@@ -649,7 +755,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     mwc["metadata"]["labels"] = labels("webhook");
     out.push(mwc);
     // Defaults of the profile.
-    let gate = default_gate(&o.profile, o.strategy)?;
+    let gate = default_gate(&o.profile, o.strategy, &o.taint_key)?;
     let mut g = serde_json::to_value(&gate)?;
     g["metadata"]["labels"] = labels("defaults");
     out.push(g);

@@ -1,5 +1,6 @@
 //! The `meshgate` command: components, offline tools, install and demo.
 
+pub mod autoscaler;
 pub mod chart;
 pub mod check;
 pub mod crds;

@@ -216,13 +216,21 @@ enum Command {
         /// server serves the policy API and the profile has such clauses; without --apply: v1).
         #[arg(long, default_value = "auto", value_parser = ["native", "webhook", "auto"])]
         pod_gate: String,
-        /// What holds mesh pods besides the startup taint on new nodes: `dra` (a DRA device per
-        /// ready node and the node plugin's check before each pod's sandbox), `resource` (an
-        /// extended resource in ready nodes' status), or `pod` (the meshgate-wait init
-        /// container in every mesh pod). With `dra` and `resource`, meshgate-wait guards only
-        /// pods created bound to a node.
-        #[arg(long, default_value = meshgate::install::Strategy::default().as_str(), value_parser = ["dra", "resource", "pod"])]
+        /// What holds mesh pods besides the startup taint on new nodes: `taint` (the taint alone;
+        /// meshgate-wait only in pods it cannot hold: bound to a node, or tolerating it), `dra`
+        /// (a DRA device per ready node and the node plugin's check before each pod's sandbox),
+        /// `resource` (an extended resource in ready nodes' status), or `pod` (meshgate-wait in
+        /// every mesh pod). With `dra` and `resource`, meshgate-wait guards only pods created
+        /// bound to a node; node autoscalers cannot provision for either (refused where one is
+        /// found).
+        #[arg(long, default_value = meshgate::install::Strategy::default().as_str(), value_parser = ["taint", "dra", "resource", "pod"])]
         strategy: String,
+        /// The key of the gate's startup taint. Default: the prefix the autoscaler found knows
+        /// as a startup taint (Karpenter, or none found: `readiness.k8s.io/mesh-agents`; the
+        /// Cluster Autoscaler: `startup-taint.cluster-autoscaler.kubernetes.io/mesh-agents`);
+        /// without --apply: `readiness.k8s.io/mesh-agents`.
+        #[arg(long)]
+        taint_key: Option<String>,
         /// The kubelet's root directory on the nodes (the node plugin registers there).
         #[arg(long, default_value = "/var/lib/kubelet")]
         kubelet_root: String,
@@ -630,6 +638,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             node_taint,
             pod_gate,
             strategy,
+            taint_key,
             kubelet_root,
             cni_conf_dir,
             cni_plugin,
@@ -646,6 +655,22 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             } else {
                 None
             };
+            let found = match &client {
+                Some(c) => {
+                    let (found, notes) = meshgate::autoscaler::detect(c).await;
+                    for note in notes {
+                        eprintln!("autoscalers: not read: {note}");
+                    }
+                    Some(found)
+                }
+                None => None,
+            };
+            let taint_key = meshgate::install::choose_taint_key(
+                taint_key,
+                found.as_deref(),
+                strategy,
+                |line| eprintln!("{line}"),
+            )?;
             let served = match &client {
                 Some(c) => meshgate::discovery::policy_api(c).await,
                 // Offline: a Kubernetes 1.36+ API server (v1 is GA there).
@@ -664,6 +689,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 node_taint,
                 pod_gate,
                 strategy,
+                taint_key,
                 node_paths: meshgate::install::NodePaths {
                     kubelet_root,
                     cni_conf_dir,

@@ -19,6 +19,7 @@ fn options(profile: &str) -> InstallOptions {
         node_taint: NodeTaint::Policy(PolicyApi::V1),
         pod_gate: meshgate::install::PodGate::Webhook,
         strategy: meshgate::install::Strategy::default(),
+        taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
         node_paths: Default::default(),
         repair: None,
         webhook_ingress_from: Vec::new(),
@@ -78,6 +79,7 @@ async fn every_profile_passes_server_side_dry_run_apply() {
     let cp = common::control_plane(false).await;
     let client = cp.client().await.unwrap();
     let strategies = [
+        meshgate::install::Strategy::Taint,
         meshgate::install::Strategy::Resource,
         meshgate::install::Strategy::Dra,
         meshgate::install::Strategy::Pod,
@@ -88,6 +90,7 @@ async fn every_profile_passes_server_side_dry_run_apply() {
     {
         let docs = render(&InstallOptions {
             strategy,
+            taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
             ..options(profile)
         })
         .unwrap();
@@ -284,9 +287,15 @@ fn each_strategy_renders_its_layers() {
             .cloned()
     };
     for profile in PROFILES {
-        for strategy in [Strategy::Dra, Strategy::Resource, Strategy::Pod] {
+        for strategy in [
+            Strategy::Taint,
+            Strategy::Dra,
+            Strategy::Resource,
+            Strategy::Pod,
+        ] {
             let docs = render(&InstallOptions {
                 strategy,
+                taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
                 ..options(profile)
             })
             .unwrap();
@@ -304,7 +313,26 @@ fn each_strategy_renders_its_layers() {
                     && r["verbs"].as_array().unwrap().iter().any(|v| v == "create")
             });
             let what = format!("{profile} {strategy:?}");
+            let key = meshgate_api::names::STARTUP_TAINT_KEY;
+            assert_eq!(gate["spec"]["taint"]["key"], key, "{what}");
             match strategy {
+                Strategy::Taint => {
+                    // The taint holds the pods; the resource stays offered for pods admitted
+                    // before an upgrade from the resource strategy, and none requests it.
+                    assert!(!config.resource_gate.enabled, "{what}");
+                    assert_eq!(
+                        config.init_gate.scope,
+                        meshgate_api::config::InitGateScope::TaintExempt,
+                        "{what}"
+                    );
+                    assert_eq!(
+                        config.node_taint_keys,
+                        [key, meshgate_api::names::DEFAULT_TAINT_KEY],
+                        "{what}"
+                    );
+                    assert_eq!(gate["spec"]["resource"]["provider"], "NodeStatus", "{what}");
+                    assert!(plugin.is_none() && !writes_slices, "{what}");
+                }
                 Strategy::Pod => {
                     assert!(!config.resource_gate.enabled, "{what}");
                     assert_eq!(

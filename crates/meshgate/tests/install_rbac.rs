@@ -254,6 +254,7 @@ fn every_granted_permission_is_exercised_and_nothing_more() {
         node_taint: NodeTaint::Webhook,
         pod_gate: meshgate::install::PodGate::Native(meshgate_core::registration::PolicyApi::V1),
         strategy: meshgate::install::Strategy::Pod,
+        taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
         node_paths: Default::default(),
         repair: Some(RepairAction::Delete),
         webhook_ingress_from: Vec::new(),
@@ -303,6 +304,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
         node_taint: NodeTaint::Webhook,
         pod_gate: meshgate::install::PodGate::Native(meshgate_core::registration::PolicyApi::V1),
         strategy: meshgate::install::Strategy::Pod,
+        taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
         node_paths: Default::default(),
         repair: Some(RepairAction::Delete),
         webhook_ingress_from: Vec::new(),
@@ -435,6 +437,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
                         NS,
                         "x",
                         meshgate::install::Strategy::Pod,
+                        meshgate_api::names::STARTUP_TAINT_KEY,
                     )
                     .expect("config"),
                     addr: "127.0.0.1:0".parse().expect("addr"),
@@ -489,6 +492,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
                     NS,
                     "meshgate/meshgate:test",
                     meshgate::install::Strategy::Pod,
+                    meshgate_api::names::STARTUP_TAINT_KEY,
                 )
                 .expect("config"),
                 "meshgate".into(),

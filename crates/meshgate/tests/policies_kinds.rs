@@ -394,6 +394,7 @@ async fn namespaced_policies_stay_in_their_namespace() {
         node_taint: meshgate::install::NodeTaint::Webhook,
         pod_gate: meshgate::install::PodGate::Webhook,
         strategy: meshgate::install::Strategy::Pod,
+        taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
         node_paths: Default::default(),
         repair: None,
         webhook_ingress_from: Vec::new(),

@@ -297,6 +297,7 @@ fn install_manifests_and_crds_read_back_as_meant() {
             )
             .expect("pod gate"),
             strategy: meshgate::install::Strategy::Pod,
+            taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
             node_paths: Default::default(),
             repair: Some(meshgate::install::RepairAction::Delete),
             webhook_ingress_from: Vec::new(),

@@ -137,6 +137,11 @@ pub fn expressible(config: &GateConfig) -> Result<(), NotNative> {
             "the resource gate adds an extended resource request to the pod's first container, which the webhook does".into(),
         ));
     }
+    if config.init_gate.scope == meshgate_api::config::InitGateScope::TaintExempt {
+        return Err(NotNative(
+            "the init gate's scope TaintExempt decides per pod from its tolerations and nodeName, which the webhook does".into(),
+        ));
+    }
     if native_clauses(config).is_empty() {
         return Err(NotNative(
             "no clause can go native (the sidecar profiles decide on the injected pod)".into(),

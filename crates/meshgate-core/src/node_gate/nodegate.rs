@@ -521,6 +521,33 @@ pub fn orphaned_taints<'s>(
     out
 }
 
+/// meshgate's earlier default key ([`meshgate_api::names::DEFAULT_TAINT_KEY`], which
+/// `meshgate install` keyed its gate with before it used a startup-taint prefix autoscalers
+/// know) on a node that a gate selects, when no gate holds that key any more: an upgrade changed
+/// the gate's key. The controller lifts it after the gates selecting the node have made their
+/// own decisions in the same reconcile, so their keys are on the node wherever their agents are
+/// not ready and the node is never left unprotected. Not while a selecting gate is in dry run
+/// (its key is not written).
+pub fn superseded_taints<'s>(
+    gates: impl IntoIterator<Item = &'s NodeGateSpec> + Clone,
+    labels: &BTreeMap<String, String>,
+    taints: &[Taint],
+) -> Vec<String> {
+    let legacy = meshgate_api::names::DEFAULT_TAINT_KEY;
+    let selecting: Vec<&NodeGateSpec> = gates
+        .clone()
+        .into_iter()
+        .filter(|g| selects(g, labels))
+        .collect();
+    let held = gates.into_iter().any(|g| g.taint.key == legacy);
+    let managed = !selecting.is_empty() && !selecting.iter().any(|g| g.dry_run);
+    if !held && managed && taints.iter().any(|t| t.key == legacy) {
+        vec![legacy.to_owned()]
+    } else {
+        Vec::new()
+    }
+}
+
 /// The JSON patch that makes the node's taints `want_present` for the gate's taint, with a
 /// `test` of the list it was computed from (optimistic lock). `None` when nothing changes.
 pub fn taint_patch(
@@ -685,7 +712,9 @@ const DAEMONSET_TOLERATED: &[&str] = &[
 ];
 
 /// Whether a DaemonSet with this pod template would run a pod on the node. `ignore_taint` is the
-/// gate's own taint key, which must not keep the agent off the node it gates.
+/// gate's own taint key, which must not keep the agent off the node it gates; so is meshgate's
+/// earlier default key, which a node tainted before an upgrade carries until the gate's own key
+/// replaces it ([`superseded_taints`]).
 pub fn daemonset_targets(
     template: &PodTemplateSpec,
     node_name: &str,
@@ -728,7 +757,11 @@ pub fn daemonset_targets(
     taints
         .iter()
         .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
-        .filter(|t| t.key != ignore_taint && !DAEMONSET_TOLERATED.contains(&t.key.as_str()))
+        .filter(|t| {
+            t.key != ignore_taint
+                && t.key != meshgate_api::names::DEFAULT_TAINT_KEY
+                && !DAEMONSET_TOLERATED.contains(&t.key.as_str())
+        })
         .all(|t| tolerations.iter().any(|tol| tolerates(tol, t)))
 }
 
@@ -987,6 +1020,35 @@ mod tests {
         let node = json!({"spec": {"taints": f.taints}});
         let out = p.apply(&node).unwrap();
         assert_eq!(out["spec"]["taints"], json!([foreign()]));
+    }
+
+    #[test]
+    fn the_earlier_default_key_comes_off_once_a_gate_with_another_key_manages_the_node() {
+        let mut new = spec(GateMode::Bootstrap);
+        new.taint.key = meshgate_api::names::STARTUP_TAINT_KEY.into();
+        let labels = BTreeMap::new();
+        let legacy = gate_taint();
+        let fresh = Taint {
+            key: new.taint.key.clone(),
+            ..gate_taint()
+        };
+        // Upgraded: the gate's key is on the node (agents not ready), the old one goes.
+        assert_eq!(
+            superseded_taints([&new], &labels, &[legacy.clone(), fresh.clone(), foreign()]),
+            [meshgate_api::names::DEFAULT_TAINT_KEY]
+        );
+        // A gate still keyed with it holds it: not superseded.
+        let old = spec(GateMode::Bootstrap);
+        assert!(superseded_taints([&new, &old], &labels, std::slice::from_ref(&legacy)).is_empty());
+        // No gate selects the node, or one selecting it is in dry run: left alone.
+        let mut elsewhere = new.clone();
+        elsewhere.node_selector = LabelSelector::labels([("pool", "mesh")]);
+        assert!(superseded_taints([&elsewhere], &labels, std::slice::from_ref(&legacy)).is_empty());
+        let mut dry = new.clone();
+        dry.dry_run = true;
+        assert!(superseded_taints([&new, &dry], &labels, std::slice::from_ref(&legacy)).is_empty());
+        // Nothing to lift.
+        assert!(superseded_taints([&new], &labels, &[fresh, foreign()]).is_empty());
     }
 
     #[test]

@@ -379,6 +379,42 @@ pub struct PodSpecView<'a> {
     /// Pod-level resources (`spec.resources`).
     #[serde(borrow)]
     pub resources: Obj<ResourcesView<'a>>,
+    #[serde(borrow)]
+    pub tolerations: List<Obj<TolerationView<'a>>>,
+}
+
+/// A pod's toleration: what decides whether it tolerates a taint without a value.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct TolerationView<'a> {
+    #[serde(borrow)]
+    pub key: Str<'a>,
+    #[serde(borrow)]
+    pub operator: Str<'a>,
+    #[serde(borrow)]
+    pub effect: Str<'a>,
+}
+
+impl PodSpecView<'_> {
+    /// Whether the pod tolerates a `NoSchedule` taint with this key, as the scheduler decides
+    /// (`k8s.io/api/core/v1` `Toleration.ToleratesTaint`), counting any value as tolerated (a
+    /// gate taint has none; erring towards "tolerates" only adds a layer): an empty key with
+    /// `Exists` tolerates every key, an empty effect every effect.
+    pub fn tolerates(&self, key: &str) -> bool {
+        self.tolerations.get().is_some_and(|ts| {
+            ts.iter().filter_map(Obj::get).any(|t| {
+                let effect = t.effect.as_deref().unwrap_or_default();
+                let effect_ok = effect.is_empty() || effect == "NoSchedule";
+                let t_key = t.key.as_deref().unwrap_or_default();
+                let key_ok = if t_key.is_empty() {
+                    t.operator.as_deref() == Some("Exists")
+                } else {
+                    t_key == key
+                };
+                effect_ok && key_ok
+            })
+        })
+    }
 }
 
 /// `spec.os` of a Pod.

@@ -214,7 +214,7 @@ impl Planner {
         let mesh_validates = verdict.as_ref().is_ok_and(|plan| plan.mesh_validates);
         layers.init &= !mesh_validates;
         let gate = verdict.and_then(|plan| {
-            if !layers.init && !layers.resource {
+            if !layers.init && !layers.resource && !layers.taint {
                 return Err(if mesh_validates {
                     NoGate::MeshValidates
                 } else {
@@ -242,7 +242,11 @@ impl Planner {
         }
         let verdict = gate.map(|(plan, _)| plan);
         let note = match &verdict {
-            Ok(plan) => layers.annotation(plan, &config.resource_gate.resource),
+            Ok(plan) => layers.annotation(
+                plan,
+                &config.resource_gate.resource,
+                config.node_taint_keys.first().map_or("", String::as_str),
+            ),
             Err(no) => no.annotation(),
         };
         if meta.annotations.get(names::GATE_VERDICT) != Some(&note) {
@@ -520,6 +524,10 @@ fn place_gate(spec: &PodSpecView<'_>, desired: Option<&DesiredGate>) -> JsonPatc
 /// gate resource in the first app container, unless it asks for it already.
 /// Which layers guard a gated pod (the verdict annotation names them).
 ///
+/// * The **taint**: a pod the scheduler places and that does not tolerate the gate's startup
+///   taint never lands on a node whose agents are not Ready: no cost on a ready node, and an
+///   autoscaler that knows the key provisions for the pod as without meshgate
+///   (docs/design.md, "Autoscalers").
 /// * The **resource** request holds a pod in the scheduler until a ready node offers the gate
 ///   resource (node status or DRA): no cost on a ready node. It is never given to a pod created
 ///   with `spec.nodeName`: such a pod never meets the scheduler, so the request can only make
@@ -527,30 +535,44 @@ fn place_gate(spec: &PodSpecView<'_>, desired: Option<&DesiredGate>) -> JsonPatc
 /// * The **init** container holds the pod on its node until the mesh captures it, also where
 ///   nothing else can (a pod bound by `nodeName`), at about half a second of start on every
 ///   node. With `initGate.scope: NodeBound` and the resource gate on, only node-bound pods get
-///   it.
+///   it; with `TaintExempt`, only pods the taint cannot hold (node-bound, or tolerating it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Layers {
     pub init: bool,
     pub resource: bool,
+    /// Held by the startup taint alone (the annotation names it when no other layer does).
+    pub taint: bool,
 }
 
 pub(crate) fn layers(config: &GateConfig, spec: &PodSpecView<'_>) -> Layers {
+    use meshgate_api::config::InitGateScope;
     let bound = spec.node_name.as_deref().is_some_and(|n| !n.is_empty());
     let resource = config.resource_gate.enabled && !bound;
+    let tolerated =
+        || config.node_taint_keys.iter().any(|k| spec.tolerates(k)) || spec.tolerates("");
+    let held_by_taint =
+        config.init_gate.scope == InitGateScope::TaintExempt && !bound && !tolerated();
     let init = config.init_gate.enabled
-        && (config.init_gate.scope == meshgate_api::config::InitGateScope::All
-            || !config.resource_gate.enabled
-            || bound);
-    Layers { init, resource }
+        && match config.init_gate.scope {
+            InitGateScope::All => true,
+            InitGateScope::NodeBound => !config.resource_gate.enabled || bound,
+            InitGateScope::TaintExempt => !held_by_taint,
+        };
+    Layers {
+        init,
+        resource,
+        taint: held_by_taint,
+    }
 }
 
 impl Layers {
-    /// `gated: <the init gate's arguments>`, `gated: resource <name>`, or both
-    /// (`gated: <arguments>; resource <name>`).
-    fn annotation(self, plan: &GatePlan, resource: &str) -> String {
+    /// `gated: <the init gate's arguments>`, `gated: resource <name>`, `gated: taint <key>`,
+    /// or the init gate and the resource together (`gated: <arguments>; resource <name>`).
+    fn annotation(self, plan: &GatePlan, resource: &str, taint: &str) -> String {
         match (self.init, self.resource) {
             (true, true) => format!("{}; resource {resource}", plan.annotation()),
             (false, true) => format!("gated: resource {resource}"),
+            (false, false) if self.taint => format!("gated: taint {taint}"),
             _ => plan.annotation(),
         }
     }
@@ -917,6 +939,61 @@ mod tests {
                 .is_some_and(|n| n.ends_with("; resource meshgate.dev/mesh-ready")),
             "{out}"
         );
+    }
+
+    #[test]
+    fn with_the_taint_strategy_the_init_gate_guards_only_pods_the_taint_cannot_hold() {
+        let mut c = config();
+        c.init_gate.scope = meshgate_api::config::InitGateScope::TaintExempt;
+        c.node_taint_keys = vec![
+            "readiness.k8s.io/mesh-agents".into(),
+            "node.meshgate.dev/agent-not-ready".into(),
+        ];
+        let note = |out: &Value| out["metadata"]["annotations"][names::GATE_VERDICT].clone();
+        // Scheduled and held by the taint: nothing but the verdict.
+        let out = mutated(&c, &pod());
+        assert!(out["spec"]["initContainers"].is_null(), "{out}");
+        assert!(out["spec"]["containers"][0]["resources"].is_null(), "{out}");
+        assert_eq!(note(&out), "gated: taint readiness.k8s.io/mesh-agents");
+        assert_eq!(mutated(&c, &out), out, "idempotent");
+        // The taint cannot hold these: the init gate.
+        let tolerating = |tolerations: Value| {
+            let mut p = pod();
+            p["spec"]["tolerations"] = tolerations;
+            p
+        };
+        let mut bound = pod();
+        bound["spec"]["nodeName"] = json!("node-1");
+        for held_not in [
+            bound,
+            tolerating(json!([{"operator": "Exists"}])),
+            tolerating(json!([{"key": "readiness.k8s.io/mesh-agents", "operator": "Exists"}])),
+            tolerating(
+                json!([{"key": "node.meshgate.dev/agent-not-ready", "effect": "NoSchedule"}]),
+            ),
+        ] {
+            let out = mutated(&c, &held_not);
+            assert_eq!(init_names(&out), ["meshgate-wait"], "{held_not}");
+            assert!(
+                note(&out)
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("gated: --")),
+                "{out}"
+            );
+        }
+        // Tolerations that do not cover the gate's NoSchedule taint change nothing.
+        for still_held in [
+            tolerating(json!([{"key": "example.com/gpu", "operator": "Exists"}])),
+            tolerating(json!([{"operator": "Exists", "effect": "NoExecute"}])),
+            tolerating(json!([{"key": "readiness.k8s.io/mesh-agents", "effect": "NoExecute"}])),
+        ] {
+            let out = mutated(&c, &still_held);
+            assert!(out["spec"]["initContainers"].is_null(), "{still_held}");
+            assert_eq!(note(&out), "gated: taint readiness.k8s.io/mesh-agents");
+        }
+        // Without its keys the scope is refused.
+        c.node_taint_keys.clear();
+        assert!(c.validate().is_err());
     }
 
     #[test]

@@ -198,7 +198,11 @@ async fn start_with_istio(
             .await?;
     }
     story.detail("the simulated node-1 left, and its pods with it (Istio's DaemonSets would place pods on a node no kubelet runs)");
-    let gate = crate::install::default_gate("istio-ambient", crate::install::Strategy::Pod)?;
+    let gate = crate::install::default_gate(
+        "istio-ambient",
+        crate::install::Strategy::Pod,
+        meshgate_api::names::STARTUP_TAINT_KEY,
+    )?;
     Api::<meshgate_api::NodeGate>::all(client.clone())
         .patch(
             "mesh-agents",
