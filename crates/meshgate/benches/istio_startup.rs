@@ -139,7 +139,7 @@ async fn bench(mode: Mode, rounds: usize) -> Result<(), Error> {
     let t = Instant::now();
     setup.install_istio(&InstallOptions {
         ambient: mode == Mode::Ambient,
-        istiod_tolerates: vec![meshgate_api::names::DEFAULT_TAINT_KEY.to_owned()],
+        istiod_tolerates: vec![meshgate_api::names::STARTUP_TAINT_KEY.to_owned()],
     });
     wait_meshgate_ready(client, node).await;
     wait_agent_ready(client, node, "k8s-app=istio-cni-node").await;

@@ -18,6 +18,10 @@
 //!   (Istio's node proxy needs istiod), the control plane's pods tolerate the gate's taint;
 //!   otherwise a node that only the gate's taint keeps the control plane from never becomes
 //!   ready (docs/design.md, "Autoscalers and other controllers").
+//! * `autoscalers`: for each node autoscaler found (Karpenter's NodePools, a Cluster
+//!   Autoscaler's Deployment or status ConfigMap), each gate's taint is a startup taint to it and
+//!   mesh pods request nothing it cannot provision for (`meshgate_core::autoscaler`); otherwise
+//!   it launches no node for mesh pods, or one after another, and the check names the fix.
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
@@ -315,6 +319,8 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
         });
     }
 
+    out.extend(autoscaler_checks(client, namespace, &gates).await);
+
     // RBAC of the components.
     let reviews: Api<SubjectAccessReview> = Api::all(client.clone());
     let wants: [(&str, &str, &str, &str, &str); 6] = [
@@ -370,6 +376,84 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
         )
     });
     Ok(out)
+}
+
+/// Whether the autoscalers found can provision for each live gate: its taint and what the
+/// webhook's configuration makes mesh pods request.
+async fn autoscaler_checks(
+    client: &kube::Client,
+    namespace: &str,
+    gates: &[NodeGate],
+) -> Vec<Check> {
+    use meshgate_api::node_gate::ResourceProvider;
+    use meshgate_core::autoscaler::{PodRequest, problems};
+    let (found, notes) = crate::autoscaler::detect(client).await;
+    let mut out: Vec<Check> = notes
+        .into_iter()
+        .map(|n| {
+            fail(
+                "autoscalers",
+                format!("not read: {n}"),
+                "run check with a user that may list them",
+            )
+        })
+        .collect();
+    if found.is_empty() {
+        out.push(pass(
+            "autoscalers",
+            "no node autoscaler found (Karpenter, the Cluster Autoscaler)",
+        ));
+        return out;
+    }
+    // Whether mesh pods request the gate resource: the webhook's configuration says.
+    let config =
+        Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client.clone(), namespace)
+            .get_opt("meshgate-config")
+            .await
+            .ok()
+            .flatten()
+            .and_then(|c| c.data?.get("config.yaml").cloned())
+            .and_then(|text| meshgate_api::GateConfig::from_yaml("meshgate-config", &text).ok());
+    let requested = config.as_ref().is_some_and(|c| c.resource_gate.enabled);
+    for gate in gates
+        .iter()
+        .filter(|g| g.metadata.deletion_timestamp.is_none())
+    {
+        let gname = gate.metadata.name.clone().unwrap_or_default();
+        let request = match &gate.spec.resource {
+            Some(r)
+                if requested
+                    && r.name
+                        == config
+                            .as_ref()
+                            .map_or("", |c| c.resource_gate.resource.as_str()) =>
+            {
+                match r.provider {
+                    ResourceProvider::Dra => PodRequest::Dra(&r.name),
+                    ResourceProvider::NodeStatus => PodRequest::Resource(&r.name),
+                }
+            }
+            _ => PodRequest::Nothing,
+        };
+        for f in &found {
+            let name = f.autoscaler.map_or("an autoscaler", |a| a.name());
+            let found_problems = problems(f, &gate.spec.taint.key, request);
+            if found_problems.is_empty() {
+                out.push(pass(
+                    "autoscalers",
+                    format!("gate {gname}: {name} knows its taint {} as a startup taint and can provision for mesh pods", gate.spec.taint.key),
+                ));
+            }
+            for p in found_problems {
+                out.push(fail(
+                    "autoscalers",
+                    format!("gate {gname}: {}", p.message),
+                    p.fix,
+                ));
+            }
+        }
+    }
+    out
 }
 
 /// The checks as text: one line each, hints below failures, and a last line.

@@ -183,7 +183,7 @@ async fn check_names_each_failure_with_its_hint() {
             && cp_check[0]["ok"] == false
             && cp_check[0]["message"].as_str().is_some_and(|m| {
                 m.contains("istio-system/istiod")
-                    && m.contains(meshgate_api::names::DEFAULT_TAINT_KEY)
+                    && m.contains(meshgate_api::names::STARTUP_TAINT_KEY)
             })
             && cp_check[0]["hint"]
                 .as_str()
@@ -192,7 +192,7 @@ async fn check_names_each_failure_with_its_hint() {
     );
     apply(istiod(json!([
         {"key": "cni.istio.io/not-ready", "operator": "Exists"},
-        {"key": meshgate_api::names::DEFAULT_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
+        {"key": meshgate_api::names::STARTUP_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"},
     ])))
     .await;
     let (_, checks) = check(&cp);

@@ -12,7 +12,7 @@
 //!   the real `istio-validation`'s exit code, and the nat rules the real plugin wrote into the
 //!   pod's network namespace (read there with the host's iptables, as the plugin wrote them);
 //! * meshgate's verdict (`meshgate.dev/gate`) is the one docs/design.md's table gives for that
-//!   shape, and the layer it names guards the pod: a scheduled pod gets the gate resource, a
+//!   shape, and the layer it names guards the pod: a scheduled pod is held by the taint alone (no request, no init container), a
 //!   pod bound by `nodeName` gets `meshgate-wait`, whose redirect check passes behind the real
 //!   plugin's rules;
 //! * pods the real plugin leaves alone (opt-out, interception `NONE`, gateways) get no gate and
@@ -166,7 +166,7 @@ async fn real_istio_sidecar_cni_mode_pods_get_the_verdicts_of_the_design_table()
         registered.iter().any(|k| k == ISTIO_TAINT)
             && registered
                 .iter()
-                .any(|k| k == meshgate_api::names::DEFAULT_TAINT_KEY),
+                .any(|k| k == meshgate_api::names::STARTUP_TAINT_KEY),
         "the Node registered with both taints: {registered:?}"
     );
     let t = Instant::now();
@@ -228,7 +228,7 @@ async fn real_istio_sidecar_cni_mode_pods_get_the_verdicts_of_the_design_table()
             main: "app",
             injected: true,
             redirected: true,
-            verdict: Some("gated: resource meshgate.dev/mesh-ready"),
+            verdict: Some("gated: taint readiness.k8s.io/mesh-agents"),
             refused: None,
         },
         // Created bound to the node: no scheduler, so no resource can hold it; the injector's
@@ -612,7 +612,7 @@ async fn real_istio_ambient_the_gate_holds_until_the_real_node_agent_has_enrolle
     );
     assert!(
         unschedulable.contains("untolerated taint")
-            && taints == [meshgate_api::names::DEFAULT_TAINT_KEY],
+            && taints == [meshgate_api::names::STARTUP_TAINT_KEY],
         "istiod held off the node by meshgate's taint alone: {unschedulable}; taints {taints:?}"
     );
     eprintln!("istiod without a toleration of meshgate's taint: {unschedulable}");
@@ -636,7 +636,7 @@ async fn real_istio_ambient_the_gate_holds_until_the_real_node_agent_has_enrolle
         (
             "plain",
             json!({}),
-            "gated: resource meshgate.dev/mesh-ready",
+            "gated: taint readiness.k8s.io/mesh-agents",
         ),
         (
             "bound",

@@ -857,7 +857,7 @@ async fn ambient_meshgate_installed_from_its_image_gates_the_real_node() {
     assert!(
         first.as_ref().is_some_and(|k| k
             .iter()
-            .any(|k| k == meshgate_api::names::DEFAULT_TAINT_KEY)),
+            .any(|k| k == meshgate_api::names::STARTUP_TAINT_KEY)),
         "the kubelet's Node was tainted at CREATE by the installed policy: first seen taints {first:?}"
     );
     create_agents(&client, &node, Profile::IstioAmbient, 1).await;

@@ -246,7 +246,7 @@ async fn start_with_istio(
     );
     let options = InstallOptions {
         ambient: true,
-        istiod_tolerates: vec![meshgate_api::names::DEFAULT_TAINT_KEY.to_owned()],
+        istiod_tolerates: vec![meshgate_api::names::STARTUP_TAINT_KEY.to_owned()],
     };
     let node = tokio::task::spawn_blocking(move || {
         istio_build

@@ -175,7 +175,7 @@ pub async fn wait_taint_lifted(client: &kube::Client, node: &RealNode, limit: Du
                 .and_then(|s| s.taints)
                 .unwrap_or_default()
                 .iter()
-                .any(|t| t.key == meshgate_api::names::DEFAULT_TAINT_KEY)
+                .any(|t| t.key == meshgate_api::names::STARTUP_TAINT_KEY)
             {
                 return;
             }
@@ -489,7 +489,7 @@ pub async fn wait_node_taint_policy(nodes: &Api<k8s_openapi::api::core::v1::Node
                 nodes.create(&dry, &probe).await.ok().is_some_and(|n| {
                     n.spec.and_then(|s| s.taints).is_some_and(|ts| {
                         ts.iter()
-                            .any(|t| t.key == meshgate_api::names::DEFAULT_TAINT_KEY)
+                            .any(|t| t.key == meshgate_api::names::STARTUP_TAINT_KEY)
                     })
                 })
             }

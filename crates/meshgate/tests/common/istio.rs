@@ -253,7 +253,7 @@ impl Setup {
     pub fn istiod_tolerates_the_gate(&self) {
         let values = self.values_dir.path().join("istiod-tolerations.json");
         let toleration = json!({"pilot": {"tolerations": tolerations(&[
-            meshgate_api::names::DEFAULT_TAINT_KEY.to_owned()
+            meshgate_api::names::STARTUP_TAINT_KEY.to_owned()
         ])}});
         std::fs::write(&values, toleration.to_string()).expect("values file");
         self.helm(&[
