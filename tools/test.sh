@@ -14,6 +14,8 @@
 # 1d. builds, once, the real Istio (istiod, pilot-agent, the istio-cni node agent and plugin,
 #    and its charts) for the real_istio test (tools/istio/build.sh; about 4 min after the control
 #    plane's Go build, measured in a cold run);
+# 1d'. builds, once, the real Karpenter (its KWOK provider) and KWOK for the karpenter test
+#    (tools/karpenter/build.sh; about 4-5 min cold);
 # 1e. builds, once, the Kyverno CLI for the kyverno_oracle test (tools/kyverno/build.sh; about
 #    4 min after the Go builds above, measured in a cold run); MESHGATE_KYVERNO_ORACLE=0 skips it
 #    (the test then passes without checking, and says so);
@@ -62,6 +64,11 @@ step "Istio (istiod, pilot-agent, istio-cni; for the real_istio test)"
 MESHGATE_ISTIO=$(tools/istio/build.sh)
 export MESHGATE_ISTIO
 cat "$MESHGATE_ISTIO/version"
+
+step "Karpenter and KWOK (for the karpenter test)"
+MESHGATE_KARPENTER=$(tools/karpenter/build.sh)
+export MESHGATE_KARPENTER
+cat "$MESHGATE_KARPENTER/version"
 
 step "Kyverno CLI (for the kyverno_oracle test; MESHGATE_KYVERNO_ORACLE=0 skips it)"
 # Measured in a cold CI run at commit bf55032 (2026-12-02, 2 cores): 248 s after the control

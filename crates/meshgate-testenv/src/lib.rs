@@ -23,6 +23,7 @@
 pub mod host;
 pub mod image;
 pub mod istio;
+pub mod karpenter;
 pub mod measure;
 pub mod node;
 mod process;

@@ -24,6 +24,9 @@ use meshgate_core::registration::PolicyApi;
 
 const NAMESPACE: &str = "helm-release-namespace-placeholder";
 const IMAGE: &str = "helm-image-placeholder";
+/// The gate's taint key: under a prefix that passes every check `install` makes of a key, so
+/// that the rendered objects keep their shape, and replaced by `{{ .Values.taintKey }}`.
+const TAINT_KEY: &str = "readiness.k8s.io/helm-taint-key-placeholder";
 const REPAIRS: [(&str, Option<RepairAction>); 3] = [
     ("", None),
     ("label", Some(RepairAction::Label)),
@@ -46,6 +49,11 @@ const VALUES_YAML: &str = "\
 profile: istio-ambient
 # meshgate's image (both binaries). As `meshgate install --image`.
 image: meshgate/meshgate:0.1.0
+# The key of the gate's startup taint. readiness.k8s.io/ keys are startup taints to Karpenter;
+# under the Cluster Autoscaler use startup-taint.cluster-autoscaler.kubernetes.io/mesh-agents (or
+# list this key in its --startup-taint). helm template cannot look for an autoscaler; install
+# --apply does. As `meshgate install --taint-key`.
+taintKey: readiness.k8s.io/mesh-agents
 # How new nodes get the startup taint at registration: policy (a MutatingAdmissionPolicy the API
 # server evaluates), webhook, or auto (the policy where the cluster serves
 # admissionregistration.k8s.io/v1). As `meshgate install --node-taint`.
@@ -290,7 +298,7 @@ pub fn options(profile: &str, repair: Option<RepairAction>, taint: &str) -> Inst
         // native gate is `meshgate install`'s.
         pod_gate: PodGate::Webhook,
         strategy: crate::install::Strategy::default(),
-        taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
+        taint_key: TAINT_KEY.into(),
         node_paths: Default::default(),
         repair,
         webhook_ingress_from: Vec::new(),
@@ -303,6 +311,7 @@ pub fn options(profile: &str, repair: Option<RepairAction>, taint: &str) -> Inst
 fn templated(yaml: &str) -> String {
     yaml.replace(NAMESPACE, "{{ .Release.Namespace }}")
         .replace(IMAGE, "{{ .Values.image }}")
+        .replace(TAINT_KEY, "{{ .Values.taintKey }}")
 }
 
 /// `(path in the chart, content)` of every file.

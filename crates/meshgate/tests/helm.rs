@@ -163,6 +163,8 @@ fn lint_and_template_equal_install_for_every_combination() {
             "contextApiReads={services,deployments.apps,namespaces}",
             "--set",
             "existingKinds={services,gateways.networking.istio.io}",
+            "--set",
+            "taintKey=startup-taint.cluster-autoscaler.kubernetes.io/mesh-agents",
         ],
     );
     let installed = run(
@@ -195,6 +197,8 @@ fn lint_and_template_equal_install_for_every_combination() {
             "services",
             "--existing-kind",
             "gateways.networking.istio.io",
+            "--taint-key",
+            "startup-taint.cluster-autoscaler.kubernetes.io/mesh-agents",
         ],
     );
     // The Roles for policies' context entries and backfill kinds: the same objects.
@@ -231,6 +235,21 @@ fn lint_and_template_equal_install_for_every_combination() {
     };
     let from_helm = policy_of(objects(&templated));
     assert_eq!(from_helm, policy_of(objects(&installed)));
+    // The gate's key from `taintKey`: the same NodeGate, configuration, admission policy and
+    // tolerations as `install --taint-key`.
+    for kind in [
+        "NodeGate",
+        "ConfigMap",
+        "MutatingAdmissionPolicy",
+        "Deployment",
+    ] {
+        let of = |docs: Vec<Value>| -> Vec<Value> {
+            docs.into_iter().filter(|d| d["kind"] == kind).collect()
+        };
+        let (h, i) = (of(objects(&templated)), of(objects(&installed)));
+        assert!(!h.is_empty(), "{kind}");
+        assert_eq!(h, i, "{kind} with taintKey");
+    }
     assert_eq!(
         from_helm["spec"]["ingress"][0]["from"][1]["ipBlock"]["cidr"],
         "192.168.1.0/24"
@@ -323,7 +342,9 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
     .await;
     let before = state().await;
 
-    // An upgrade that changes something: the repair loop on.
+    // An upgrade that changes something: the repair loop on, and the gate keyed for the
+    // Cluster Autoscaler.
+    let key = "startup-taint.cluster-autoscaler.kubernetes.io/mesh-agents";
     run(
         &helm,
         &[
@@ -338,6 +359,8 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
             &format!("image={IMAGE}"),
             "--set",
             "repair=label",
+            "--set",
+            &format!("taintKey={key}"),
         ],
     );
     assert_eq!(
@@ -371,10 +394,17 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
         .into_iter()
         .map(|t| t.key)
         .collect();
-    assert!(
-        keys.iter()
-            .any(|k| k == "node.meshgate.dev/agent-not-ready"),
-        "tainted at CREATE: {keys:?}"
+    assert!(keys.iter().any(|k| k == key), "tainted at CREATE: {keys:?}");
+    let owned = created
+        .metadata
+        .annotations
+        .unwrap_or_default()
+        .get("meshgate.dev/owned-taints")
+        .cloned();
+    assert_eq!(
+        owned.as_deref(),
+        Some(key),
+        "the key recorded as meshgate's at CREATE"
     );
     controller.finish().await;
 }
