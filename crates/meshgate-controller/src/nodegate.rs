@@ -489,17 +489,18 @@ async fn reconcile(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         // One write per reconcile: the next one starts from a fresh read.
         return Ok(Action::requeue(Duration::from_millis(10)));
     }
-    // meshgate's earlier key after an upgrade changed the gate's: the gates above have put
-    // their own keys where their agents are not ready, so it comes off.
+    // A key meshgate put on that no gate holds any more (an upgrade changed the gate's): the
+    // gates above have put their own keys where their agents are not ready, so it comes off.
     let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
-    let superseded = superseded_taints(gates.iter().map(|g| &g.spec), labels, &taints);
+    let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
+    let superseded = superseded_taints(gates.iter().map(|g| &g.spec), labels, annotations, &taints);
     if let Some(key) = superseded.first()
         && let Some(gate) = gates.iter().find(|g| selects(&g.spec, labels))
     {
         let mut old = (**gate).clone();
         old.spec.taint.key.clone_from(key);
         remove_taint(&ctx, &api, &node, &old, &taints).await?;
-        tracing::info!(node = %name, taint = %key, gate = %gate.name_any(), "removed meshgate's earlier taint key; the gate's own key holds the node now");
+        tracing::info!(node = %name, taint = %key, gate = %gate.name_any(), "removed a taint key of meshgate's that no gate holds any more; the gate's own key holds the node now");
         return Ok(Action::requeue(Duration::from_millis(10)));
     }
     ctx.reconciled(&name);

@@ -380,7 +380,33 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
         "the upgrade applied the repair RBAC"
     );
     // The gate still works: a new node is tainted at registration by the chart's admission
-    // policy.
+    // policy, with the new key (admission policies follow their objects asynchronously: a
+    // dry-run create first).
+    let nodes = Api::<Node>::all(client.clone());
+    let mut n = 0;
+    common::wait_for(
+        "the upgraded key at registration",
+        Duration::from_secs(30),
+        || {
+            n += 1;
+            let nodes = nodes.clone();
+            async move {
+                let probe: Node =
+                    serde_json::from_value(json!({"metadata": {"name": format!("probe-{n}")}}))
+                        .expect("node");
+                let dry = PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                nodes.create(&dry, &probe).await.is_ok_and(|n| {
+                    n.spec
+                        .and_then(|s| s.taints)
+                        .is_some_and(|ts| ts.iter().any(|t| t.key == key))
+                })
+            }
+        },
+    )
+    .await;
     let node: Node =
         serde_json::from_value(json!({"metadata": {"name": "helm-node"}})).expect("node");
     let created = Api::<Node>::all(client.clone())

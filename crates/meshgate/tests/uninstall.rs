@@ -170,8 +170,10 @@ async fn uninstall_removes_meshgate_and_leaves_no_node_tainted() {
         .expect("finalizer");
     let nodes: Api<Node> = Api::all(client.clone());
     let node: Node = serde_json::from_value(json!({
+        // meshgate records a key outside its own domain as its own when it adds the taint.
         "metadata": {"name": "uninstall-node", "annotations": {
-            "meshgate.dev/agents-ready-since": "2026-11-30T00:00:00Z"}},
+            "meshgate.dev/agents-ready-since": "2026-11-30T00:00:00Z",
+            "meshgate.dev/owned-taints": gate_key}},
         "spec": {"taints": [
             {"key": gate_key, "effect": "NoSchedule"},
             {"key": "example.com/other", "effect": "NoSchedule"},

@@ -521,31 +521,39 @@ pub fn orphaned_taints<'s>(
     out
 }
 
-/// meshgate's earlier default key ([`meshgate_api::names::DEFAULT_TAINT_KEY`], which
-/// `meshgate install` keyed its gate with before it used a startup-taint prefix autoscalers
-/// know) on a node that a gate selects, when no gate holds that key any more: an upgrade changed
-/// the gate's key. The controller lifts it after the gates selecting the node have made their
-/// own decisions in the same reconcile, so their keys are on the node wherever their agents are
-/// not ready and the node is never left unprotected. Not while a selecting gate is in dry run
-/// (its key is not written).
+/// Taints meshgate put on a node ([`owns_key`]: in its own domain, or recorded in
+/// `meshgate.dev/owned-taints`) whose key no gate holds any more, on a node that a gate selects:
+/// an upgrade changed the gate's key (`meshgate install` keyed its gate
+/// [`meshgate_api::names::DEFAULT_TAINT_KEY`] until it used a startup-taint prefix autoscalers
+/// know; `--taint-key` or the chart's `taintKey` changed; a node registered while the admission
+/// policy still had the old key). The controller lifts them after the gates selecting the node
+/// have made their own decisions in the same reconcile, so their keys are on the node wherever
+/// their agents are not ready and the node is never left unprotected. Not while a selecting gate
+/// is in dry run (its key is not written). A key another component put on is never touched.
 pub fn superseded_taints<'s>(
     gates: impl IntoIterator<Item = &'s NodeGateSpec> + Clone,
     labels: &BTreeMap<String, String>,
+    annotations: &BTreeMap<String, String>,
     taints: &[Taint],
 ) -> Vec<String> {
-    let legacy = meshgate_api::names::DEFAULT_TAINT_KEY;
     let selecting: Vec<&NodeGateSpec> = gates
         .clone()
         .into_iter()
         .filter(|g| selects(g, labels))
         .collect();
-    let held = gates.into_iter().any(|g| g.taint.key == legacy);
-    let managed = !selecting.is_empty() && !selecting.iter().any(|g| g.dry_run);
-    if !held && managed && taints.iter().any(|t| t.key == legacy) {
-        vec![legacy.to_owned()]
-    } else {
-        Vec::new()
+    if selecting.is_empty() || selecting.iter().any(|g| g.dry_run) {
+        return Vec::new();
     }
+    let held: Vec<&str> = gates.into_iter().map(|g| g.taint.key.as_str()).collect();
+    let mut out: Vec<String> = taints
+        .iter()
+        .map(|t| t.key.as_str())
+        .filter(|k| !held.contains(k) && owns_key(k, annotations))
+        .map(str::to_owned)
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// The JSON patch that makes the node's taints `want_present` for the gate's taint, with a
@@ -1023,10 +1031,11 @@ mod tests {
     }
 
     #[test]
-    fn the_earlier_default_key_comes_off_once_a_gate_with_another_key_manages_the_node() {
+    fn a_key_meshgate_put_on_comes_off_once_no_gate_holds_it() {
         let mut new = spec(GateMode::Bootstrap);
         new.taint.key = meshgate_api::names::STARTUP_TAINT_KEY.into();
         let labels = BTreeMap::new();
+        let none = BTreeMap::new();
         let legacy = gate_taint();
         let fresh = Taint {
             key: new.taint.key.clone(),
@@ -1034,21 +1043,51 @@ mod tests {
         };
         // Upgraded: the gate's key is on the node (agents not ready), the old one goes.
         assert_eq!(
-            superseded_taints([&new], &labels, &[legacy.clone(), fresh.clone(), foreign()]),
+            superseded_taints(
+                [&new],
+                &labels,
+                &none,
+                &[legacy.clone(), fresh.clone(), foreign()]
+            ),
             [meshgate_api::names::DEFAULT_TAINT_KEY]
         );
+        // A key outside meshgate's domain goes only where meshgate recorded adding it.
+        let mut other = new.clone();
+        other.taint.key = "startup-taint.cluster-autoscaler.kubernetes.io/mesh-agents".into();
+        let recorded: BTreeMap<String, String> = [(
+            OWNED_TAINTS.to_owned(),
+            meshgate_api::names::STARTUP_TAINT_KEY.to_owned(),
+        )]
+        .into();
+        assert_eq!(
+            superseded_taints([&other], &labels, &recorded, std::slice::from_ref(&fresh)),
+            [meshgate_api::names::STARTUP_TAINT_KEY]
+        );
+        assert!(
+            superseded_taints([&other], &labels, &none, std::slice::from_ref(&fresh)).is_empty()
+        );
+        assert!(superseded_taints([&other], &labels, &none, &[foreign()]).is_empty());
         // A gate still keyed with it holds it: not superseded.
         let old = spec(GateMode::Bootstrap);
-        assert!(superseded_taints([&new, &old], &labels, std::slice::from_ref(&legacy)).is_empty());
+        assert!(
+            superseded_taints([&new, &old], &labels, &none, std::slice::from_ref(&legacy))
+                .is_empty()
+        );
         // No gate selects the node, or one selecting it is in dry run: left alone.
         let mut elsewhere = new.clone();
         elsewhere.node_selector = LabelSelector::labels([("pool", "mesh")]);
-        assert!(superseded_taints([&elsewhere], &labels, std::slice::from_ref(&legacy)).is_empty());
+        assert!(
+            superseded_taints([&elsewhere], &labels, &none, std::slice::from_ref(&legacy))
+                .is_empty()
+        );
         let mut dry = new.clone();
         dry.dry_run = true;
-        assert!(superseded_taints([&new, &dry], &labels, std::slice::from_ref(&legacy)).is_empty());
+        assert!(
+            superseded_taints([&new, &dry], &labels, &none, std::slice::from_ref(&legacy))
+                .is_empty()
+        );
         // Nothing to lift.
-        assert!(superseded_taints([&new], &labels, &[fresh, foreign()]).is_empty());
+        assert!(superseded_taints([&new], &labels, &none, &[fresh, foreign()]).is_empty());
     }
 
     #[test]

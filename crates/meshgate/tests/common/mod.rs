@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod istio;
+pub mod karpenter;
 pub mod kyverno_cases;
 
 use std::sync::{Arc, OnceLock};

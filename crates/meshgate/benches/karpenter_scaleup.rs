@@ -1,0 +1,162 @@
+//! Scale-up beside the real Karpenter (v1.15.0, its KWOK provider) and KWOK v0.8.0: each
+//! profile's default install against meshgate off, in alternating rounds on one control plane
+//! (`tests/common/karpenter.rs`, the scenarios of the `karpenter` test).
+//!
+//! For each profile, `MESHGATE_BENCH_ROUNDS` pairs (default 5) of 6 one-CPU mesh pods created with
+//! no node, then `MESHGATE_BENCH_BURST_ROUNDS` pairs (default 1) of a 200-pod burst (istio-ambient
+//! only), printing:
+//! * `RATIO nodeclaims-default-<profile>/none`: NodeClaims Karpenter launched with meshgate over
+//!   without, median of the per-round ratios, with the spread;
+//! * `VALUE early-default-<profile>` and `VALUE early-none-<profile>`: mesh pods bound before every
+//!   agent of their node was Ready (the race; meshgate's must be 0);
+//! * `VALUE release-p50-default-<profile>-ms`, `...-p99-...`: from the last agent Ready on a pod's
+//!   node to the pod Running;
+//! * `RATIO scaleup-default-<profile>/none`: from the Deployment's creation to its last pod
+//!   Running, with over without meshgate (the agents' start, 5 s here, is what meshgate waits for).
+//!
+//! Run: `MESHGATE_CONTROLPLANE_BIN=... MESHGATE_NODE_BIN=... MESHGATE_KARPENTER=... cargo bench -p
+//! meshgate --bench karpenter_scaleup` (BENCHMARKS.md).
+
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::karpenter::*;
+use meshgate_testenv::karpenter::{self, Autoscaler};
+
+fn env_count(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs[xs.len() / 2]
+}
+
+fn spread(xs: &[f64]) -> (f64, f64) {
+    let lo = xs.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (lo, hi)
+}
+
+/// Prints the figures of `pairs` (with meshgate, without) under `name`.
+fn report(name: &str, pairs: &[(Round, Round)]) {
+    let ratio = |f: &dyn Fn(&Round) -> f64| -> Vec<f64> {
+        pairs.iter().map(|(w, n)| f(w) / f(n)).collect()
+    };
+    let claims = ratio(&|r| r.launched.len() as f64);
+    let (lo, hi) = spread(&claims);
+    println!(
+        "RATIO nodeclaims-default-{name}/none: {:.2} (spread {lo:.2}-{hi:.2}, {} rounds)",
+        median(claims.clone()),
+        pairs.len()
+    );
+    let scaleup = ratio(&|r| r.elapsed.as_secs_f64());
+    let (lo, hi) = spread(&scaleup);
+    println!(
+        "RATIO scaleup-default-{name}/none: {:.2} (spread {lo:.2}-{hi:.2})",
+        median(scaleup.clone())
+    );
+    let early_with: usize = pairs.iter().map(|(w, _)| w.early).sum();
+    let early_without: usize = pairs.iter().map(|(_, n)| n.early).sum();
+    let pods: usize = pairs.iter().map(|(w, _)| w.release.len()).sum();
+    println!("VALUE early-default-{name}: {early_with} of {pods} pods");
+    println!("VALUE early-none-{name}: {early_without}");
+    let release: Vec<Duration> = pairs.iter().flat_map(|(w, _)| w.release.clone()).collect();
+    println!(
+        "VALUE release-p50-default-{name}-ms: {:.0}",
+        percentile(&release, 50.0).as_secs_f64() * 1000.0
+    );
+    println!(
+        "VALUE release-p99-default-{name}-ms: {:.0}",
+        percentile(&release, 99.0).as_secs_f64() * 1000.0
+    );
+    let same = pairs.iter().all(|(w, n)| w.launched == n.launched);
+    println!("VALUE same-instance-types-{name}: {same}");
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    if !std::env::args().any(|a| a == "--bench") {
+        return ExitCode::SUCCESS;
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let rounds = env_count("MESHGATE_BENCH_ROUNDS", 5).max(1);
+    let bursts = env_count("MESHGATE_BENCH_BURST_ROUNDS", 1);
+    let cp = match meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
+        scheduler: true,
+        ..Default::default()
+    })
+    .await
+    {
+        Ok(cp) => cp,
+        Err(e) => {
+            eprintln!("karpenter_scaleup: control plane: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let scaler = match Autoscaler::start(&cp, &karpenter::Options::default()).await {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("karpenter_scaleup: Karpenter: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("VALUE karpenter: {}", scaler.version);
+    let client = cp.client().await.expect("client");
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let watches = watch(&client, &seen);
+    create_agents(&client).await;
+    for profile in PROFILES {
+        let (mut mg, _) = Meshgate::install(&cp, profile).await;
+        delete_all_nodes(&client).await;
+        let mut pairs = Vec::new();
+        for pair in 0..rounds {
+            if pair > 0 {
+                mg.on(&cp, &client).await;
+            }
+            let label = format!("default-{profile} round {pair}");
+            let with = round(&cp, &client, &seen, profile, PODS, &label, false).await;
+            mg.off(&client).await;
+            let label = format!("none-{profile} round {pair}");
+            let without = round(&cp, &client, &seen, profile, PODS, &label, false).await;
+            pairs.push((with, without));
+        }
+        report(profile, &pairs);
+    }
+    if bursts > 0 {
+        let profile = "istio-ambient";
+        let (mut mg, _) = Meshgate::install(&cp, profile).await;
+        delete_all_nodes(&client).await;
+        let mut pairs = Vec::new();
+        for pair in 0..bursts {
+            if pair > 0 {
+                mg.on(&cp, &client).await;
+            }
+            let label = format!("default-{profile} burst {pair}");
+            let with = round(&cp, &client, &seen, profile, BURST, &label, false).await;
+            mg.off(&client).await;
+            let label = format!("none-{profile} burst {pair}");
+            let without = round(&cp, &client, &seen, profile, BURST, &label, false).await;
+            pairs.push((with, without));
+        }
+        report(&format!("{profile}-{BURST}"), &pairs);
+    }
+    for w in watches {
+        w.abort();
+    }
+    if let Err(e) = scaler.check_alive() {
+        eprintln!("karpenter_scaleup: {e}");
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}
