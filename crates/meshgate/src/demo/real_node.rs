@@ -201,7 +201,7 @@ async fn start_with_istio(
     let gate = crate::install::default_gate(
         "istio-ambient",
         crate::install::Strategy::Pod,
-        meshgate_api::names::STARTUP_TAINT_KEY,
+        meshgate_api::names::DEFAULT_TAINT_KEY,
     )?;
     Api::<meshgate_api::NodeGate>::all(client.clone())
         .patch(
@@ -246,7 +246,7 @@ async fn start_with_istio(
     );
     let options = InstallOptions {
         ambient: true,
-        istiod_tolerates: vec![meshgate_api::names::STARTUP_TAINT_KEY.to_owned()],
+        istiod_tolerates: vec![meshgate_api::names::DEFAULT_TAINT_KEY.to_owned()],
     };
     let node = tokio::task::spawn_blocking(move || {
         istio_build
