@@ -94,7 +94,7 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 step "generated CRD manifests are current"
 cargo run --quiet --locked -p meshgate -- crds --check deploy/crds
 
-step "the Helm chart is what install generates"
+step "the Helm chart's generated data (CRDs, mesh profiles, native gate) is current"
 cargo run --quiet --locked -p meshgate -- chart --check deploy/helm/meshgate
 
 step "cargo test --workspace"

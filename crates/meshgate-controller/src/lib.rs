@@ -17,6 +17,7 @@ pub mod agents;
 pub mod api_reader;
 pub mod certs;
 pub mod conditions;
+pub mod crds;
 pub mod discovery;
 pub mod dra;
 pub mod events;

@@ -33,6 +33,8 @@ pub struct ControllerSettings {
     pub node_gate: crate::nodegate::Settings,
     /// Manage the webhook's certificates (in a cluster).
     pub certs: Option<crate::certs::CertSettings>,
+    /// Upgrade meshgate's CRDs to this version's schema on start (`crate::crds`).
+    pub manage_crds: bool,
     /// The repair loop (off unless `enabled`).
     pub repair: meshgate_core::repair::RepairSettings,
     /// Keep the rules of this `MutatingWebhookConfiguration`'s policies webhook in line with
@@ -62,6 +64,11 @@ pub async fn run_controller(
     s.repair
         .validate()
         .map_err(|e| RunError::Repair(e.to_string()))?;
+    if s.manage_crds {
+        // Before anything reads them: every replica, leader or not (applying the same
+        // definitions is idempotent).
+        crate::crds::upgrade_logged(&client).await;
+    }
     let leader = match s.lease {
         Some(lease) => leader::elect(client.clone(), lease).await?,
         None => leader::always(),

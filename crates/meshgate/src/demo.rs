@@ -288,6 +288,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                     ..Default::default()
                 },
                 certs: None,
+                // The demo applies the CRDs itself.
+                manage_crds: false,
                 repair: Default::default(),
                 policy_webhook: None,
                 native_policies: false,

@@ -541,6 +541,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         {"apiGroups": ["meshgate.dev"], "resources": ["nodegates/status", "mutationpolicies/status"], "verbs": ["patch"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
         {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"], "resourceNames": ["meshgate"], "verbs": ["get", "patch"]},
+        // --manage-crds: meshgate's CRDs at the controller's schema (by name: no other CRD).
+        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "resourceNames": ["nodegates.meshgate.dev", "mutationpolicies.meshgate.dev", "namespacedmutationpolicies.meshgate.dev"], "verbs": ["get", "patch"]},
         // Native policies: the MutatingAdmissionPolicies (and bindings) compiled from
         // MutationPolicies, kept by server-side apply and deleted when a policy stops compiling.
         {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingadmissionpolicies", "mutatingadmissionpolicybindings"], "verbs": ["create", "patch", "delete"]},
@@ -658,7 +660,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         "spec": {"selector": selector, "ports": [{"name": "https", "port": 443, "targetPort": "https"}]}}));
     out.push(deployment(&at, "webhook",
         json!(["webhook", "--config", "/etc/meshgate/config/config.yaml", "--cert", "/etc/meshgate/tls/tls.crt", "--key", "/etc/meshgate/tls/tls.key",
-               "--max-in-flight", meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT.to_string(), "--log-json"]),
+               "--max-in-flight", meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT.to_string(), LOG_JSON]),
         json!([{"name": "https", "containerPort": 8443}, {"name": "health", "containerPort": 8080}]),
         json!([{"name": "tls", "mountPath": "/etc/meshgate/tls", "readOnly": true}, {"name": "config", "mountPath": "/etc/meshgate/config", "readOnly": true}]),
         json!([{"name": "tls", "secret": {"secretName": "meshgate-webhook-tls"}}, {"name": "config", "configMap": {"name": "meshgate-config"}}])));
@@ -687,6 +689,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
                 "--lease-namespace".to_owned(),
                 ns.to_owned(),
                 "--manage-certs".to_owned(),
+                "--manage-crds".to_owned(),
                 "--policy-webhook-configuration".to_owned(),
                 "meshgate".to_owned(),
                 "--native-policies".to_owned(),
@@ -694,7 +697,6 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
                 "120s".to_owned(),
                 "--excluded-namespaces".to_owned(),
                 config.excluded_namespaces.join(","),
-                "--log-json".to_owned(),
             ];
             if let PodGate::Native(_) = o.pod_gate {
                 args.push("--native-gate-config".into());
@@ -711,6 +713,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
                     .into(),
                 );
             }
+            args.push(LOG_JSON.into());
             json!(args)
         },
         json!([{"name": "health", "containerPort": 8080}]),
@@ -826,7 +829,7 @@ fn node_plugin(
             .unwrap_or_else(|| record.cni_plugin.to_owned()),
         "--health-addr".to_owned(),
         format!("127.0.0.1:{NODE_PLUGIN_HEALTH_PORT}"),
-        "--log-json".to_owned(),
+        LOG_JSON.to_owned(),
     ];
     json!({
         "apiVersion": "apps/v1", "kind": "DaemonSet",
@@ -847,6 +850,7 @@ fn node_plugin(
                     "containers": [{
                         "name": "node",
                         "image": image,
+                        "imagePullPolicy": PULL_POLICY,
                         "args": args,
                         "readinessProbe": {"httpGet": {"host": "127.0.0.1", "path": "/readyz", "port": NODE_PLUGIN_HEALTH_PORT}, "periodSeconds": 2},
                         "livenessProbe": {"httpGet": {"host": "127.0.0.1", "path": "/healthz", "port": NODE_PLUGIN_HEALTH_PORT}, "periodSeconds": 10},
@@ -879,6 +883,12 @@ pub fn profile_policies(profile: &str) -> anyhow::Result<Vec<Value>> {
     })
 }
 
+/// The log flag every component gets (`--log-level` is left at its default, `info`).
+const LOG_JSON: &str = "--log-json";
+/// The containers' image pull policy (the chart's `image.pullPolicy` default; the init gate's is
+/// `initGate.imagePullPolicy`, the same by default).
+const PULL_POLICY: &str = "IfNotPresent";
+
 /// Where and from what meshgate's Deployments run: their namespace, image and tolerations.
 struct Placement<'a> {
     ns: &'a str,
@@ -903,7 +913,7 @@ fn deployment(
     } else {
         "128Mi"
     };
-    json!({
+    let mut d = json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": meta(&format!("meshgate-{component}"), Some(at.ns), component),
         "spec": {
@@ -919,6 +929,7 @@ fn deployment(
                     "containers": [{
                         "name": component,
                         "image": at.image,
+                        "imagePullPolicy": PULL_POLICY,
                         "args": args,
                         "env": [
                             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -929,13 +940,17 @@ fn deployment(
                         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "health"}, "periodSeconds": 10},
                         "resources": {"requests": {"cpu": "50m", "memory": "32Mi"}, "limits": {"memory": memory_limit}},
                         "securityContext": {"readOnlyRootFilesystem": true, "allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}},
-                        "volumeMounts": mounts,
                     }],
-                    "volumes": volumes,
                 },
             },
         },
-    })
+    });
+    // No empty lists: the chart leaves out what is not there.
+    if mounts.as_array().is_some_and(|m| !m.is_empty()) {
+        d["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] = mounts;
+        d["spec"]["template"]["spec"]["volumes"] = volumes;
+    }
+    d
 }
 
 /// The manifests with generated key material replaced by `<generated>`: stable text for review

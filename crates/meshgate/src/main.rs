@@ -26,6 +26,10 @@ struct Cli {
     /// Log as JSON lines (default when not on a terminal is text; set for clusters).
     #[arg(long, global = true, env = "MESHGATE_LOG_JSON")]
     log_json: bool,
+    /// The log filter when `RUST_LOG` is not set: a level (error, warn, info, debug, trace) or
+    /// tracing directives (`meshgate_controller=debug,info`).
+    #[arg(long, global = true, default_value = "info")]
+    log_level: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -103,6 +107,10 @@ enum Command {
         /// keep the webhook configuration's caBundle current.
         #[arg(long)]
         manage_certs: bool,
+        /// On start, write meshgate's CRDs at this version's schema where they exist and no
+        /// newer meshgate wrote them (Helm installs a chart's crds/ once and never upgrades them).
+        #[arg(long)]
+        manage_crds: bool,
         /// Keep the rules of this MutatingWebhookConfiguration's policies webhook in line with
         /// the kinds the MutationPolicies name.
         #[arg(long)]
@@ -350,7 +358,14 @@ fn main() -> ExitCode {
     // The demo tells its own story on stdout; only problems go to the log.
     let quiet =
         matches!(cli.command, Command::Demo { .. }) && std::env::var_os("RUST_LOG").is_none();
-    logging::init(cli.log_json, if quiet { "warn" } else { "info" });
+    logging::init(
+        cli.log_json,
+        if quiet {
+            "warn"
+        } else {
+            cli.log_level.as_str()
+        },
+    );
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -487,6 +502,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             lease_seconds,
             health_addr,
             manage_certs,
+            manage_crds,
             policy_webhook_configuration,
             native_policies,
             native_gate_config,
@@ -547,6 +563,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     certs: manage_certs.then(|| {
                         meshgate_controller::certs::CertSettings::new(&lease_namespace_for_certs)
                     }),
+                    manage_crds,
                     repair,
                     policy_webhook: policy_webhook_configuration,
                     native_policies,

@@ -138,6 +138,14 @@ const EXERCISED: &[(&str, &str)] = &[
         "policy status",
     ),
     (
+        "controller get apiextensions.k8s.io/customresourcedefinitions",
+        "--manage-crds: a CRD read before it is written",
+    ),
+    (
+        "controller patch apiextensions.k8s.io/customresourcedefinitions",
+        "--manage-crds: meshgate's CRDs at the controller's schema",
+    ),
+    (
         "controller create events.k8s.io/events",
         "Events on nodes and policies",
     ),
@@ -486,6 +494,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
             },
             policy_webhook: Some("meshgate".into()),
             native_policies: true,
+            manage_crds: true,
             native_gate: Some((
                 meshgate::install::gate_config_for(
                     "istio-ambient",
@@ -501,6 +510,32 @@ async fn the_components_do_everything_under_their_installed_identities() {
         },
     );
 
+    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+        Api::all(admin.clone());
+    wait_for(
+        "the controller to write meshgate's CRDs (--manage-crds)",
+        Duration::from_secs(60),
+        || async {
+            let mut written = 0;
+            for name in [
+                "nodegates.meshgate.dev",
+                "mutationpolicies.meshgate.dev",
+                "namespacedmutationpolicies.meshgate.dev",
+            ] {
+                let annotated = crds.get(name).await.ok().is_some_and(|c| {
+                    c.metadata
+                        .annotations
+                        .unwrap_or_default()
+                        .get(meshgate_core::object::crd::VERSION_ANNOTATION)
+                        .map(String::as_str)
+                        == Some(meshgate_controller::crds::VERSION)
+                });
+                written += usize::from(annotated);
+            }
+            written == 3
+        },
+    )
+    .await;
     let leases: Api<Lease> = Api::namespaced(admin.clone(), NS);
     wait_for(
         "the controller to lead",

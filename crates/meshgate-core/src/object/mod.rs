@@ -7,6 +7,7 @@
 //! It uses no other module of the crate (`tests/layers.rs`).
 
 pub mod cel;
+pub mod crd;
 mod meta;
 pub mod patch;
 pub mod quantity;
