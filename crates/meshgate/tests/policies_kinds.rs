@@ -149,11 +149,31 @@ async fn policies_mutate_any_kind_and_fail_on_their_own() {
     let rules = registered(&client).await;
     assert!(!rules.iter().any(|r| r.ends_with("/secrets")), "{rules:?}");
 
-    // Objects as created are mutated by the API server's call to meshgate.
+    // Objects as created are mutated by the API server's call to meshgate. The API server
+    // follows a changed webhook configuration asynchronously: dry-run creates until it calls
+    // meshgate for Services.
     let svc: Service = serde_json::from_value(json!({
         "metadata": {"name": "web"}, "spec": {"ports": [{"port": 80}]},
     }))
     .expect("service");
+    let services = Api::<Service>::namespaced(client.clone(), &ns);
+    wait_for(
+        "the API server to call meshgate for Services",
+        Duration::from_secs(30),
+        || async {
+            let dry = PostParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            services.create(&dry, &svc).await.is_ok_and(|s| {
+                s.metadata
+                    .annotations
+                    .unwrap_or_default()
+                    .contains_key("meshgate.test/core")
+            })
+        },
+    )
+    .await;
     let svc = Api::<Service>::namespaced(client.clone(), &ns)
         .create(&PostParams::default(), &svc)
         .await
