@@ -632,7 +632,9 @@ async fn remove_taint(
     let empty = BTreeMap::new();
     let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
     let mut node = node.clone();
-    if let Some(patch) = taint_patch(&gate.spec, taints, false) {
+    // Conditional on the node as read: its taints (or, with none, its resourceVersion).
+    let rv = node.metadata.resource_version.clone().unwrap_or_default();
+    if let Some(patch) = taint_patch(&gate.spec, taints, &rv, false) {
         node = api
             .patch(
                 &name,
@@ -716,7 +718,11 @@ async fn apply(
                     .await
                     .map_err(write_err)?;
             }
-            if let Some(patch) = taint_patch(spec, taints, true) {
+            // From the node as this reconcile last wrote it (the annotation patch returns it
+            // whole), conditional on that: its taints, or, with none, its resourceVersion.
+            let latest = taints_of(&node);
+            let rv = node.metadata.resource_version.clone().unwrap_or_default();
+            if let Some(patch) = taint_patch(spec, &latest, &rv, true) {
                 node = api
                     .patch(&name, &pp, &Patch::<()>::Json(json_patch(patch)?))
                     .await

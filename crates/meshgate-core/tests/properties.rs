@@ -194,8 +194,8 @@ proptest! {
         taints in vec(taint(), 0..6),
         want_present in any::<bool>(),
     ) {
-        let node = json!({"spec": {"taints": taints}});
-        let patch = taint_patch(&gate, &taints, want_present);
+        let node = json!({"metadata": {"resourceVersion": "41"}, "spec": {"taints": taints}});
+        let patch = taint_patch(&gate, &taints, "41", want_present);
         let out = match &patch {
             Some(p) => p
                 .apply(&node)
@@ -213,17 +213,18 @@ proptest! {
                 vec![gate.taint.effect.as_str()]
             );
         }
-        // The patch tests the list it was computed from: it fails on any other list.
-        if let Some(p) = &patch
-            && !taints.is_empty()
-        {
+        // The patch is conditional on what it was computed from: another controller's taint
+        // that landed since (the node written again: a newer resourceVersion) is never
+        // overwritten, whether the list read was empty or not.
+        if let Some(p) = &patch {
             let mut changed = taints.clone();
             changed.push(Taint {
                 key: "concurrent.example.com/new".into(),
                 effect: "NoSchedule".into(),
                 ..Taint::default()
             });
-            let concurrent = json!({"spec": {"taints": changed}});
+            let concurrent =
+                json!({"metadata": {"resourceVersion": "42"}, "spec": {"taints": changed}});
             prop_assert!(p.apply(&concurrent).is_err(), "applies to {}", concurrent);
         }
     }

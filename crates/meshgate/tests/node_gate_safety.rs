@@ -16,7 +16,9 @@
 //! * a mass agent failure re-taints at most `maxRetainted` nodes and reports the rest;
 //! * `dryRun` writes nothing to nodes and reports what it would do;
 //! * the generated MutatingAdmissionPolicy taints a Node at CREATE with no webhook registered;
-//! * `meshgate status` and the controller agree on every node.
+//! * `meshgate status` and the controller agree on every node;
+//! * a taint another controller writes between meshgate's read of a node and its write
+//!   survives: every write of the gate's taint is conditional on what it read.
 //!
 //! Run: `cargo test -p meshgate --test node_gate_safety`.
 
@@ -988,4 +990,113 @@ async fn the_admission_policy_taints_nodes_at_create_without_any_webhook() {
         !taint_keys(&other).iter().any(|k| k == key),
         "a node the gate does not select is not tainted"
     );
+}
+
+/// Another controller's taint (here the node lifecycle controller's `unreachable`) lands on a
+/// node between meshgate's read of it, with no taints, and its write of the gate's taint: the
+/// write is refused (it tests the node's resourceVersion as read) and the taint survives; the
+/// write computed again from the node as it is now keeps both. The same write without its
+/// condition (as at `481bbe6`: `add /spec/taints` whenever the node read had none) replaced the
+/// whole list and removed the other controller's taint, shown on a second node.
+#[tokio::test]
+async fn a_taint_written_between_read_and_write_survives() {
+    use meshgate_core::nodegate::{taint_patch, taints_of};
+    let cp = control_plane(false).await;
+    let client = cp.client().await.expect("client");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let gate_nodes: Api<meshgate_api::GateNode> = Api::all(client.clone());
+    let spec: NodeGateSpec = serde_json::from_value(json!({
+        "agents": [{"name": "cni", "namespace": "kube-system", "selector": {"matchLabels": {"app": "x"}}}],
+        "taint": {"key": "readiness.k8s.io/race"},
+    }))
+    .expect("spec");
+    let foreign = json!({"spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}]}});
+    let keys = |n: &meshgate_api::GateNode| -> Vec<String> {
+        taints_of(n).into_iter().map(|t| t.key).collect()
+    };
+    for (name, conditional) in [("race-conditional", true), ("race-unconditional", false)] {
+        let node: Node = serde_json::from_value(json!({"metadata": {"name": name}})).expect("node");
+        nodes
+            .create(&PostParams::default(), &node)
+            .await
+            .expect("node");
+        // What meshgate read: no taints.
+        let read = gate_nodes.get(name).await.expect("read");
+        assert!(keys(&read).is_empty());
+        let rv = read
+            .metadata
+            .resource_version
+            .clone()
+            .expect("resourceVersion");
+        // Another controller's write lands.
+        nodes
+            .patch(name, &PatchParams::default(), &Patch::Merge(&foreign))
+            .await
+            .expect("the other controller's taint");
+        let mut patch = taint_patch(&spec, &taints_of(&read), &rv, true).expect("a write");
+        if !conditional {
+            patch.0.retain(|op| op["op"] != "test");
+        }
+        let written = gate_nodes
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::<()>::Json(
+                    serde_json::from_value(serde_json::to_value(&patch.0).expect("json"))
+                        .expect("patch"),
+                ),
+            )
+            .await;
+        let after = keys(&gate_nodes.get(name).await.expect("node"));
+        let survived = after.iter().any(|k| k == "node.kubernetes.io/unreachable");
+        println!(
+            "measured: {name}: meshgate's write {}; the other controller's taint present after the race: {survived} ({after:?})",
+            if written.is_ok() {
+                "applied"
+            } else {
+                "refused"
+            }
+        );
+        if conditional {
+            assert!(
+                written.is_err(),
+                "the write on a node changed since it was read was refused"
+            );
+            assert!(survived, "the other controller's taint survives: {after:?}");
+            // Computed again from the node as it is now: both taints.
+            let now = gate_nodes.get(name).await.expect("node");
+            let rv = now
+                .metadata
+                .resource_version
+                .clone()
+                .expect("resourceVersion");
+            let patch = taint_patch(&spec, &taints_of(&now), &rv, true).expect("a write");
+            gate_nodes
+                .patch(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::<()>::Json(
+                        serde_json::from_value(serde_json::to_value(&patch.0).expect("json"))
+                            .expect("patch"),
+                    ),
+                )
+                .await
+                .expect("the write from the node as it is");
+            let both = keys(&gate_nodes.get(name).await.expect("node"));
+            assert!(
+                both.iter().any(|k| k == "node.kubernetes.io/unreachable")
+                    && both.iter().any(|k| k == "readiness.k8s.io/race"),
+                "{both:?}"
+            );
+        } else {
+            assert!(
+                written.is_ok() && !survived,
+                "without the condition the list is replaced: {after:?}"
+            );
+        }
+        nodes
+            .delete(name, &DeleteParams::default())
+            .await
+            .expect("delete");
+    }
 }

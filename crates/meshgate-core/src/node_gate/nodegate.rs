@@ -556,11 +556,17 @@ pub fn superseded_taints<'s>(
     out
 }
 
-/// The JSON patch that makes the node's taints `want_present` for the gate's taint, with a
-/// `test` of the list it was computed from (optimistic lock). `None` when nothing changes.
+/// The JSON patch that makes the node's taints `want_present` for the gate's taint, conditional
+/// on what it was computed from (optimistic lock): a `test` of the whole list it read, or, when
+/// it read no taint (the field absent or empty, which a JSON Patch `test` cannot tell apart
+/// from a list that appeared since), a `test` of the node's `resourceVersion` as read. Either
+/// way a list another controller changed in between (a kubelet's or cloud provider's taint, the
+/// node lifecycle controller's `unreachable`) makes the patch fail, and is never overwritten.
+/// `None` when nothing changes.
 pub fn taint_patch(
     spec: &NodeGateSpec,
     current: &[Taint],
+    resource_version: &str,
     want_present: bool,
 ) -> Option<JsonPatch> {
     let present = has_taint(spec, current);
@@ -578,7 +584,11 @@ pub fn taint_patch(
     }
     let mut ops = Vec::new();
     if current.is_empty() {
-        // The field may be absent or an empty list: `add` works for both.
+        // The field may be absent or an empty list: `add` works for both, and replaces a list
+        // that appeared since: only on the node as read.
+        ops.push(
+            json!({"op": "test", "path": "/metadata/resourceVersion", "value": resource_version}),
+        );
         ops.push(json!({"op": "add", "path": "/spec/taints", "value": desired}));
     } else {
         let observed: Vec<Value> = current
@@ -1024,7 +1034,7 @@ mod tests {
             orphaned_taints([&s], &f.labels, &f.annotations, &f.taints),
             [meshgate_api::names::DEFAULT_TAINT_KEY]
         );
-        let p = taint_patch(&s, &f.taints, false).unwrap();
+        let p = taint_patch(&s, &f.taints, "1", false).unwrap();
         let node = json!({"spec": {"taints": f.taints}});
         let out = p.apply(&node).unwrap();
         assert_eq!(out["spec"]["taints"], json!([foreign()]));
@@ -1093,7 +1103,7 @@ mod tests {
     #[test]
     fn taint_patch_tests_the_list_it_read() {
         let s = spec(GateMode::Continuous);
-        let p = taint_patch(&s, &[foreign()], true).unwrap();
+        let p = taint_patch(&s, &[foreign()], "7", true).unwrap();
         assert_eq!(p.0[0]["op"], "test");
         let node = json!({"spec": {"taints": [foreign()]}});
         let out = p.apply(&node).unwrap();
@@ -1103,21 +1113,30 @@ mod tests {
             json!({"spec": {"taints": [foreign(), {"key": "new", "effect": "NoSchedule"}]}});
         assert!(p.apply(&changed).is_err());
         // Nothing to do.
-        assert!(taint_patch(&s, &[foreign(), gate_taint()], true).is_none());
-        // No taints yet.
-        let p = taint_patch(&s, &[], true).unwrap();
-        assert_eq!(
-            p.apply(&json!({"spec": {}})).unwrap()["spec"]["taints"],
-            json!([gate_taint()])
-        );
+        assert!(taint_patch(&s, &[foreign(), gate_taint()], "7", true).is_none());
+        // No taints yet: only on the node as read (its resourceVersion), the field absent or
+        // an empty list.
+        let p = taint_patch(&s, &[], "7", true).unwrap();
+        for read in [json!({}), json!({"taints": []})] {
+            let node = json!({"metadata": {"resourceVersion": "7"}, "spec": read});
+            assert_eq!(
+                p.apply(&node).unwrap()["spec"]["taints"],
+                json!([gate_taint()])
+            );
+        }
+        // Another controller's taint landed since (a newer resourceVersion): no write, and its
+        // taint stays.
+        let since = json!({"metadata": {"resourceVersion": "8"},
+                           "spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}]}});
+        assert!(p.apply(&since).is_err());
         let mut s2 = s.clone();
         s2.taint = GateTaint {
             key: "custom/key".into(),
             effect: TaintEffect::NoExecute,
         };
-        let p = taint_patch(&s2, &[], true).unwrap();
+        let p = taint_patch(&s2, &[], "7", true).unwrap();
         assert_eq!(
-            p.0[0]["value"][0],
+            p.0[1]["value"][0],
             json!({"key": "custom/key", "effect": "NoExecute"})
         );
     }
