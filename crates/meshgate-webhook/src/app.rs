@@ -19,6 +19,9 @@ pub struct App {
     pub sources: Sources,
     pub metrics: Metrics,
     pub(crate) ready: Arc<AtomicBool>,
+    /// The HTTPS admission server runs (`/healthz` fails once it has ended: the process can no
+    /// longer serve, and the kubelet restarts it).
+    pub(crate) serving: Arc<AtomicBool>,
 }
 
 impl App {
@@ -29,6 +32,7 @@ impl App {
             sources,
             metrics,
             ready: Arc::new(AtomicBool::new(true)),
+            serving: Arc::new(AtomicBool::new(true)),
         }
     }
 }

@@ -34,18 +34,44 @@ use crate::app::{App, Handled};
 /// and `oldObject`) plus the request's fields: 3.5 MiB holds that with room for JSON escaping.
 pub const MAX_BODY: usize = 3 * 1024 * 1024 + 512 * 1024;
 
-/// Reviews answered at once by default; more get an immediate 429 (see [`ServerOptions`]).
-/// With [`MAX_BODY`] this bounds the memory held by request bodies (32 × 3.5 MiB in the worst
-/// case, a few MiB for real pods); `install` sizes the container's memory limit for it.
+/// Reviews of the gates (pod gate and node taint) answered at once by default; more get an
+/// immediate 429 (see [`ServerOptions`]). The policies route has a limit of its own, half of it
+/// ([`policy_limit`]), so that slow policies (an `apiCall` context entry waits up to 2 s, and a
+/// tenant can write one) never take the gate's capacity. With [`MAX_BODY`] the two bound the
+/// memory held by request bodies (48 × 3.5 MiB in the worst case, a few MiB for real pods);
+/// `install` sizes the container's memory limit for it.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 32;
+
+/// The policies route's limit for a gate limit of `max_in_flight`.
+pub fn policy_limit(max_in_flight: usize) -> usize {
+    (max_in_flight / 2).max(1)
+}
 
 /// An answer of the admission port.
 pub type Reply = http::Response<Full<Bytes>>;
 
+/// One review in the in-flight gauge, from its creation until it is dropped: a review whose
+/// future the request timeout drops leaves the gauge too.
+struct InFlight(prometheus_client::metrics::gauge::Gauge);
+
+impl InFlight {
+    fn new(gauge: &prometheus_client::metrics::gauge::Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// The admission routes (served over TLS), as one service: no router, no per-request layers
 /// (they cost more than the review itself; see BENCHMARKS.md). Per request, in this order:
-/// the path (404) and method (405), the in-flight limit (at most `max_in_flight` requests at
-/// once, body reading included; one more gets `429 Too Many Requests` at once: no queue, the API
+/// the path (404) and method (405), the route's in-flight limit (at most `max_in_flight` gate
+/// reviews and [`policy_limit`] policy reviews at once, body reading included; one more gets
+/// `429 Too Many Requests` at once: no queue, the API
 /// server's timeout would expire in a queue, and a fast refusal lets it apply the failure policy
 /// right away), then within `request_timeout` (else 503) the body (over [`MAX_BODY`]: 413) and
 /// the review; a handler that panics gets 500 and the server goes on.
@@ -54,7 +80,10 @@ pub struct Admission(Arc<AdmissionInner>);
 
 struct AdmissionInner {
     app: App,
-    permits: tokio::sync::Semaphore,
+    /// The pod gate's and the node taint's.
+    gate_permits: tokio::sync::Semaphore,
+    /// The policies'.
+    policy_permits: tokio::sync::Semaphore,
     request_timeout: Duration,
 }
 
@@ -69,7 +98,8 @@ impl Admission {
     pub fn new(app: App, request_timeout: Duration, max_in_flight: usize) -> Self {
         Self(Arc::new(AdmissionInner {
             app,
-            permits: tokio::sync::Semaphore::new(max_in_flight.max(1)),
+            gate_permits: tokio::sync::Semaphore::new(max_in_flight.max(1)),
+            policy_permits: tokio::sync::Semaphore::new(policy_limit(max_in_flight)),
             request_timeout,
         }))
     }
@@ -89,7 +119,11 @@ impl Admission {
             return reply;
         }
         let this = &*self.0;
-        let Ok(permit) = this.permits.try_acquire() else {
+        let permits = match route {
+            Route::PodGate | Route::NodeTaint => &this.gate_permits,
+            Route::Policies => &this.policy_permits,
+        };
+        let Ok(permit) = permits.try_acquire() else {
             this.app.metrics.overloaded.inc();
             return plain(
                 StatusCode::TOO_MANY_REQUESTS,
@@ -161,10 +195,48 @@ impl tower::Service<http::Request<hyper::body::Incoming>> for Admission {
     }
 }
 
+/// A review's namespace: from the cache, else read once (a namespace created a moment ago);
+/// never a refusal: a namespace that cannot be read at all (the API server unreachable from
+/// the webhook) is decided without its labels and annotations, logged, counted
+/// (`namespace_unread`), with a warning for the client.
+pub(crate) async fn namespace_or_empty(
+    app: &App,
+    name: &str,
+) -> (Arc<meshgate_core::select::Meta>, Vec<String>) {
+    if !app.sources.cached(name) {
+        app.metrics.namespace_reads.inc();
+    }
+    match app.sources.namespace(name).await {
+        Ok(meta) => (meta, Vec::new()),
+        Err(e) => {
+            tracing::warn!(error = %e, "deciding without the namespace's labels");
+            app.metrics.namespace_unread.inc();
+            (
+                Arc::default(),
+                vec![format!(
+                    "meshgate could not read namespace {name:?}: decided without its labels"
+                )],
+            )
+        }
+    }
+}
+
 /// `/healthz`, `/readyz`, `/metrics` (plain HTTP).
 pub fn health_router(app: App) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/healthz",
+            get(|State(app): State<App>| async move {
+                if app.serving.load(Ordering::Acquire) {
+                    (StatusCode::OK, "ok")
+                } else {
+                    (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "the admission server has stopped",
+                    )
+                }
+            }),
+        )
         .route(
             "/readyz",
             get(|State(app): State<App>| async move {
@@ -235,9 +307,10 @@ where
     Fut: Future<Output = Result<Handled, (u16, String)>>,
 {
     let start = Instant::now();
-    app.metrics.in_flight.inc();
+    // Counted until the review ends or is dropped (a review over the timeout is dropped).
+    let in_flight = InFlight::new(&app.metrics.in_flight);
     let (response, outcome) = review(headers, body, scratch, f).await;
-    app.metrics.in_flight.dec();
+    drop(in_flight);
     app.metrics
         .reviews
         .get_or_create(&ReviewLabels { path, outcome })
@@ -343,11 +416,7 @@ async fn pod_gate(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
             if req.kind != "Pod" {
                 return Ok(Handled::unchanged("not-a-pod"));
             }
-            let ns = app
-                .sources
-                .namespace(&req.namespace)
-                .await
-                .map_err(|e| (500, e.to_string()))?;
+            let (ns, warnings) = namespace_or_empty(app, &req.namespace).await;
             let limits = app.sources.limit_ranges(&req.namespace);
             // Not a JSON object (a DELETE's `null`): read as an empty pod.
             let empty = PodView::default();
@@ -372,7 +441,7 @@ async fn pod_gate(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
             }
             Ok(Handled {
                 patch,
-                warnings: vec![],
+                warnings,
                 outcome,
             })
         },
@@ -429,4 +498,38 @@ async fn policies(app: &App, headers: &HeaderMap, body: &Bytes) -> Reply {
         |req| async move { crate::policies::handle(app, req).await },
     )
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::ServiceExt;
+
+    async fn status_of(app: &App, path: &str) -> StatusCode {
+        let request = http::Request::get(path)
+            .body(axum::body::Body::empty())
+            .expect("request");
+        health_router(app.clone())
+            .oneshot(request)
+            .await
+            .expect("answer")
+            .status()
+    }
+
+    /// Liveness follows the admission server: once it has stopped, `/healthz` fails (and the
+    /// process exits, `meshgate webhook`), so the kubelet restarts it.
+    #[tokio::test]
+    async fn healthz_fails_once_the_admission_server_stopped() {
+        let app = App::new(
+            meshgate_api::GateConfig::default(),
+            crate::Sources::fixed(Default::default(), vec![], vec![]),
+            crate::metrics::Metrics::new(),
+        );
+        assert_eq!(status_of(&app, "/healthz").await, StatusCode::OK);
+        app.serving.store(false, Ordering::Release);
+        assert_eq!(
+            status_of(&app, "/healthz").await,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
 }

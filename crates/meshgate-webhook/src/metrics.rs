@@ -44,6 +44,10 @@ pub struct Metrics {
     pub cert_reload_errors: Counter,
     pub in_flight: Gauge,
     pub overloaded: Counter,
+    /// Reviews of a namespace not in the cache yet (read from the API server).
+    pub namespace_reads: Counter,
+    /// Reviews decided without their namespace's labels (it could not be read at all).
+    pub namespace_unread: Counter,
     registry: Arc<Registry>,
 }
 
@@ -74,6 +78,8 @@ impl Metrics {
         let cert_reload_errors = Counter::default();
         let in_flight = Gauge::default();
         let overloaded = Counter::default();
+        let namespace_unread = Counter::default();
+        let namespace_reads = Counter::default();
         let mut registry = Registry::with_prefix("meshgate_webhook");
         registry.register(
             "reviews",
@@ -115,8 +121,20 @@ impl Metrics {
             "Requests refused with 429 because the in-flight limit was reached (the API server then applies the webhook's failure policy)",
             overloaded.clone(),
         );
+        registry.register(
+            "namespace_reads",
+            "Reviews of a namespace the cache did not hold yet (created a moment ago, or while the watch was cut), read from the API server",
+            namespace_reads.clone(),
+        );
+        registry.register(
+            "namespace_unread",
+            "Reviews decided without their namespace's labels: not in the cache and not readable from the API server (admitted, with a warning)",
+            namespace_unread.clone(),
+        );
         Self {
             overloaded,
+            namespace_unread,
+            namespace_reads,
             reviews,
             latency,
             mutations,

@@ -37,6 +37,7 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
     // A cluster-scoped object has no namespace; a Namespace is its own (the API server sets the
     // request's namespace to its name), and may not exist yet.
     let namespace_meta;
+    let mut namespace_warnings = Vec::new();
     let object_labels;
     let labels = if req.kind == "Namespace" {
         object_labels = policy::object_labels(&object);
@@ -45,11 +46,9 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
         object_labels = Default::default();
         &object_labels
     } else {
-        namespace_meta = app
-            .sources
-            .namespace(&req.namespace)
-            .await
-            .map_err(|e| (500, e.to_string()))?;
+        let unread;
+        (namespace_meta, unread) = crate::handlers::namespace_or_empty(app, &req.namespace).await;
+        namespace_warnings = unread;
         &namespace_meta.labels
     };
     // `apiCall` context entries GET through the webhook's client, once per path per review.
@@ -69,7 +68,7 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
         cluster,
     };
     let applied = policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &object, &ctx);
-    let mut warnings = Vec::with_capacity(applied.failed.len());
+    let mut warnings = namespace_warnings;
     for e in &applied.failed {
         tracing::error!(
             uid = %req.uid,

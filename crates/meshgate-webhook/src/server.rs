@@ -14,7 +14,7 @@ use crate::tls::{self, CertFiles};
 
 pub use crate::app::App;
 use crate::handlers::{Admission, health_router};
-pub use crate::handlers::{DEFAULT_MAX_IN_FLIGHT, MAX_BODY};
+pub use crate::handlers::{DEFAULT_MAX_IN_FLIGHT, MAX_BODY, policy_limit};
 
 /// How to run the server.
 #[derive(Clone, Debug)]
@@ -215,6 +215,37 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for FirstRead<S> {
     }
 }
 
+/// A listening socket on `addr`. The IPv6 wildcard `[::]` takes IPv4 connections too (dual
+/// stack, whatever the host's `net.ipv6.bindv6only`), and on a host without IPv6 (the socket
+/// family refused) falls back to `0.0.0.0`, so one default serves IPv4-only, IPv6-only and
+/// dual-stack clusters.
+pub fn bind(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = match Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP)) {
+        Err(e)
+            if addr.ip() == std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
+                && e.raw_os_error() == Some(libc_eafnosupport()) =>
+        {
+            let v4 = SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, addr.port()));
+            tracing::info!(%addr, fallback = %v4, "no IPv6 on this host: listening on IPv4 only");
+            return bind(v4);
+        }
+        other => other?,
+    };
+    if addr.is_ipv6() && addr.ip().is_unspecified() {
+        socket.set_only_v6(false)?;
+    }
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+/// `EAFNOSUPPORT` (Linux): the address family is not supported (IPv6 disabled).
+const fn libc_eafnosupport() -> i32 {
+    97
+}
+
 /// A running webhook.
 pub struct Server {
     handle: axum_server::Handle<SocketAddr>,
@@ -225,6 +256,8 @@ pub struct Server {
     /// The bound health address.
     pub health_addr: SocketAddr,
     task: tokio::task::JoinHandle<Result<(), ServerError>>,
+    /// Turns true when the admission server has ended (by itself, or by [`Server::shutdown`]).
+    stopped: tokio::sync::watch::Receiver<bool>,
     /// Tasks that live as long as the server (its cache watches), ended after it.
     companions: Vec<tokio::task::AbortHandle>,
 }
@@ -241,9 +274,8 @@ impl Server {
     /// Binds both ports, loads the certificate and starts serving in the background.
     pub async fn start(options: ServerOptions, app: App) -> Result<Self, ServerError> {
         let (tls_config, fingerprint) = tls::load(&options.certs)?;
-        let bind = |addr: SocketAddr| {
-            std::net::TcpListener::bind(addr).map_err(|source| ServerError::Bind { addr, source })
-        };
+        let bind =
+            |addr: SocketAddr| bind(addr).map_err(|source| ServerError::Bind { addr, source });
         let listener = bind(options.addr)?;
         let addr = listener.local_addr().map_err(ServerError::Serve)?;
         let health = bind(options.health_addr)?;
@@ -274,6 +306,8 @@ impl Server {
                 options.max_in_flight,
             )));
         let health_router = health_router(app.clone());
+        let serving = app.serving.clone();
+        let (stopped_tx, stopped) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(async move {
             // The health port stays up until the review port has drained.
             let (drained, wait_drained) = tokio::sync::oneshot::channel::<()>();
@@ -285,6 +319,11 @@ impl Server {
                     .into_future(),
             );
             let served = https.await;
+            serving.store(false, Ordering::Release);
+            let _ = stopped_tx.send(true);
+            if let Err(e) = &served {
+                tracing::error!(error = %e, "the admission server stopped");
+            }
             reload.abort();
             let _ = drained.send(());
             let health = health
@@ -302,8 +341,16 @@ impl Server {
             addr,
             health_addr,
             task,
+            stopped,
             companions: Vec::new(),
         })
+    }
+
+    /// Resolves when the admission server has ended without [`Server::shutdown`] (its listener
+    /// failed): the process can no longer serve, and should exit so that it is restarted.
+    pub async fn stopped(&self) {
+        let mut stopped = self.stopped.clone();
+        let _ = stopped.wait_for(|s| *s).await;
     }
 
     /// Graceful stop: readiness goes to 503, no new connections are accepted, in-flight reviews

@@ -15,6 +15,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{LimitRange, Namespace};
@@ -181,6 +182,9 @@ impl std::fmt::Debug for Sources {
         f.debug_struct("Sources").finish_non_exhaustive()
     }
 }
+
+/// How long a review waits for the cache to bring a namespace it could not read.
+const NAMESPACE_WAIT: Duration = Duration::from_secs(1);
 
 /// A namespace could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -466,16 +470,36 @@ impl Sources {
         match &self.0.origin {
             Origin::Fixed { .. } => Ok(Arc::default()),
             Origin::Cluster { client, .. } => {
-                let ns = Api::<Namespace>::all(client.clone())
+                // The webhook may `get` namespaces (install's RBAC): a namespace created a
+                // moment ago, or while the watch is cut, is read once.
+                match Api::<Namespace>::all(client.clone())
                     .get_metadata(name)
                     .await
-                    .map_err(|source| SourceError {
-                        name: name.to_owned(),
-                        source,
-                    })?;
-                Ok(Arc::new(meta_of(ns.metadata)))
+                {
+                    Ok(ns) => Ok(Arc::new(meta_of(ns.metadata))),
+                    Err(source) => {
+                        // Unreadable (the API server is slow to answer, or a grant is
+                        // missing): the watch may still bring it, within a second.
+                        let deadline = tokio::time::Instant::now() + NAMESPACE_WAIT;
+                        while tokio::time::Instant::now() < deadline {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            if let Some(meta) = self.0.index.metas.get(name) {
+                                return Ok(meta);
+                            }
+                        }
+                        Err(SourceError {
+                            name: name.to_owned(),
+                            source,
+                        })
+                    }
+                }
             }
         }
+    }
+
+    /// Whether the cache holds the namespace (a review of one it does not is read once).
+    pub fn cached(&self, name: &str) -> bool {
+        self.0.index.metas.get(name).is_some()
     }
 
     /// The `Container` items of a namespace's LimitRanges, shared with the cache.

@@ -47,7 +47,7 @@ const VALIDITY: Duration = Duration::from_secs(24 * 3600);
 fn new_ca(name: &str) -> (Ca, CertifiedKey) {
     let ca = Ca::new(name, VALIDITY).expect("CA");
     let serving = ca
-        .issue_server(&["localhost", "127.0.0.1"], VALIDITY)
+        .issue_server(&["localhost", "127.0.0.1", "::1"], VALIDITY)
         .expect("serving certificate");
     (ca, serving)
 }
@@ -81,9 +81,6 @@ async fn start() -> Harness {
 }
 
 async fn start_with(max_in_flight: usize) -> Harness {
-    let (ca, serving) = new_ca("meshgate-test-ca");
-    let certs = SecretDir::new(serving.cert_pem.as_bytes(), serving.key_pem.as_bytes())
-        .expect("certificate directory");
     let namespaces = BTreeMap::from([(
         "apps".to_owned(),
         Meta {
@@ -91,25 +88,44 @@ async fn start_with(max_in_flight: usize) -> Harness {
             annotations: BTreeMap::new(),
         },
     )]);
+    start_custom(
+        Sources::fixed(namespaces, vec![], vec![]),
+        "127.0.0.1:0".parse().expect("loopback address"),
+        Duration::from_secs(10),
+        max_in_flight,
+    )
+    .await
+}
+
+/// The server on `addr` (HTTPS; health on loopback) with the ambient profile over `sources`.
+async fn start_custom(
+    sources: Sources,
+    addr: SocketAddr,
+    request_timeout: Duration,
+    max_in_flight: usize,
+) -> Harness {
+    let (ca, serving) = new_ca("meshgate-test-ca");
+    let certs = SecretDir::new(serving.cert_pem.as_bytes(), serving.key_pem.as_bytes())
+        .expect("certificate directory");
     let app = App::new(
         GateConfig {
             profiles: vec![Profile::IstioAmbient],
             ..Default::default()
         },
-        Sources::fixed(namespaces, vec![], vec![]),
+        sources,
         Metrics::new(),
     );
     let loopback: SocketAddr = "127.0.0.1:0".parse().expect("loopback address");
     let server = Server::start(
         ServerOptions {
-            addr: loopback,
+            addr,
             health_addr: loopback,
             certs: CertFiles {
                 cert: certs.cert(),
                 key: certs.key(),
             },
             cert_poll_interval: POLL,
-            request_timeout: Duration::from_secs(10),
+            request_timeout,
             max_in_flight,
             shutdown_grace: Duration::from_secs(5),
         },
@@ -1280,4 +1296,135 @@ async fn overload_and_abuse_leave_the_webhook_up_and_answering() {
         "peak RSS of the test process: {:.1} MiB",
         peak as f64 / (1024.0 * 1024.0)
     );
+}
+
+// ------------------------------------------------------------------------------------------
+// Admission that keeps the gate: per-route limits, timed-out reviews, dual-stack listeners.
+
+/// Slow policy reviews (a tenant's `apiCall` context entry waits up to 2 s) hold every slot
+/// they can get; the pod gate keeps answering. Until the routes had limits of their own, the
+/// same clients took the gate's slots too and it answered 429, which the failure policy
+/// `Ignore` turns into a pod admitted without its gate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_policy_reviews_never_take_the_gates_slots() {
+    const LIMIT: usize = meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT;
+    let h = start_with(LIMIT).await;
+    // As many slow policy reviews as the whole limit: headers of a 1 MiB body, then nothing.
+    let head = format!(
+        "POST {POLICIES} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{",
+        1024 * 1024
+    );
+    let mut slow = Vec::new();
+    for _ in 0..LIMIT {
+        let mut tls = tls_connect(h.server.addr, &h.tls).await.expect("connect");
+        tls.write_all(head.as_bytes()).await.expect("head");
+        tls.flush().await.expect("flush");
+        slow.push(tls);
+    }
+    // The policies route is full once its own limit is held (the others were refused).
+    let mut policies_full = false;
+    for i in 0..200 {
+        let resp = h
+            .review(POLICIES, &pod_review(&format!("policy-{i}"), "other"))
+            .await;
+        if resp.status == 429 {
+            policies_full = true;
+            break;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    assert!(policies_full, "the slow policy reviews fill their route");
+    // The gate answers every review meanwhile, with its gate.
+    for i in 0..LIMIT {
+        let uid = format!("gate-{i}");
+        let resp = h.review(POD_GATE, &pod_review(&uid, "apps")).await;
+        assert_eq!(
+            resp.status, 200,
+            "pod gate review {i} while policies are slow: {resp:?}"
+        );
+        let answer = assert_answer(&resp, &uid);
+        assert!(patch_of(&answer).is_some(), "review {i} gated: {answer}");
+    }
+    let overloaded = metric(&h.metrics().await, "meshgate_webhook_overloaded_total ")
+        .expect("overloaded counter");
+    println!(
+        "{LIMIT} slow policy reviews: {} held the policies route, {overloaded} refused; {LIMIT} pod-gate reviews answered, gated",
+        meshgate_webhook::server::policy_limit(LIMIT)
+    );
+    drop(slow);
+    h.assert_up().await;
+}
+
+/// An API server that accepts connections and never answers: every read the webhook makes of it
+/// hangs.
+async fn silent_api_server() -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("listener");
+    let addr = listener.local_addr().expect("address");
+    let task = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    (addr, task)
+}
+
+/// A review that outlives the request timeout (here: its namespace is not cached and the API
+/// server does not answer the read) gets 503 and leaves the in-flight gauge; before, the gauge
+/// kept every timed-out review forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_review_over_the_timeout_leaves_the_in_flight_gauge() {
+    let (api, silent) = silent_api_server().await;
+    let config = kube::Config::new(format!("http://{api}").parse().expect("url"));
+    let client = kube::Client::try_from(config).expect("client");
+    // The watches are never driven: nothing is cached, every namespace is read.
+    let (sources, _drive) = Sources::watch(client);
+    let h = start_custom(
+        sources,
+        "127.0.0.1:0".parse().expect("address"),
+        Duration::from_millis(500),
+        meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT,
+    )
+    .await;
+    for i in 0..3 {
+        let resp = h
+            .review(POD_GATE, &pod_review(&format!("slow-{i}"), "apps"))
+            .await;
+        assert_eq!(resp.status, 503, "review {i} over the timeout: {resp:?}");
+    }
+    let in_flight =
+        metric(&h.metrics().await, "meshgate_webhook_in_flight_reviews ").expect("in-flight gauge");
+    assert_eq!(in_flight, 0.0, "the gauge after three timed-out reviews");
+    silent.abort();
+}
+
+/// The default listener, `[::]`, takes IPv6 and IPv4 connections alike (IPv6-only and
+/// dual-stack clusters; before, the webhook listened on `0.0.0.0` only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wildcard_listener_serves_ipv6_and_ipv4() {
+    let namespaces = BTreeMap::new();
+    let h = start_custom(
+        Sources::fixed(namespaces, vec![], vec![]),
+        "[::]:0".parse().expect("address"),
+        Duration::from_secs(10),
+        meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT,
+    )
+    .await;
+    let port = h.server.addr.port();
+    for ip in ["::1", "127.0.0.1"] {
+        let addr = SocketAddr::new(ip.parse().expect("ip"), port);
+        let tls = tls_connect(addr, &h.tls)
+            .await
+            .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+        let mut conn = Conn::new(tls);
+        let body = serde_json::to_vec(&pod_review(ip, "other")).expect("json");
+        let resp = conn
+            .request(&Req::post(POD_GATE, &body).closing())
+            .await
+            .expect("response");
+        assert_eq!(resp.status, 200, "{addr}: {resp:?}");
+        assert_answer(&resp, ip);
+    }
 }

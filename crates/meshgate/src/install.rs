@@ -524,6 +524,8 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     // watch; `get` only where an object is read by name.
     let webhook_rules = json!([
         {"apiGroups": [""], "resources": ["namespaces", "limitranges"], "verbs": ["list", "watch"]},
+        // A namespace not in the watch cache yet (created a moment ago) is read once.
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]},
         {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "namespacedmutationpolicies", "nodegates"], "verbs": ["list", "watch"]},
     ]);
     let controller_rules = json!([
@@ -883,6 +885,12 @@ pub fn profile_policies(profile: &str) -> anyhow::Result<Vec<Value>> {
     })
 }
 
+/// The webhook's pod: how long it keeps serving after it is told to stop (the preStop sleep,
+/// while its endpoint leaves the Service) and its termination grace period (the sleep, then
+/// the process's 20 s drain, with room).
+pub const WEBHOOK_PRESTOP_SECONDS: u64 = 5;
+pub const WEBHOOK_GRACE_SECONDS: u64 = 30;
+
 /// The log flag every component gets (`--log-level` is left at its default, `info`).
 const LOG_JSON: &str = "--log-json";
 /// The containers' image pull policy (the chart's `image.pullPolicy` default; the init gate's is
@@ -946,6 +954,16 @@ fn deployment(
         },
     });
     // No empty lists: the chart leaves out what is not there.
+    if component == "webhook" {
+        // A rollout or a drain: the pod is Terminating and the endpoint controllers take it
+        // out of the Service, but the API server may still send it reviews for a few seconds.
+        // It keeps serving them all (the preStop sleep delays SIGTERM), then drains what is in
+        // flight (`meshgate webhook` gives it 20 s) well inside the grace period.
+        d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] =
+            json!(WEBHOOK_GRACE_SECONDS);
+        d["spec"]["template"]["spec"]["containers"][0]["lifecycle"] =
+            json!({"preStop": {"sleep": {"seconds": WEBHOOK_PRESTOP_SECONDS}}});
+    }
     if mounts.as_array().is_some_and(|m| !m.is_empty()) {
         d["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] = mounts;
         d["spec"]["template"]["spec"]["volumes"] = volumes;

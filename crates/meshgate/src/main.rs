@@ -45,10 +45,12 @@ enum Command {
         cert: PathBuf,
         #[arg(long, default_value = "/etc/meshgate/tls/tls.key")]
         key: PathBuf,
-        #[arg(long, default_value = "0.0.0.0:8443")]
+        /// The HTTPS address for reviews. The default, `[::]`, takes IPv4 and IPv6 connections
+        /// (dual stack; IPv4-only and IPv6-only clusters alike).
+        #[arg(long, default_value = "[::]:8443")]
         addr: SocketAddr,
         /// Plain HTTP for /healthz, /readyz, /metrics.
-        #[arg(long, default_value = "0.0.0.0:8080")]
+        #[arg(long, default_value = "[::]:8080")]
         health_addr: SocketAddr,
         /// Seconds between checks of the certificate files.
         #[arg(long, default_value_t = 5)]
@@ -449,6 +451,9 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 }
                 None => GateConfig::default(),
             };
+            // As long as the API server waits (the registrations' timeoutSeconds).
+            let request_timeout =
+                meshgate_core::registration::server_timeout(config.timeout_seconds);
             let client = kube::Client::try_default().await?;
             let server = run::start_webhook(
                 client,
@@ -459,12 +464,18 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     cert,
                     key,
                     cert_poll_interval: Duration::from_secs(cert_poll_seconds.max(1)),
-                    request_timeout: Duration::from_secs(10),
+                    request_timeout,
                     max_in_flight,
                 },
             )
             .await?;
-            run::shutdown_signal().await;
+            tokio::select! {
+                _ = run::shutdown_signal() => {}
+                _ = server.stopped() => {
+                    // Exit, so that the kubelet restarts the container.
+                    anyhow::bail!("the admission server stopped; exiting");
+                }
+            }
             tracing::info!("SIGTERM: draining in-flight reviews");
             server.shutdown(Duration::from_secs(20)).await?;
             Ok(())

@@ -198,6 +198,10 @@ const EXERCISED: &[(&str, &str)] = &[
     ("controller create /secrets", "certificates: created"),
     // The webhook: reads only.
     ("webhook list /namespaces", "webhook caches"),
+    (
+        "webhook get /namespaces",
+        "a namespace not cached yet, read once (the admission_hardening test creates pods in namespaces made the same instant)",
+    ),
     ("webhook watch /namespaces", "webhook caches"),
     ("webhook list /limitranges", "webhook caches"),
     ("webhook watch /limitranges", "webhook caches"),

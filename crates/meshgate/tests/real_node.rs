@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use common::cluster::*;
 use common::*;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use meshgate_api::config::{GateCheck, InitGate};
 use meshgate_api::{GateConfig, Profile};
 use meshgate_testenv::host::{self, HostSnapshot};
@@ -1134,6 +1134,23 @@ async fn ambient_meshgate_installed_from_its_image_gates_the_real_node() {
         serde_json::to_string_pretty(&status).unwrap_or_default()
     );
 
+    // A rolling restart of the webhook (as `kubectl rollout restart` does) while mesh pods are
+    // created without pause (dry run: through admission like any create): every one carries its
+    // gate and none fails. Each old webhook pod serves through its preStop sleep while its
+    // endpoint leaves the Service (kube-proxy on this node), then drains and exits.
+    let (created, ungated, errors, took) = restart_webhook_under_load(&client, &pods).await;
+    eprintln!(
+        "measured: rolling restart of the webhook (2 replicas) under load: {created} mesh pods created during it, {} without their gate, {} failed ({took:.2?})",
+        ungated.len(),
+        errors.len()
+    );
+    assert!(created > 0, "pods were created during the restart");
+    assert!(
+        ungated.is_empty(),
+        "admitted without their gate: {ungated:?}"
+    );
+    assert!(errors.is_empty(), "creates failed: {errors:?}");
+
     // What the installed identities hold without repair: no pod writes (the matrix per feature
     // is tests/install.rs).
     for (sa, verb, resource) in [
@@ -1160,6 +1177,81 @@ async fn ambient_meshgate_installed_from_its_image_gates_the_real_node() {
     );
     drop(client);
     tear_down(cp, node).await;
+}
+
+/// Restarts the installed webhook's Deployment (a new pod template) and creates mesh pods in
+/// `pods`' namespace (dry run) until the rollout has finished and the old pods are gone: how
+/// many were created, the ones without the gate, the failed creates, and how long it took.
+async fn restart_webhook_under_load(
+    client: &kube::Client,
+    pods: &Api<Pod>,
+) -> (usize, Vec<String>, Vec<String>, Duration) {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let deployments = Api::<Deployment>::namespaced(client.clone(), "meshgate-system");
+    let webhook_pods = Api::<Pod>::namespaced(client.clone(), "meshgate-system");
+    let selector = "app.kubernetes.io/name=meshgate,app.kubernetes.io/component=webhook";
+    let old: Vec<String> = webhook_pods
+        .list(&kube::api::ListParams::default().labels(selector))
+        .await
+        .expect("webhook pods")
+        .items
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
+        .collect();
+    let stamp = k8s_openapi::jiff::Timestamp::now().to_string();
+    deployments
+        .patch(
+            "meshgate-webhook",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"template": {"metadata": {"annotations": {
+                "meshgate.test/restarted-at": stamp}}}}})),
+        )
+        .await
+        .expect("rollout restart");
+    let started = Instant::now();
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let (mut created, mut ungated, mut errors) = (0, Vec::new(), Vec::new());
+    loop {
+        let name = format!("during-restart-{created}");
+        match pods.create(&dry, &scheduled_pod(&name)).await {
+            Ok(p) if gate(&p).is_some() => {}
+            Ok(_) => ungated.push(name),
+            Err(e) => errors.push(format!("{name}: {e}")),
+        }
+        created += 1;
+        if created % 20 == 0 {
+            let now: Vec<Pod> = webhook_pods
+                .list(&kube::api::ListParams::default().labels(selector))
+                .await
+                .expect("webhook pods")
+                .items;
+            let old_gone = now
+                .iter()
+                .all(|p| !old.contains(p.metadata.name.as_ref().expect("name")));
+            let ready = now
+                .iter()
+                .filter(|p| {
+                    p.status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .is_some_and(|cs| {
+                            cs.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                        })
+                })
+                .count();
+            if old_gone && ready == 2 {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(180),
+                "the webhook's rollout did not finish in 180 s"
+            );
+        }
+    }
+    (created, ungated, errors, started.elapsed())
 }
 
 /// The sidecar profile in the cluster, with the repair loop (`install --repair delete`) and a

@@ -25,6 +25,15 @@ pub mod paths {
     pub const NODE_TAINT: &str = "/mutate/node-taint";
 }
 
+/// How long the webhook may take over a review, from the registrations' `timeoutSeconds`: the
+/// API server stops waiting then (and applies the failure policy), so the webhook gives up a
+/// quarter second before, answering `503` on a connection still open instead of working on for
+/// nobody. At least half a second.
+pub fn server_timeout(timeout_seconds: u8) -> std::time::Duration {
+    std::time::Duration::from_millis((u64::from(timeout_seconds) * 1000).saturating_sub(250))
+        .max(std::time::Duration::from_millis(500))
+}
+
 /// Where the API server reaches the webhook.
 #[derive(Clone, Debug)]
 pub enum WebhookTarget {
@@ -444,5 +453,19 @@ mod tests {
             "mesh"
         );
         assert_eq!(cel_string("a\"b\\"), "\"a\\\"b\\\\\"");
+    }
+}
+
+#[cfg(test)]
+mod server_timeout_tests {
+    use super::server_timeout;
+    use std::time::Duration;
+
+    #[test]
+    fn the_webhook_gives_up_before_the_api_server_does() {
+        assert_eq!(server_timeout(5), Duration::from_millis(4750));
+        assert_eq!(server_timeout(30), Duration::from_millis(29750));
+        assert_eq!(server_timeout(1), Duration::from_millis(750));
+        assert_eq!(server_timeout(0), Duration::from_millis(500));
     }
 }
