@@ -7,6 +7,9 @@
 //!   gate**. Until `get` was granted, such a read was forbidden and the pod refused (`allowed:
 //!   false`, code 500: the failure policy `Ignore` does not apply to a refusal).
 //!
+//! * The same while the webhook's namespace watch is cut (its watches never run: nothing is
+//!   cached): every pod's namespace is read, and every pod admitted with its gate.
+//!
 //! Run: `cargo test -p meshgate --test admission_hardening -- --nocapture`.
 
 mod common;
@@ -124,4 +127,134 @@ async fn webhook_metric(webhook: &Webhook, name: &str) -> f64 {
         .filter(|l| l.starts_with(name))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// meshgate's webhook as the installed `meshgate-webhook` ServiceAccount, registered, with its
+/// watches never started (a namespace watch cut from the start: every namespace is a cache miss).
+async fn start_webhook_with_cut_watches(
+    cp: &meshgate_testenv::ControlPlane,
+    config: meshgate_api::GateConfig,
+) -> Webhook {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = meshgate_pki::Ca::new("meshgate-cut-ca", Duration::from_secs(3600)).expect("ca");
+    let serving = ca
+        .issue_server(&["127.0.0.1"], Duration::from_secs(3600))
+        .expect("cert");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::write(&cert, &serving.cert_pem).expect("cert");
+    std::fs::write(&key, &serving.key_pem).expect("key");
+    let kubeconfig = cp.kubeconfig_path.clone();
+    let server = background()
+        .spawn(async move {
+            let client =
+                client_as_service_account(&kubeconfig, INSTALL_NS, "meshgate-webhook").await;
+            // The watches' driver is dropped, never run.
+            let (sources, _drive) = meshgate_webhook::Sources::watch(client);
+            let app = meshgate_webhook::App::new(
+                config,
+                sources,
+                meshgate_webhook::metrics::Metrics::new(),
+            );
+            meshgate_webhook::Server::start(
+                meshgate_webhook::ServerOptions {
+                    addr: "127.0.0.1:0".parse().expect("addr"),
+                    health_addr: "127.0.0.1:0".parse().expect("addr"),
+                    certs: meshgate_webhook::tls::CertFiles { cert, key },
+                    cert_poll_interval: Duration::from_secs(5),
+                    request_timeout: meshgate_core::registration::server_timeout(5),
+                    max_in_flight: meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT,
+                    shutdown_grace: Duration::from_secs(5),
+                },
+                app,
+            )
+            .await
+            .expect("webhook starts")
+        })
+        .await
+        .expect("webhook task");
+    let url = format!("https://127.0.0.1:{}", server.addr.port());
+    let health = format!("127.0.0.1:{}", server.health_addr.port());
+    Webhook {
+        server,
+        ca,
+        url,
+        health,
+        dir,
+    }
+}
+
+/// With the namespace watch cut, a pod's namespace is never in the cache: the webhook reads it
+/// (`get`, as its ServiceAccount) for every pod, and every pod carries its gate. Without the
+/// grant (481bbe6's RBAC) that read was forbidden and the pod refused.
+#[tokio::test]
+async fn with_the_namespace_watch_cut_every_pod_is_admitted_with_its_gate() {
+    let cp = control_plane(false).await;
+    let admin = cp.client().await.expect("client");
+    install_crds(&admin).await;
+    let options = install_options("istio-ambient", INSTALL_NS);
+    install_identities_of(&admin, &options).await;
+    let config = meshgate::install::gate_config_for(
+        "istio-ambient",
+        INSTALL_NS,
+        &options.image,
+        options.strategy,
+        &options.taint_key,
+    )
+    .expect("config");
+    let webhook = start_webhook_with_cut_watches(&cp, config.clone()).await;
+    register(
+        &admin,
+        &webhook.registration("meshgate-cut", &config, true, false),
+    )
+    .await;
+    let probe_ns = cp
+        .namespace("cut-probe", &[("istio.io/dataplane-mode", "ambient")])
+        .await
+        .expect("namespace");
+    probe_until(
+        &Api::<Pod>::namespaced(admin.clone(), &probe_ns),
+        "the webhook registered",
+        Duration::from_secs(60),
+        |p| gate_of(p).as_deref() == Some(meshgate_api::names::GATE_CONTAINER),
+    )
+    .await;
+    let reads_before = webhook_metric(&webhook, "meshgate_webhook_namespace_reads_total").await;
+    const PODS: usize = 20;
+    for i in 0..PODS {
+        let ns = cp
+            .namespace(
+                &format!("cut-{i}"),
+                &[("istio.io/dataplane-mode", "ambient")],
+            )
+            .await
+            .expect("namespace");
+        let pod: Pod = serde_json::from_value(json!({"metadata": {"name": "app"},
+            "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]}}))
+        .expect("pod");
+        let created = Api::<Pod>::namespaced(admin.clone(), &ns)
+            .create(&PostParams::default(), &pod)
+            .await
+            .unwrap_or_else(|e| panic!("the pod in {ns} was refused: {e}"));
+        assert_eq!(
+            gate_of(&created).as_deref(),
+            Some(meshgate_api::names::GATE_CONTAINER),
+            "the pod in {ns} carries its gate"
+        );
+    }
+    let reads =
+        webhook_metric(&webhook, "meshgate_webhook_namespace_reads_total").await - reads_before;
+    let unread = webhook_metric(&webhook, "meshgate_webhook_namespace_unread_total").await;
+    println!(
+        "measured: namespace watch cut: {PODS} pods in new namespaces, {reads} namespace reads on a cache miss, {unread} unreadable, {PODS} admitted with their gate, 0 refused"
+    );
+    assert!(
+        reads >= PODS as f64,
+        "every pod's namespace was read: {reads}"
+    );
+    assert_eq!(unread, 0.0);
+    Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(admin)
+        .delete("meshgate-cut", &Default::default())
+        .await
+        .expect("registration removed");
 }
