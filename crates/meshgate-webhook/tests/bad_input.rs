@@ -178,6 +178,39 @@ impl Harness {
         resp.text()
     }
 
+    /// `n` clients that send the headers of a 1 MiB review to `path`, then nothing: each holds
+    /// a slot of the route until it goes away (or the request timeout).
+    async fn slow_clients(&self, path: &str, n: usize) -> Vec<Tls> {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{",
+            1024 * 1024
+        );
+        let mut slow = Vec::new();
+        for _ in 0..n {
+            let mut tls = tls_connect(self.server.addr, &self.tls)
+                .await
+                .expect("connect");
+            tls.write_all(head.as_bytes()).await.expect("head");
+            tls.flush().await.expect("flush");
+            slow.push(tls);
+        }
+        slow
+    }
+
+    /// The first review of `path` refused with 429 (tried for up to 20 s), if any.
+    async fn refused_review(&self, path: &str) -> Option<Resp> {
+        for i in 0..200 {
+            let resp = self
+                .review(path, &pod_review(&format!("busy-{i}"), "other"))
+                .await;
+            if resp.status == 429 {
+                return Some(resp);
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        None
+    }
+
     /// The server is still up: `/healthz` answers, and so does a review.
     async fn assert_up(&self) {
         let resp = self.health_get("/healthz").await;
@@ -1193,30 +1226,12 @@ async fn overload_and_abuse_leave_the_webhook_up_and_answering() {
     let h = start_with(LIMIT).await;
 
     // 1. Slow clients take every slot: headers of a 1 MiB body, then a trickle.
-    let head = format!(
-        "POST {POD_GATE} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{",
-        1024 * 1024
-    );
-    let mut slow = Vec::new();
-    for _ in 0..LIMIT {
-        let mut tls = tls_connect(h.server.addr, &h.tls).await.expect("connect");
-        tls.write_all(head.as_bytes()).await.expect("head");
-        tls.flush().await.expect("flush");
-        slow.push(tls);
-    }
+    let slow = h.slow_clients(POD_GATE, LIMIT).await;
     // Once they hold the slots, a well-formed review is refused at once, not queued.
-    let mut refused = None;
-    for i in 0..200 {
-        let resp = h
-            .review(POD_GATE, &pod_review(&format!("busy-{i}"), "other"))
-            .await;
-        if resp.status == 429 {
-            refused = Some(resp);
-            break;
-        }
-        tokio::time::sleep(POLL).await;
-    }
-    let refused = refused.expect("a review is refused while the slow clients hold every slot");
+    let refused = h
+        .refused_review(POD_GATE)
+        .await
+        .expect("a review is refused while the slow clients hold every slot");
     assert!(refused.text().contains("overloaded"), "{refused:?}");
     let overloaded = metric(&h.metrics().await, "meshgate_webhook_overloaded_total ")
         .expect("overloaded counter");
@@ -1310,30 +1325,12 @@ async fn slow_policy_reviews_never_take_the_gates_slots() {
     const LIMIT: usize = meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT;
     let h = start_with(LIMIT).await;
     // As many slow policy reviews as the whole limit: headers of a 1 MiB body, then nothing.
-    let head = format!(
-        "POST {POLICIES} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{{",
-        1024 * 1024
-    );
-    let mut slow = Vec::new();
-    for _ in 0..LIMIT {
-        let mut tls = tls_connect(h.server.addr, &h.tls).await.expect("connect");
-        tls.write_all(head.as_bytes()).await.expect("head");
-        tls.flush().await.expect("flush");
-        slow.push(tls);
-    }
+    let slow = h.slow_clients(POLICIES, LIMIT).await;
     // The policies route is full once its own limit is held (the others were refused).
-    let mut policies_full = false;
-    for i in 0..200 {
-        let resp = h
-            .review(POLICIES, &pod_review(&format!("policy-{i}"), "other"))
-            .await;
-        if resp.status == 429 {
-            policies_full = true;
-            break;
-        }
-        tokio::time::sleep(POLL).await;
-    }
-    assert!(policies_full, "the slow policy reviews fill their route");
+    assert!(
+        h.refused_review(POLICIES).await.is_some(),
+        "the slow policy reviews fill their route"
+    );
     // The gate answers every review meanwhile, with its gate.
     for i in 0..LIMIT {
         let uid = format!("gate-{i}");

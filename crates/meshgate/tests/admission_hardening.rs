@@ -6,7 +6,6 @@
 //!   webhook reads the namespace once (`get`, granted by install) and admits the pod **with its
 //!   gate**. Until `get` was granted, such a read was forbidden and the pod refused (`allowed:
 //!   false`, code 500: the failure policy `Ignore` does not apply to a refusal).
-//!
 //! * The same while the webhook's namespace watch is cut (its watches never run: nothing is
 //!   cached): every pod's namespace is read, and every pod admitted with its gate.
 //!
@@ -17,97 +16,13 @@ mod common;
 use std::time::Duration;
 
 use common::*;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, PostParams};
 use serde_json::json;
 
 const INSTALL_NS: &str = "meshgate-system";
-/// Namespaces created, each with a pod created right after it.
-const ROUNDS: usize = 40;
-
-#[tokio::test]
-async fn pods_in_namespaces_the_webhook_has_not_seen_are_admitted_with_their_gate() {
-    let cp = control_plane(false).await;
-    let admin = cp.client().await.expect("client");
-    install_crds(&admin).await;
-    let options = install_options("istio-ambient", INSTALL_NS);
-    install_identities_of(&admin, &options).await;
-    let config = meshgate::install::gate_config_for(
-        "istio-ambient",
-        INSTALL_NS,
-        &options.image,
-        options.strategy,
-        &options.taint_key,
-    )
-    .expect("config");
-    let webhook = start_webhook_as(&cp, config.clone(), Some(INSTALL_NS)).await;
-    register(
-        &admin,
-        &webhook.registration("meshgate-hardening", &config, true, false),
-    )
-    .await;
-    // The registration in effect (it applies asynchronously): a probe in an ambient namespace
-    // the webhook has listed is gated.
-    let probe_ns = cp
-        .namespace("probe", &[("istio.io/dataplane-mode", "ambient")])
-        .await
-        .expect("namespace");
-    probe_until(
-        &Api::<Pod>::namespaced(admin.clone(), &probe_ns),
-        "the webhook registered",
-        Duration::from_secs(60),
-        |p| gate_of(p).as_deref() == Some(meshgate_api::names::GATE_CONTAINER),
-    )
-    .await;
-    let reads_before = webhook_metric(&webhook, "meshgate_webhook_namespace_reads_total").await;
-
-    // Each namespace, then its pod at once: concurrently, so that the webhook's namespace
-    // watch lags behind some of them.
-    let rounds = (0..ROUNDS).map(|i| {
-        let admin = admin.clone();
-        async move {
-            let name = format!("fresh-{i}");
-            let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name,
-                "labels": {"istio.io/dataplane-mode": "ambient"}}}))
-            .expect("namespace");
-            Api::<Namespace>::all(admin.clone())
-                .create(&PostParams::default(), &ns)
-                .await
-                .expect("namespace created");
-            let pod: Pod = serde_json::from_value(json!({"metadata": {"name": "app"},
-                "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]}}))
-            .expect("pod");
-            let created = Api::<Pod>::namespaced(admin, &name)
-                .create(&PostParams::default(), &pod)
-                .await;
-            (name, created)
-        }
-    });
-    let results = futures::future::join_all(rounds).await;
-    let mut gated = 0;
-    for (ns, created) in &results {
-        let pod = created
-            .as_ref()
-            .unwrap_or_else(|e| panic!("the pod in {ns} was refused: {e}"));
-        assert_eq!(
-            gate_of(pod).as_deref(),
-            Some(meshgate_api::names::GATE_CONTAINER),
-            "the pod in {ns} carries its gate"
-        );
-        gated += 1;
-    }
-    let reads =
-        webhook_metric(&webhook, "meshgate_webhook_namespace_reads_total").await - reads_before;
-    let unread = webhook_metric(&webhook, "meshgate_webhook_namespace_unread_total").await;
-    assert_eq!(unread, 0.0, "every namespace the cache missed was read");
-    println!(
-        "measured: {ROUNDS} pods created in namespaces made the same instant: {reads} read on a cache miss (as the webhook's ServiceAccount), {gated} admitted with their gate, 0 refused"
-    );
-    Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(admin)
-        .delete("meshgate-hardening", &Default::default())
-        .await
-        .expect("registration removed");
-}
+const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
 
 /// The first init container of a pod.
 fn gate_of(pod: &Pod) -> Option<String> {
@@ -129,59 +44,100 @@ async fn webhook_metric(webhook: &Webhook, name: &str) -> f64 {
         .sum()
 }
 
-/// meshgate's webhook as the installed `meshgate-webhook` ServiceAccount, registered, with its
-/// watches never started (a namespace watch cut from the start: every namespace is a cache miss).
-async fn start_webhook_with_cut_watches(
+/// The installed identities and the gate configuration of `install --profile istio-ambient
+/// --strategy pod` (every ambient pod gets the init gate).
+async fn installed(cp: &meshgate_testenv::ControlPlane) -> meshgate_api::GateConfig {
+    let admin = cp.client().await.expect("client");
+    install_crds(&admin).await;
+    let options = install_options("istio-ambient", INSTALL_NS);
+    install_identities_of(&admin, &options).await;
+    meshgate::install::gate_config_for(
+        "istio-ambient",
+        INSTALL_NS,
+        &options.image,
+        options.strategy,
+        &options.taint_key,
+    )
+    .expect("config")
+}
+
+/// Registers `webhook` as `name` and waits until the API server calls it (a probe pod of an
+/// ambient namespace is gated).
+async fn register_and_wait(
     cp: &meshgate_testenv::ControlPlane,
-    config: meshgate_api::GateConfig,
-) -> Webhook {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let ca = meshgate_pki::Ca::new("meshgate-cut-ca", Duration::from_secs(3600)).expect("ca");
-    let serving = ca
-        .issue_server(&["127.0.0.1"], Duration::from_secs(3600))
-        .expect("cert");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    std::fs::write(&cert, &serving.cert_pem).expect("cert");
-    std::fs::write(&key, &serving.key_pem).expect("key");
-    let kubeconfig = cp.kubeconfig_path.clone();
-    let server = background()
-        .spawn(async move {
-            let client =
-                client_as_service_account(&kubeconfig, INSTALL_NS, "meshgate-webhook").await;
-            // The watches' driver is dropped, never run.
-            let (sources, _drive) = meshgate_webhook::Sources::watch(client);
-            let app = meshgate_webhook::App::new(
-                config,
-                sources,
-                meshgate_webhook::metrics::Metrics::new(),
-            );
-            meshgate_webhook::Server::start(
-                meshgate_webhook::ServerOptions {
-                    addr: "127.0.0.1:0".parse().expect("addr"),
-                    health_addr: "127.0.0.1:0".parse().expect("addr"),
-                    certs: meshgate_webhook::tls::CertFiles { cert, key },
-                    cert_poll_interval: Duration::from_secs(5),
-                    request_timeout: meshgate_core::registration::server_timeout(5),
-                    max_in_flight: meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT,
-                    shutdown_grace: Duration::from_secs(5),
-                },
-                app,
-            )
-            .await
-            .expect("webhook starts")
-        })
+    webhook: &Webhook,
+    name: &str,
+    config: &meshgate_api::GateConfig,
+) {
+    let admin = cp.client().await.expect("client");
+    register(&admin, &webhook.registration(name, config, true, false)).await;
+    let probe_ns = cp
+        .namespace(&format!("{name}-probe"), &[AMBIENT])
         .await
-        .expect("webhook task");
-    let url = format!("https://127.0.0.1:{}", server.addr.port());
-    let health = format!("127.0.0.1:{}", server.health_addr.port());
-    Webhook {
-        server,
-        ca,
-        url,
-        health,
-        dir,
-    }
+        .expect("namespace");
+    probe_until(
+        &Api::<Pod>::namespaced(admin, &probe_ns),
+        "the webhook registered",
+        Duration::from_secs(60),
+        |p| gate_of(p).as_deref() == Some(meshgate_api::names::GATE_CONTAINER),
+    )
+    .await;
+}
+
+/// Creates a pod in `ns` and asserts it was admitted with its gate.
+async fn assert_created_gated(admin: &kube::Client, ns: &str) {
+    let pod: Pod = serde_json::from_value(json!({"metadata": {"name": "app"},
+        "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]}}))
+    .expect("pod");
+    let created = Api::<Pod>::namespaced(admin.clone(), ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap_or_else(|e| panic!("the pod in {ns} was refused: {e}"));
+    assert_eq!(
+        gate_of(&created).as_deref(),
+        Some(meshgate_api::names::GATE_CONTAINER),
+        "the pod in {ns} carries its gate"
+    );
+}
+
+#[tokio::test]
+async fn pods_in_namespaces_the_webhook_has_not_seen_are_admitted_with_their_gate() {
+    let cp = control_plane(false).await;
+    let admin = cp.client().await.expect("client");
+    let config = installed(&cp).await;
+    let webhook = start_webhook_as(&cp, config.clone(), Some(INSTALL_NS)).await;
+    register_and_wait(&cp, &webhook, "meshgate-hardening", &config).await;
+    let reads_before = webhook_metric(&webhook, "meshgate_webhook_namespace_reads_total").await;
+
+    // Each namespace, then its pod at once: concurrently, so that the webhook's namespace
+    // watch may lag behind some of them.
+    const ROUNDS: usize = 40;
+    let rounds = (0..ROUNDS).map(|i| {
+        let admin = admin.clone();
+        async move {
+            let name = format!("fresh-{i}");
+            let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name,
+                "labels": {AMBIENT.0: AMBIENT.1}}}))
+            .expect("namespace");
+            Api::<Namespace>::all(admin.clone())
+                .create(&PostParams::default(), &ns)
+                .await
+                .expect("namespace created");
+            assert_created_gated(&admin, &name).await;
+        }
+    });
+    futures::future::join_all(rounds).await;
+    let reads =
+        webhook_metric(&webhook, "meshgate_webhook_namespace_reads_total").await - reads_before;
+    let unread = webhook_metric(&webhook, "meshgate_webhook_namespace_unread_total").await;
+    assert_eq!(unread, 0.0, "every namespace the cache missed was read");
+    println!(
+        "measured: {ROUNDS} pods created in namespaces made the same instant: {reads} read on a cache miss (as the webhook's ServiceAccount), {ROUNDS} admitted with their gate, 0 refused"
+    );
+    Api::<MutatingWebhookConfiguration>::all(admin)
+        .delete("meshgate-hardening", &Default::default())
+        .await
+        .expect("registration removed");
 }
 
 /// With the namespace watch cut, a pod's namespace is never in the cache: the webhook reads it
@@ -191,56 +147,17 @@ async fn start_webhook_with_cut_watches(
 async fn with_the_namespace_watch_cut_every_pod_is_admitted_with_its_gate() {
     let cp = control_plane(false).await;
     let admin = cp.client().await.expect("client");
-    install_crds(&admin).await;
-    let options = install_options("istio-ambient", INSTALL_NS);
-    install_identities_of(&admin, &options).await;
-    let config = meshgate::install::gate_config_for(
-        "istio-ambient",
-        INSTALL_NS,
-        &options.image,
-        options.strategy,
-        &options.taint_key,
-    )
-    .expect("config");
-    let webhook = start_webhook_with_cut_watches(&cp, config.clone()).await;
-    register(
-        &admin,
-        &webhook.registration("meshgate-cut", &config, true, false),
-    )
-    .await;
-    let probe_ns = cp
-        .namespace("cut-probe", &[("istio.io/dataplane-mode", "ambient")])
-        .await
-        .expect("namespace");
-    probe_until(
-        &Api::<Pod>::namespaced(admin.clone(), &probe_ns),
-        "the webhook registered",
-        Duration::from_secs(60),
-        |p| gate_of(p).as_deref() == Some(meshgate_api::names::GATE_CONTAINER),
-    )
-    .await;
+    let config = installed(&cp).await;
+    let webhook = start_webhook_with_cut_watches(&cp, config.clone(), INSTALL_NS).await;
+    register_and_wait(&cp, &webhook, "meshgate-cut", &config).await;
     let reads_before = webhook_metric(&webhook, "meshgate_webhook_namespace_reads_total").await;
     const PODS: usize = 20;
     for i in 0..PODS {
         let ns = cp
-            .namespace(
-                &format!("cut-{i}"),
-                &[("istio.io/dataplane-mode", "ambient")],
-            )
+            .namespace(&format!("cut-{i}"), &[AMBIENT])
             .await
             .expect("namespace");
-        let pod: Pod = serde_json::from_value(json!({"metadata": {"name": "app"},
-            "spec": {"containers": [{"name": "app", "image": "registry.invalid/app:1"}]}}))
-        .expect("pod");
-        let created = Api::<Pod>::namespaced(admin.clone(), &ns)
-            .create(&PostParams::default(), &pod)
-            .await
-            .unwrap_or_else(|e| panic!("the pod in {ns} was refused: {e}"));
-        assert_eq!(
-            gate_of(&created).as_deref(),
-            Some(meshgate_api::names::GATE_CONTAINER),
-            "the pod in {ns} carries its gate"
-        );
+        assert_created_gated(&admin, &ns).await;
     }
     let reads =
         webhook_metric(&webhook, "meshgate_webhook_namespace_reads_total").await - reads_before;
@@ -253,7 +170,7 @@ async fn with_the_namespace_watch_cut_every_pod_is_admitted_with_its_gate() {
         "every pod's namespace was read: {reads}"
     );
     assert_eq!(unread, 0.0);
-    Api::<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration>::all(admin)
+    Api::<MutatingWebhookConfiguration>::all(admin)
         .delete("meshgate-cut", &Default::default())
         .await
         .expect("registration removed");

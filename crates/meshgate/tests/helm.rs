@@ -560,30 +560,7 @@ async fn start_controller(
 /// carries `key`).
 async fn new_node(client: &kube::Client, name: &str, key: &str) -> (Vec<String>, Option<String>) {
     let nodes = Api::<Node>::all(client.clone());
-    let mut n = 0;
-    wait_for(
-        &format!("{key} at registration"),
-        Duration::from_secs(30),
-        || {
-            n += 1;
-            let nodes = nodes.clone();
-            async move {
-                let probe: Node =
-                    serde_json::from_value(json!({"metadata": {"name": format!("probe-{n}")}}))
-                        .expect("node");
-                let dry = PostParams {
-                    dry_run: true,
-                    ..Default::default()
-                };
-                nodes.create(&dry, &probe).await.is_ok_and(|n| {
-                    n.spec
-                        .and_then(|s| s.taints)
-                        .is_some_and(|ts| ts.iter().any(|t| t.key == key))
-                })
-            }
-        },
-    )
-    .await;
+    wait_registration_taint(client, key, true).await;
     let node: Node = serde_json::from_value(json!({"metadata": {"name": name}})).expect("node");
     let created = nodes
         .create(&PostParams::default(), &node)

@@ -157,29 +157,7 @@ async fn the_upgrade_to_the_taint_strategy_keeps_every_node_and_pod_held_and_lif
     // A node registers (tainted at CREATE under the old key), its agents not Ready. The API
     // server's admission policies follow their objects asynchronously: a dry-run create first.
     let nodes: Api<Node> = Api::all(client.clone());
-    let mut n = 0;
-    common::wait_for(
-        "the taint at registration in effect",
-        Duration::from_secs(30),
-        || {
-            n += 1;
-            let nodes = nodes.clone();
-            async move {
-                let probe: Node =
-                    serde_json::from_value(json!({"metadata": {"name": format!("probe-{n}")}}))
-                        .expect("node");
-                let dry = PostParams {
-                    dry_run: true,
-                    ..Default::default()
-                };
-                nodes
-                    .create(&dry, &probe)
-                    .await
-                    .is_ok_and(|n| keys(&n).iter().any(|k| k == DEFAULT_TAINT_KEY))
-            }
-        },
-    )
-    .await;
+    common::wait_registration_taint(&client, DEFAULT_TAINT_KEY, true).await;
     let node: Node = serde_json::from_value(json!({"metadata": {"name": NODE}})).expect("node");
     let created = nodes
         .create(&PostParams::default(), &node)

@@ -470,30 +470,10 @@ pub fn gate_log_line(node: &RealNode, ns: &str, pod: &Pod) -> String {
 /// Waits until a dry-run Node create comes back with the startup taint:
 /// admission policies take effect asynchronously.
 pub async fn wait_node_taint_policy(nodes: &Api<k8s_openapi::api::core::v1::Node>) {
-    let mut n = 0;
-    meshgate_testenv::wait_for(
-        "the node-taint admission policy to be active",
-        Duration::from_secs(30),
-        || {
-            n += 1;
-            let nodes = nodes.clone();
-            async move {
-                let probe: k8s_openapi::api::core::v1::Node = serde_json::from_value(
-                    serde_json::json!({"metadata": {"name": format!("probe-{n}")}}),
-                )
-                .expect("node");
-                let dry = kube::api::PostParams {
-                    dry_run: true,
-                    ..Default::default()
-                };
-                nodes.create(&dry, &probe).await.ok().is_some_and(|n| {
-                    n.spec.and_then(|s| s.taints).is_some_and(|ts| {
-                        ts.iter()
-                            .any(|t| t.key == meshgate_api::names::STARTUP_TAINT_KEY)
-                    })
-                })
-            }
-        },
+    super::wait_registration_taint(
+        &nodes.clone().into_client(),
+        meshgate_api::names::STARTUP_TAINT_KEY,
+        true,
     )
     .await;
 }

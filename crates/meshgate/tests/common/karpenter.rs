@@ -238,39 +238,9 @@ pub fn admission_policies() -> [kube::discovery::ApiResource; 2] {
     })
 }
 
-/// Waits until a dry-run Node create comes back with (`want`) or without the gate's taint:
-/// the API server's admission policies follow their objects asynchronously.
+/// Waits until a dry-run Node create comes back with (`want`) or without the gate's taint.
 pub async fn wait_taint_at_registration(client: &kube::Client, want: bool) {
-    let nodes: Api<Node> = Api::all(client.clone());
-    let mut n = 0;
-    super::wait_for(
-        &format!(
-            "the taint at registration to be {}",
-            if want { "on" } else { "off" }
-        ),
-        Duration::from_secs(30),
-        || {
-            n += 1;
-            let nodes = nodes.clone();
-            async move {
-                let probe: Node =
-                    serde_json::from_value(json!({"metadata": {"name": format!("probe-{n}")}}))
-                        .expect("node");
-                let dry = PostParams {
-                    dry_run: true,
-                    ..Default::default()
-                };
-                nodes.create(&dry, &probe).await.ok().is_some_and(|n| {
-                    let tainted = n.spec.and_then(|s| s.taints).is_some_and(|ts| {
-                        ts.iter()
-                            .any(|t| t.key == meshgate_api::names::STARTUP_TAINT_KEY)
-                    });
-                    tainted == want
-                })
-            }
-        },
-    )
-    .await;
+    super::wait_registration_taint(client, meshgate_api::names::STARTUP_TAINT_KEY, want).await;
 }
 
 /// Runs the `meshgate` CLI off the test's runtime (its watches go on meanwhile).

@@ -152,15 +152,7 @@ pub async fn start_webhook_as(
     config: GateConfig,
     namespace: Option<&str>,
 ) -> Webhook {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let ca = meshgate_pki::Ca::new("meshgate-e2e-ca", Duration::from_secs(3600)).expect("ca");
-    let serving = ca
-        .issue_server(&["127.0.0.1", "localhost"], Duration::from_secs(3600))
-        .expect("cert");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    std::fs::write(&cert, &serving.cert_pem).expect("write cert");
-    std::fs::write(&key, &serving.key_pem).expect("write key");
+    let (ca, dir, cert, key) = serving_certificate();
     let kubeconfig = cp.kubeconfig_path.clone();
     let settings = meshgate::run::WebhookSettings {
         config,
@@ -185,15 +177,83 @@ pub async fn start_webhook_as(
         })
         .await
         .expect("webhook task");
-    let url = format!("https://127.0.0.1:{}", server.addr.port());
-    let health = format!("127.0.0.1:{}", server.health_addr.port());
-    Webhook {
-        server,
-        ca,
-        url,
-        health,
-        dir,
+    Webhook::new(server, ca, dir)
+}
+
+/// A CA and a serving certificate for loopback, written as `tls.crt` and `tls.key` in a new
+/// directory.
+fn serving_certificate() -> (
+    meshgate_pki::Ca,
+    tempfile::TempDir,
+    std::path::PathBuf,
+    std::path::PathBuf,
+) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let ca = meshgate_pki::Ca::new("meshgate-e2e-ca", Duration::from_secs(3600)).expect("ca");
+    let serving = ca
+        .issue_server(&["127.0.0.1", "localhost"], Duration::from_secs(3600))
+        .expect("cert");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::write(&cert, &serving.cert_pem).expect("write cert");
+    std::fs::write(&key, &serving.key_pem).expect("write key");
+    (ca, dir, cert, key)
+}
+
+impl Webhook {
+    fn new(server: meshgate_webhook::Server, ca: meshgate_pki::Ca, dir: tempfile::TempDir) -> Self {
+        let url = format!("https://127.0.0.1:{}", server.addr.port());
+        let health = format!("127.0.0.1:{}", server.health_addr.port());
+        Webhook {
+            server,
+            ca,
+            url,
+            health,
+            dir,
+        }
     }
+}
+
+/// [`start_webhook_as`] the `meshgate-webhook` ServiceAccount of `namespace`, with its watches
+/// never started: nothing is cached (a namespace watch cut from the start).
+#[allow(dead_code)]
+pub async fn start_webhook_with_cut_watches(
+    cp: &ControlPlane,
+    config: GateConfig,
+    namespace: &str,
+) -> Webhook {
+    let (ca, dir, cert, key) = serving_certificate();
+    let kubeconfig = cp.kubeconfig_path.clone();
+    let namespace = namespace.to_owned();
+    let server = background()
+        .spawn(async move {
+            let client =
+                client_as_service_account(&kubeconfig, &namespace, "meshgate-webhook").await;
+            // The watches' driver is dropped, never run.
+            let (sources, _drive) = meshgate_webhook::Sources::watch(client);
+            let app = meshgate_webhook::App::new(
+                config,
+                sources,
+                meshgate_webhook::metrics::Metrics::new(),
+            );
+            meshgate_webhook::Server::start(
+                meshgate_webhook::ServerOptions {
+                    addr: "127.0.0.1:0".parse().expect("addr"),
+                    health_addr: "127.0.0.1:0".parse().expect("addr"),
+                    certs: meshgate_webhook::tls::CertFiles { cert, key },
+                    cert_poll_interval: Duration::from_secs(5),
+                    request_timeout: meshgate_core::registration::server_timeout(5),
+                    max_in_flight: meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT,
+                    shutdown_grace: Duration::from_secs(5),
+                },
+                app,
+            )
+            .await
+            .expect("webhook starts")
+        })
+        .await
+        .expect("webhook task");
+    Webhook::new(server, ca, dir)
 }
 
 /// The webhook's configuration for the policy path alone: no init gate.
@@ -280,6 +340,44 @@ pub async fn register(client: &Client, mwc: &serde_json::Value) {
 
 #[allow(unused_imports)]
 pub use meshgate_testenv::wait_for;
+
+/// Waits until a dry-run Node create comes back carrying the taint `key` (`want`) or not: the
+/// API server's admission policies (the node taint at registration) follow their objects
+/// asynchronously.
+#[allow(dead_code)]
+pub async fn wait_registration_taint(client: &Client, key: &str, want: bool) {
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let mut n = 0;
+    wait_for(
+        &format!(
+            "{key} at registration to be {}",
+            if want { "on" } else { "off" }
+        ),
+        Duration::from_secs(30),
+        || {
+            n += 1;
+            let nodes = nodes.clone();
+            async move {
+                let probe = serde_json::from_value(
+                    serde_json::json!({"metadata": {"name": format!("probe-{n}")}}),
+                )
+                .expect("node");
+                let dry = kube::api::PostParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                nodes.create(&dry, &probe).await.ok().is_some_and(|n| {
+                    let tainted = n
+                        .spec
+                        .and_then(|s| s.taints)
+                        .is_some_and(|ts| ts.iter().any(|t| t.key == key));
+                    tainted == want
+                })
+            }
+        },
+    )
+    .await;
+}
 
 /// Dry-run creates probe pods in `pods`' namespace until what the API server returns satisfies
 /// `done`: webhook registrations and the webhook's caches take effect asynchronously.
