@@ -139,6 +139,9 @@ struct Ctx {
     /// Re-taints reserved within a gate's budget (gate uid → nodes), so that reconciles running
     /// at the same time never exceed it before the node cache shows their writes.
     retaints: Mutex<std::collections::HashMap<String, HashSet<String>>>,
+    /// Nodes whose reconcile failed, with their failures in a row (backoff and one warning per
+    /// streak, `meshgate_core::node_gate::retry`).
+    failures: Mutex<std::collections::HashMap<String, u32>>,
 }
 
 impl Ctx {
@@ -296,6 +299,7 @@ pub async fn run(
         dra: crate::dra::Dra::new(slice_store),
         resync: trigger_tx.clone(),
         retaints: Mutex::new(std::collections::HashMap::new()),
+        failures: Mutex::new(std::collections::HashMap::new()),
     });
 
     // No decision before every cache has its first list: nodes, gates, then the agents' pods
@@ -368,7 +372,7 @@ pub async fn run(
     let main = controller
         .reconcile_on(triggers)
         .graceful_shutdown_on(shutdown)
-        .run(reconcile, error_policy, ctx)
+        .run(reconcile_counted, error_policy, ctx)
         .for_each(|r| {
             match r {
                 Err(kube::runtime::controller::Error::QueueError(e)) => {
@@ -390,9 +394,43 @@ pub async fn run(
     agents.stop();
 }
 
-fn error_policy(_node: Arc<GateNode>, err: &Error, _ctx: Arc<Ctx>) -> Action {
-    tracing::warn!(error = %err, "node reconcile failed; retrying");
-    Action::requeue(Duration::from_millis(500))
+/// Retries a failed node with capped exponential backoff; warns once per streak of failures.
+fn error_policy(node: Arc<GateNode>, err: &Error, ctx: Arc<Ctx>) -> Action {
+    use meshgate_core::node_gate::retry::{retry_after, warn_on};
+    let name = node.name_any();
+    let failures = {
+        let mut failures = ctx
+            .failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = failures.entry(name.clone()).or_insert(0);
+        *n = n.saturating_add(1);
+        *n
+    };
+    let retry = retry_after(failures);
+    if warn_on(failures) {
+        tracing::warn!(node = %name, error = %err, retry_in = ?retry, "node reconcile failed; retrying with backoff (further failures of this node are logged at debug level until it succeeds)");
+    } else {
+        tracing::debug!(node = %name, error = %err, failures, retry_in = ?retry, "node reconcile failed again");
+    }
+    Action::requeue(retry)
+}
+
+/// [`reconcile`], ending a node's streak of failures when it succeeds.
+async fn reconcile_counted(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> {
+    let name = node.name_any();
+    let result = reconcile(node, ctx.clone()).await;
+    if result.is_ok() {
+        let ended = ctx
+            .failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&name);
+        if let Some(failures) = ended {
+            tracing::info!(node = %name, failures, "node reconcile succeeded after failing");
+        }
+    }
+    result
 }
 
 /// Gates the controller acts on: not being deleted, and valid.

@@ -101,7 +101,9 @@ enum Command {
         lease_name: String,
         #[arg(long, env = "POD_NAME")]
         identity: Option<String>,
-        #[arg(long, default_value_t = 15)]
+        /// Seconds the leader's lease is valid after its last renewal (renewed a third of it
+        /// before expiry); at least 3.
+        #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(3..))]
         lease_seconds: u64,
         #[arg(long, default_value = "0.0.0.0:8080")]
         health_addr: SocketAddr,

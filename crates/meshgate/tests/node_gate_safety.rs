@@ -1110,3 +1110,19 @@ async fn a_taint_written_between_read_and_write_survives() {
             .expect("delete");
     }
 }
+
+/// A lease too short to renew is refused with the flag's name, before anything starts (it
+/// panicked inside the lease library at `481bbe6`).
+#[test]
+fn a_lease_too_short_to_renew_is_refused_at_start() {
+    let out = std::process::Command::new(meshgate_bin())
+        .args(["controller", "--lease-seconds", "1"])
+        .output()
+        .expect("meshgate runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--lease-seconds") && !err.contains("panicked"),
+        "{err}"
+    );
+}

@@ -9,3 +9,4 @@ pub mod autoscaler;
 pub mod dra;
 pub mod nodegate;
 pub mod repair;
+pub mod retry;
