@@ -84,7 +84,9 @@ pub struct AgentPod {
     pub labels: std::sync::Arc<BTreeMap<String, String>>,
     /// Ready, and not being deleted.
     pub ready: bool,
-    /// When the Ready condition last changed (else the pod's creation), Unix seconds.
+    /// When the Ready condition last changed (else the pod's creation), Unix seconds; for a pod
+    /// being deleted, when its deletion began (a rollout's old pod is not ready from then, and
+    /// the gate's grace period counts from then, not from when it became Ready long ago).
     pub since: i64,
 }
 
@@ -105,9 +107,18 @@ impl AgentPod {
         // A pod being deleted is not counted as Ready.
         let ready = pod.metadata.deletion_timestamp.is_none()
             && ready_cond.is_some_and(|c| c.status == "True");
-        let since = ready_cond
-            .and_then(|c| c.last_transition_time.as_ref())
-            .map_or(created, |t| t.0.as_second());
+        // `deletionTimestamp` is when the pod will be gone: its deletion began its grace period
+        // before that.
+        let deleting_since = pod
+            .metadata
+            .deletion_timestamp
+            .as_ref()
+            .map(|t| t.0.as_second() - pod.metadata.deletion_grace_period_seconds.unwrap_or(0));
+        let since = deleting_since.unwrap_or_else(|| {
+            ready_cond
+                .and_then(|c| c.last_transition_time.as_ref())
+                .map_or(created, |t| t.0.as_second())
+        });
         Some((
             node,
             AgentPod {
@@ -1435,5 +1446,47 @@ mod uninstall_tests {
         // Nothing of meshgate's: nothing to do.
         let plan = uninstall_patches(&gates, &none, &[taint("x/y")], &[]);
         assert_eq!(plan, UninstallPlan::default());
+    }
+}
+
+#[cfg(test)]
+mod terminating_agent_tests {
+    use super::AgentPod;
+    use serde_json::json;
+
+    /// An agent pod being deleted (a DaemonSet rollout) counts as not ready from when its
+    /// deletion began, not from when it became Ready: the gate's grace period covers the
+    /// rollout instead of re-tainting the node at once.
+    #[test]
+    fn a_terminating_agent_is_not_ready_since_its_deletion_began() {
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+            "metadata": {"name": "cni-1", "namespace": "istio-system",
+                         "creationTimestamp": "2026-01-01T00:00:00Z",
+                         "deletionTimestamp": "2026-06-01T00:00:30Z",
+                         "deletionGracePeriodSeconds": 30},
+            "spec": {"nodeName": "n1", "containers": []},
+            "status": {"conditions": [{"type": "Ready", "status": "True",
+                                       "lastTransitionTime": "2026-01-01T00:01:00Z"}]},
+        }))
+        .expect("pod");
+        let (_, agent) = AgentPod::of(&pod).expect("bound");
+        assert!(!agent.ready);
+        let deletion_began = "2026-06-01T00:00:00Z"
+            .parse::<k8s_openapi::jiff::Timestamp>()
+            .expect("time")
+            .as_second();
+        assert_eq!(agent.since, deletion_began);
+        // Not being deleted: since its Ready condition changed.
+        let mut live = pod.clone();
+        live.metadata.deletion_timestamp = None;
+        let (_, agent) = AgentPod::of(&live).expect("bound");
+        assert!(agent.ready);
+        assert_eq!(
+            agent.since,
+            "2026-01-01T00:01:00Z"
+                .parse::<k8s_openapi::jiff::Timestamp>()
+                .expect("time")
+                .as_second()
+        );
     }
 }
