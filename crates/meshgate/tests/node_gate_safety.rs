@@ -1011,6 +1011,17 @@ async fn a_taint_written_between_read_and_write_survives() {
     }))
     .expect("spec");
     let foreign = json!({"spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}]}});
+    // meshgate's write of a taint patch, as the controller sends it.
+    let write = |name: &'static str, patch: &meshgate_core::patch::JsonPatch| {
+        let gate_nodes = gate_nodes.clone();
+        let ops: json_patch::Patch =
+            serde_json::from_value(Value::Array(patch.0.clone())).expect("patch");
+        async move {
+            gate_nodes
+                .patch(name, &PatchParams::default(), &Patch::<()>::Json(ops))
+                .await
+        }
+    };
     let keys = |n: &meshgate_api::GateNode| -> Vec<String> {
         taints_of(n).into_iter().map(|t| t.key).collect()
     };
@@ -1047,16 +1058,7 @@ async fn a_taint_written_between_read_and_write_survives() {
         if !conditional {
             patch.0.retain(|op| op["op"] != "test");
         }
-        let written = gate_nodes
-            .patch(
-                name,
-                &PatchParams::default(),
-                &Patch::<()>::Json(
-                    serde_json::from_value(serde_json::to_value(&patch.0).expect("json"))
-                        .expect("patch"),
-                ),
-            )
-            .await;
+        let written = write(name, &patch).await;
         let after = keys(&gate_nodes.get(name).await.expect("node"));
         let survived = after.iter().any(|k| k == "node.kubernetes.io/unreachable");
         println!(
@@ -1081,15 +1083,7 @@ async fn a_taint_written_between_read_and_write_survives() {
                 .clone()
                 .expect("resourceVersion");
             let patch = taint_patch(&spec, &taints_of(&now), &rv, true).expect("a write");
-            gate_nodes
-                .patch(
-                    name,
-                    &PatchParams::default(),
-                    &Patch::<()>::Json(
-                        serde_json::from_value(serde_json::to_value(&patch.0).expect("json"))
-                            .expect("patch"),
-                    ),
-                )
+            write(name, &patch)
                 .await
                 .expect("the write from the node as it is");
             let both = keys(&gate_nodes.get(name).await.expect("node"));
