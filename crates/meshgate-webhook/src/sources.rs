@@ -497,9 +497,9 @@ impl Sources {
         }
     }
 
-    /// Whether the cache holds the namespace (a review of one it does not is read once).
-    pub fn cached(&self, name: &str) -> bool {
-        self.0.index.metas.get(name).is_some()
+    /// The namespace's labels and annotations from the cache alone (`None`: not cached yet).
+    pub fn cached_namespace(&self, name: &str) -> Option<Arc<Meta>> {
+        self.0.index.metas.get(name)
     }
 
     /// The `Container` items of a namespace's LimitRanges, shared with the cache.
