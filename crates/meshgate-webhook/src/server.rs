@@ -47,27 +47,43 @@ pub enum ServerError {
     Serve(std::io::Error),
 }
 
-/// Connections taken but not yet read from.
+/// Connections taken but not yet read from, and whether the admission port still listens.
 ///
 /// axum-server's graceful shutdown drops such connections unanswered (those still in the TLS
 /// handshake, and those hyper has not yet read far enough to tell HTTP/1 from HTTP/2), although
-/// their client may already have sent a review. [`Server::shutdown`] therefore first stops taking
-/// connections and waits for the taken ones to be read from.
-#[derive(Clone, Default)]
+/// their client may already have sent a review. [`Server::shutdown`] therefore first closes the
+/// listening socket (later connections are refused at connect, which the API server reports as
+/// such) and waits for the taken ones to be read from.
+#[derive(Clone)]
 struct Fresh(Arc<FreshState>);
 
-#[derive(Default)]
 struct FreshState {
-    draining: AtomicBool,
+    /// Turns true when draining starts; [`DrainingListener`] then closes its socket.
+    draining: tokio::sync::watch::Sender<bool>,
+    /// False once the listening socket is closed (every connection it gave is counted by then).
+    listening: AtomicBool,
     count: AtomicUsize,
 }
 
+impl Default for Fresh {
+    fn default() -> Self {
+        Self(Arc::new(FreshState {
+            draining: tokio::sync::watch::Sender::new(false),
+            listening: AtomicBool::new(true),
+            count: AtomicUsize::new(0),
+        }))
+    }
+}
+
 impl Fresh {
-    /// Stops taking connections; waits (at most `limit`) until every taken one has been read from.
+    /// Closes the listening socket; waits (at most `limit`) until it is closed and every
+    /// connection taken from it has been read from.
     async fn drain(&self, limit: Duration) {
-        self.0.draining.store(true, Ordering::SeqCst);
+        self.0.draining.send_replace(true);
         let deadline = Instant::now() + limit;
-        while self.0.count.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+        while (self.0.listening.load(Ordering::SeqCst) || self.0.count.load(Ordering::SeqCst) > 0)
+            && Instant::now() < deadline
+        {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -89,17 +105,152 @@ impl Drop for FreshGuard {
     }
 }
 
-/// Wraps the TLS acceptor: counts each connection in [`Fresh`] until its first read, and
-/// closes new connections once draining.
-#[derive(Clone)]
-struct FreshAcceptor<A> {
-    inner: A,
+/// The admission port's address as axum-server sees it: served by [`DrainingListener`].
+#[derive(Clone, Debug)]
+struct AdmissionAddr;
+
+impl axum_server::Address for AdmissionAddr {
+    type Stream = Counted;
+    type Listener = DrainingListener;
+}
+
+/// The admission port's listening socket. When draining starts it takes the connections the
+/// kernel has already completed, then closes the socket, so that a connection is either served
+/// or refused at connect, never accepted and then dropped.
+struct DrainingListener {
+    socket: std::sync::Mutex<Option<Arc<tokio::net::TcpListener>>>,
     fresh: Fresh,
 }
 
-impl<A, I, S> axum_server::accept::Accept<I, S> for FreshAcceptor<A>
+impl DrainingListener {
+    fn socket(&self) -> Option<Arc<tokio::net::TcpListener>> {
+        self.socket.lock().ok().and_then(|s| s.clone())
+    }
+
+    fn close(&self) {
+        if let Ok(mut socket) = self.socket.lock() {
+            *socket = None;
+        }
+        self.fresh.0.listening.store(false, Ordering::SeqCst);
+    }
+
+    fn counted(&self, stream: tokio::net::TcpStream) -> Counted {
+        Counted {
+            guard: Some(FreshGuard::new(&self.fresh)),
+            stream,
+        }
+    }
+}
+
+/// A connection the kernel has completed and not yet handed out, taken without waiting.
+fn accept_now(socket: &tokio::net::TcpListener) -> std::io::Result<Option<tokio::net::TcpStream>> {
+    match socket2::SockRef::from(socket).accept() {
+        Ok((stream, _)) => {
+            stream.set_nonblocking(true)?;
+            tokio::net::TcpStream::from_std(stream.into()).map(Some)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+impl axum_server::AddrListener<Counted, AdmissionAddr> for DrainingListener {
+    async fn bind_to(_: AdmissionAddr) -> std::io::Result<Self> {
+        Err(std::io::Error::other(
+            "the admission listener is bound by Server::start",
+        ))
+    }
+
+    async fn accept_stream(&self) -> std::io::Result<(Counted, AdmissionAddr)> {
+        let mut draining = self.fresh.0.draining.subscribe();
+        loop {
+            let Some(socket) = self.socket() else {
+                // Closed: the server's graceful shutdown ends the accept loop.
+                return std::future::pending().await;
+            };
+            if *draining.borrow_and_update() {
+                match accept_now(&socket) {
+                    Ok(Some(stream)) => return Ok((self.counted(stream), AdmissionAddr)),
+                    Ok(None) => self.close(),
+                    Err(e) => {
+                        self.close();
+                        return Err(e);
+                    }
+                }
+                continue;
+            }
+            tokio::select! {
+                biased;
+                _ = draining.changed() => {}
+                accepted = socket.accept() => {
+                    return Ok((self.counted(accepted?.0), AdmissionAddr));
+                }
+            }
+        }
+    }
+
+    fn get_local_addr(&self) -> std::io::Result<AdmissionAddr> {
+        Ok(AdmissionAddr)
+    }
+}
+
+/// A TCP connection counted in [`Fresh`] from the moment it is taken from the socket; the
+/// count moves to [`FirstRead`] once the TLS handshake is done.
+struct Counted {
+    stream: tokio::net::TcpStream,
+    guard: Option<FreshGuard>,
+}
+
+impl AsyncRead for Counted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Counted {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// Wraps the TLS acceptor: keeps each connection counted in [`Fresh`] until its first read
+/// of decrypted data.
+#[derive(Clone)]
+struct FreshAcceptor<A> {
+    inner: A,
+}
+
+impl<A, S> axum_server::accept::Accept<Counted, S> for FreshAcceptor<A>
 where
-    A: axum_server::accept::Accept<I, S>,
+    A: axum_server::accept::Accept<tokio::net::TcpStream, S>,
     A::Future: Send + 'static,
     A::Stream: Send + 'static,
     A::Service: Send + 'static,
@@ -109,21 +260,15 @@ where
     type Future =
         futures::future::BoxFuture<'static, std::io::Result<(Self::Stream, Self::Service)>>;
 
-    fn accept(&self, stream: I, service: S) -> Self::Future {
-        // Count first, then check: `drain` sets the flag first, then reads the count.
-        let guard = FreshGuard::new(&self.fresh);
-        if self.fresh.0.draining.load(Ordering::SeqCst) {
-            return Box::pin(std::future::ready(Err(std::io::Error::other(
-                "shutting down",
-            ))));
-        }
+    fn accept(&self, stream: Counted, service: S) -> Self::Future {
+        let Counted { stream, guard } = stream;
         let accept = self.inner.accept(stream, service);
         Box::pin(async move {
             let (inner, service) = accept.await?;
             Ok((
                 FirstRead {
                     inner,
-                    fresh: Some(guard),
+                    fresh: guard,
                     linger: None,
                 },
                 service,
@@ -248,7 +393,7 @@ const fn libc_eafnosupport() -> i32 {
 
 /// A running webhook.
 pub struct Server {
-    handle: axum_server::Handle<SocketAddr>,
+    handle: axum_server::Handle<AdmissionAddr>,
     fresh: Fresh,
     app: App,
     /// The bound HTTPS address.
@@ -293,18 +438,21 @@ impl Server {
             options.cert_poll_interval,
             app.metrics.clone(),
         ));
-        let https = axum_server::from_tcp_rustls(listener, tls_config)
-            .map_err(ServerError::Serve)?
-            .map(|inner| FreshAcceptor {
-                inner,
-                fresh: fresh.clone(),
-            })
-            .handle(handle.clone())
-            .serve(tower::make::Shared::new(Admission::new(
-                app.clone(),
-                options.request_timeout,
-                options.max_in_flight,
-            )));
+        let https = axum_server::Server::<AdmissionAddr>::from_listener(DrainingListener {
+            socket: std::sync::Mutex::new(Some(Arc::new(
+                tokio::net::TcpListener::from_std(listener).map_err(ServerError::Serve)?,
+            ))),
+            fresh: fresh.clone(),
+        })
+        .acceptor(FreshAcceptor {
+            inner: axum_server::tls_rustls::RustlsAcceptor::new(tls_config.clone()),
+        })
+        .handle(handle.clone())
+        .serve(tower::make::Shared::new(Admission::new(
+            app.clone(),
+            options.request_timeout,
+            options.max_in_flight,
+        )));
         let health_router = health_router(app.clone());
         let serving = app.serving.clone();
         let (stopped_tx, stopped) = tokio::sync::watch::channel(false);
