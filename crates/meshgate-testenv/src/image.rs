@@ -130,14 +130,16 @@ fn first_missing(bins: &StaticBinaries) -> Option<PathBuf> {
 pub fn source_state() -> Result<String, Error> {
     let workspace = workspace_dir();
     let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
-    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let rustc = rustc();
     let version = std::process::Command::new(&rustc)
         .current_dir(&workspace)
         .arg("-vV")
         .output()
         .map_err(io(format!(
-            "running {} -vV",
-            PathBuf::from(&rustc).display()
+            "running {} -vV in {} (PATH {:?})",
+            rustc.display(),
+            workspace.display(),
+            std::env::var_os("PATH").unwrap_or_default()
         )))?;
     if !version.status.success() {
         return Err(Error::Build {
@@ -166,6 +168,19 @@ pub fn source_state() -> Result<String, Error> {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect())
+}
+
+/// The compiler: `$RUSTC`, else the `rustc` beside the `cargo` that runs the tests (`$CARGO`, an
+/// absolute path), else `rustc` on the PATH.
+fn rustc() -> PathBuf {
+    if let Some(rustc) = std::env::var_os("RUSTC") {
+        return rustc.into();
+    }
+    std::env::var_os("CARGO")
+        .map(PathBuf::from)
+        .and_then(|cargo| Some(cargo.parent()?.join("rustc")))
+        .filter(|rustc| rustc.is_file())
+        .unwrap_or_else(|| "rustc".into())
 }
 
 /// The files under `rel` (relative to `workspace`) that [`source_state`] reads.
