@@ -47,6 +47,9 @@ pub struct State {
     pub checker: Checker,
     registration: Mutex<Registration>,
     stop: watch::Receiver<bool>,
+    /// The sockets the kubelet reaches the plugin through (the registration socket, the DRA
+    /// socket): the health endpoints check they are still there.
+    pub sockets: Vec<std::path::PathBuf>,
 }
 
 impl State {
@@ -65,6 +68,7 @@ impl State {
             checker,
             registration: Mutex::new(Registration::Pending),
             stop,
+            sockets: Vec::new(),
         }
     }
 

@@ -23,8 +23,11 @@
 //!   served).
 //!
 //! # HTTP (`health_addr`)
-//! `/healthz`: 200 while running. `/readyz`: 200 once the kubelet has registered the plugin,
-//! else 503 with the reason.
+//! `/healthz`: 200 while both sockets are in place; 503 naming a socket that was removed (the
+//! kubelet drops a plugin whose registration socket goes, and cannot reach one whose DRA socket
+//! goes; the liveness probe then restarts the plugin, which binds both again and is registered
+//! again). `/readyz`: 200 while the kubelet has registered the plugin and both sockets are in
+//! place, else 503 with the reason.
 
 mod authority;
 mod grpc;
@@ -256,12 +259,14 @@ pub async fn run(
     let reg_path = registration_socket(&settings.kubelet_root, &settings.driver);
     let dra_path = dra_socket(&settings.kubelet_root, &settings.driver);
     let (stop_tx, stop_rx) = watch::channel(false);
-    let state = Arc::new(grpc::State::new(
+    let mut state = grpc::State::new(
         &settings,
         &dra_path,
         readiness::Checker::new(&settings, urls),
         stop_rx.clone(),
-    ));
+    );
+    state.sockets = vec![reg_path.clone(), dra_path.clone()];
+    let state = Arc::new(state);
 
     let mut sockets = Sockets(Vec::new());
     // The DRA socket serves before the kubelet can learn of it through the registration socket.

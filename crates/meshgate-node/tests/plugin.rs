@@ -315,6 +315,19 @@ async fn registers_with_the_kubelet_and_readyz_follows_the_kubelets_word() {
         .unwrap()
         .into_inner();
     assert_eq!(r.claims.len(), 1);
+
+    // The registration socket removed (the kubelet then drops the plugin): neither ready nor
+    // healthy, so the liveness probe restarts it and it is registered again.
+    std::fs::remove_file(plugin.registration_socket()).unwrap();
+    let (status, body) = plugin.get("/readyz").await;
+    assert_eq!(status, 503);
+    assert!(body.contains("was removed"), "{body}");
+    let (status, body) = plugin.get("/healthz").await;
+    assert_eq!(status, 503);
+    assert!(
+        body.contains(&plugin.registration_socket().display().to_string()),
+        "{body}"
+    );
     plugin.stop().await;
 }
 
