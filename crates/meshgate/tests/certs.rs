@@ -47,7 +47,8 @@ async fn creates_rotates_and_keeps_the_bundle_current() {
         CertOutcome {
             ca_rotated: true,
             cert_rotated: true,
-            bundle_updated: true
+            bundle_updated: true,
+            cert_deferred: false,
         }
     );
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
@@ -88,7 +89,8 @@ async fn creates_rotates_and_keeps_the_bundle_current() {
         CertOutcome {
             ca_rotated: false,
             cert_rotated: true,
-            bundle_updated: false
+            bundle_updated: false,
+            cert_deferred: false,
         }
     );
     assert_ne!(
@@ -99,18 +101,53 @@ async fn creates_rotates_and_keeps_the_bundle_current() {
         text(&tls, "tls.crt")
     );
 
-    // CA inside its renewal window: a new CA, a new certificate from it, and a bundle that still
-    // trusts the old CA while it is valid.
+    // CA inside its renewal window (the new one, valid 10 years, is not): first the new CA
+    // joins the bundle next to the old one while the webhook keeps serving its certificate from
+    // the old CA; only the next pass, which finds the new CA trusted, issues a certificate from
+    // it; the old CA stays in the bundle after that.
+    let served_before = text(
+        &secrets.get("meshgate-webhook-tls").await.unwrap(),
+        "tls.crt",
+    );
     let mut ca_short = s.clone();
     ca_short.renew_before = Duration::from_secs(4 * 365 * 86_400);
+    ca_short.ca_validity = Duration::from_secs(10 * 365 * 86_400);
     ca_short.cert_validity = Duration::from_secs(5 * 365 * 86_400);
     let out = reconcile_once(&client, &ca_short).await.unwrap();
-    assert!(
-        out.ca_rotated && out.cert_rotated && out.bundle_updated,
-        "{out:?}"
+    assert_eq!(
+        out,
+        CertOutcome {
+            ca_rotated: true,
+            cert_rotated: false,
+            bundle_updated: true,
+            cert_deferred: true,
+        },
+        "a new CA: the bundle first, the serving certificate later"
     );
     let new_ca = text(&secrets.get("meshgate-ca").await.unwrap(), "ca.crt");
     assert_ne!(new_ca, ca);
+    let tls_now = secrets.get("meshgate-webhook-tls").await.unwrap();
+    assert_eq!(
+        text(&tls_now, "tls.crt"),
+        served_before,
+        "still the old certificate"
+    );
+    assert_eq!(text(&tls_now, "ca.crt"), ca);
+    let both = |b: &str| b.starts_with(&new_ca) && b.contains(&ca);
+    let b = bundle(&mwcs.get(&name).await.unwrap());
+    assert!(both(&b), "bundle has the new and the old CA");
+
+    let out = reconcile_once(&client, &ca_short).await.unwrap();
+    assert_eq!(
+        out,
+        CertOutcome {
+            ca_rotated: false,
+            cert_rotated: true,
+            bundle_updated: false,
+            cert_deferred: false,
+        },
+        "the new CA trusted: its serving certificate"
+    );
     assert_eq!(
         text(
             &secrets.get("meshgate-webhook-tls").await.unwrap(),
@@ -118,10 +155,11 @@ async fn creates_rotates_and_keeps_the_bundle_current() {
         ),
         new_ca
     );
-    let b = bundle(&mwcs.get(&name).await.unwrap());
-    assert!(
-        b.starts_with(&new_ca) && b.contains(&ca),
-        "bundle has the new and the old CA"
+    // The next passes change nothing, and the old CA stays trusted (its validity is the overlap).
+    assert_eq!(
+        reconcile_once(&client, &ca_short).await.unwrap(),
+        CertOutcome::default()
     );
+    assert!(both(&bundle(&mwcs.get(&name).await.unwrap())));
     mwcs.delete(&name, &Default::default()).await.unwrap();
 }
