@@ -61,8 +61,14 @@ pub mod names {
     pub const STARTUP_TAINT_KEY: &str = "readiness.k8s.io/mesh-agents";
     /// Default extended resource advertised on ready nodes.
     pub const DEFAULT_RESOURCE: &str = "meshgate.dev/mesh-ready";
-    /// Node annotation: RFC 3339 time the agents of a gate were first seen Ready (bootstrap done).
+    /// Node annotation: RFC 3339 time the agents of a gate were first seen Ready on the node
+    /// (the first gate to see it; the repair loop's started-early rule reads it). Each gate's
+    /// own bootstrap mark is [`GATE_READY_SINCE_PREFIX`]`<gate>`; a node marked before those
+    /// existed carries this one alone, and it then stands for every gate.
     pub const NODE_READY_SINCE: &str = "meshgate.dev/agents-ready-since";
+    /// Node annotation prefix of each gate's bootstrap mark: RFC 3339 time that gate's agents
+    /// were first seen Ready on the node (`meshgate_core::nodegate::ready_since_key`).
+    pub const GATE_READY_SINCE_PREFIX: &str = "agents-ready-since.meshgate.dev/";
     /// Label on every object meshgate renders.
     pub const MANAGED_BY: &str = "app.kubernetes.io/managed-by";
     /// Pod annotation written by the init gate on every pod a profile selects: what the gate

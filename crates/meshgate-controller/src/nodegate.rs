@@ -44,7 +44,9 @@ use meshgate_core::nodegate::{
     node_condition, orphaned_taints, owned_annotation_patch, resource_patch, selects,
     superseded_taints, taint_patch, taints_of,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
+
+use crate::leader::Leader;
 
 use crate::agents::{AgentIndex, RESYNC_ALL};
 use crate::metrics::{GateStateLabels, Metrics, OperationLabels};
@@ -124,7 +126,7 @@ struct Ctx {
     gates: Store<NodeGate>,
     nodes: Store<GateNode>,
     agents: AgentIndex,
-    leader: watch::Receiver<bool>,
+    leader: Leader,
     events: Events,
     metrics: Metrics,
     settings: Settings,
@@ -146,7 +148,7 @@ struct Ctx {
 
 impl Ctx {
     fn ready(&self) -> bool {
-        self.synced.load(Ordering::Acquire) && *self.leader.borrow()
+        self.synced.load(Ordering::Acquire) && self.leader.is_leader()
     }
 
     /// Starts counting the nodes reconciled (after a sync or a leadership gain).
@@ -185,7 +187,7 @@ impl Ctx {
 /// Runs the node gate controller until `shutdown` resolves.
 pub async fn run(
     client: kube::Client,
-    leader: watch::Receiver<bool>,
+    leader: Leader,
     metrics: Metrics,
     settings: Settings,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
@@ -341,7 +343,7 @@ pub async fn run(
     let leader_ctx = ctx.clone();
     let leadership = async move {
         loop {
-            let is_leader = *leader_rx.borrow_and_update();
+            let is_leader = leader_rx.update();
             leader_ctx.metrics.leader.set(i64::from(is_leader));
             if is_leader {
                 leader_ctx.restart_initial();
@@ -458,7 +460,14 @@ async fn reconcile(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     for gate in &gates {
         let states = agent_states(&ctx.agents, gate, &node);
         let offer = ctx.dra.offer(gate, &name);
-        let (taints, mut decision) = decide_node(&gate.spec, &node, &states, offer, crate::now());
+        let (taints, mut decision) = decide_node(
+            &gate.name_any(),
+            &gate.spec,
+            &node,
+            &states,
+            offer,
+            crate::now(),
+        );
         if let Offer::Dra { slice } = offer {
             // No slice without a registered node plugin: the kubelet could not prepare the
             // pods' claims. A slice whose plugin is gone is withdrawn.
@@ -574,6 +583,7 @@ fn retainted(ctx: &Ctx, gate: &NodeGate, reserved: &HashSet<String>) -> HashSet<
     let mut out: HashSet<String> = gate_nodes(gate, &nodes)
         .filter(|n| {
             is_retainted(
+                &gate.name_any(),
                 &gate.spec,
                 n.metadata.annotations.as_ref().unwrap_or(&empty),
                 &taints_of(n),
@@ -733,7 +743,21 @@ async fn apply(
         let ts = k8s_openapi::jiff::Timestamp::from_second(since)
             .unwrap_or_default()
             .to_string();
-        let patch = serde_json::json!({"metadata": {"annotations": {names::NODE_READY_SINCE: ts}}});
+        // The gate's own mark, and the node's (the first gate's time) if it has none.
+        let mut marks = serde_json::Map::new();
+        marks.insert(
+            meshgate_core::nodegate::ready_since_key(&gate.name_any()),
+            ts.clone().into(),
+        );
+        if !node
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(names::NODE_READY_SINCE))
+        {
+            marks.insert(names::NODE_READY_SINCE.to_owned(), ts.into());
+        }
+        let patch = serde_json::json!({"metadata": {"annotations": marks}});
         node = api
             .patch(&name, &pp, &Patch::Merge(&patch))
             .await
@@ -955,6 +979,10 @@ async fn finalize(ctx: &Ctx, gate: &NodeGate) -> Result<(), Error> {
         .collect();
     let empty = BTreeMap::new();
     for node in ctx.nodes.state() {
+        // Leadership can end during the pass: the next leader finishes it (the finalizer stays).
+        if !ctx.ready() {
+            return Ok(());
+        }
         let labels = node.metadata.labels.as_ref().unwrap_or(&empty);
         let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
         let taints = taints_of(&node);
@@ -1008,6 +1036,9 @@ async fn finalize(ctx: &Ctx, gate: &NodeGate) -> Result<(), Error> {
             node: format!("(gate {} slices)", gate.name_any()),
             source,
         })?;
+    if !ctx.ready() {
+        return Ok(());
+    }
     let finalizers: Vec<String> = gate
         .finalizers()
         .iter()
@@ -1186,13 +1217,14 @@ fn gate_status(
         status.nodes += 1;
         let states = agent_states(&ctx.agents, gate, node);
         let offer = ctx.dra.offer(gate, &node.name_any());
-        let (taints, d) = decide_node(&gate.spec, node, &states, offer, now);
+        let (taints, d) = decide_node(&gate.name_any(), &gate.spec, node, &states, offer, now);
         let tainted = has_taint(&gate.spec, &taints);
         if tainted {
             status.held_nodes += 1;
         }
         let empty = BTreeMap::new();
         if is_retainted(
+            &gate.name_any(),
             &gate.spec,
             node.metadata.annotations.as_ref().unwrap_or(&empty),
             &taints,

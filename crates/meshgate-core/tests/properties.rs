@@ -162,19 +162,31 @@ fn agents_with_unready() -> impl Strategy<Value = Vec<AgentState>> {
 }
 
 fn node_annotations() -> impl Strategy<Value = BTreeMap<String, String>> {
-    (any::<bool>(), option::of(select(&["team", "note"][..]))).prop_map(|(ready, other)| {
-        let mut a = BTreeMap::new();
-        if ready {
-            a.insert(
-                names::NODE_READY_SINCE.to_owned(),
-                "2024-01-01T00:00:00Z".to_owned(),
-            );
-        }
-        if let Some(k) = other {
-            a.insert(k.to_owned(), "x".to_owned());
-        }
-        a
-    })
+    (
+        any::<bool>(),
+        option::of(select(&["g", "another-gate"][..])),
+        option::of(select(&["team", "note"][..])),
+    )
+        .prop_map(|(ready, gate_mark, other)| {
+            let mut a = BTreeMap::new();
+            if ready {
+                a.insert(
+                    names::NODE_READY_SINCE.to_owned(),
+                    "2024-01-01T00:00:00Z".to_owned(),
+                );
+            }
+            // The per-gate marks: this gate's ("g") or another gate's.
+            if let Some(gate) = gate_mark {
+                a.insert(
+                    meshgate_core::nodegate::ready_since_key(gate),
+                    "2024-01-01T00:00:00Z".to_owned(),
+                );
+            }
+            if let Some(k) = other {
+                a.insert(k.to_owned(), "x".to_owned());
+            }
+            a
+        })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -289,6 +301,7 @@ proptest! {
         labels.extend(gate.node_selector.match_labels.clone());
         prop_assert!(selects(&gate, &labels));
         let node = NodeObservation {
+            gate: "g",
             labels: &labels,
             annotations: &annotations,
             taints: &taints,
@@ -337,6 +350,7 @@ proptest! {
             .unwrap_or(created);
         let now = ready_at + i64::from(gate.removal_delay_seconds) + after;
         let node = NodeObservation {
+            gate: "g",
             labels: &labels,
             annotations: &annotations,
             taints: &taints,

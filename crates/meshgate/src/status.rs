@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
 use kube::api::{Api, ListParams};
 use meshgate_api::GateNode;
 use meshgate_api::{MutationPolicy, NodeGate};
@@ -371,7 +372,7 @@ pub async fn node_rows(
                     )
                 })
                 .collect();
-            let (taints, d) = decide_node(&g.spec, n, &agents, offer(g, &name), now);
+            let (taints, d) = decide_node(&g.name_any(), &g.spec, n, &agents, offer(g, &name), now);
             let resource = g.spec.resource.as_ref().map(|r| {
                 n.status
                     .as_ref()

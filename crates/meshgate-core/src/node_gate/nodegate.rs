@@ -62,6 +62,8 @@ pub enum AgentState {
 /// What the controller observed of one node.
 #[derive(Clone, Debug)]
 pub struct NodeObservation<'a> {
+    /// The gate's name (its bootstrap mark on the node is per gate).
+    pub gate: &'a str,
     pub labels: &'a BTreeMap<String, String>,
     pub annotations: &'a BTreeMap<String, String>,
     pub taints: &'a [Taint],
@@ -191,6 +193,7 @@ pub enum Offer {
 /// place that turns a Node into a [`NodeObservation`] (the controller's reconcile and status,
 /// and `meshgate status`, all call it). Returns the node's taints too.
 pub fn decide_node(
+    gate: &str,
     spec: &NodeGateSpec,
     node: &GateNode,
     agents: &[AgentState],
@@ -206,6 +209,7 @@ pub fn decide_node(
     let decision = decide(
         spec,
         &NodeObservation {
+            gate,
             labels: node.metadata.labels.as_ref().unwrap_or(&empty),
             annotations: node.metadata.annotations.as_ref().unwrap_or(&empty),
             taints: &taints,
@@ -359,11 +363,39 @@ pub fn may_remove(spec: &NodeGateSpec, annotations: &BTreeMap<String, String>) -
 /// Whether the node carries the gate's taint as a re-taint: released once (bootstrap mark)
 /// and tainted again.
 pub fn is_retainted(
+    gate: &str,
     spec: &NodeGateSpec,
     annotations: &BTreeMap<String, String>,
     taints: &[Taint],
 ) -> bool {
-    annotations.contains_key(meshgate_api::names::NODE_READY_SINCE) && has_taint(spec, taints)
+    bootstrapped(gate, annotations) && has_taint(spec, taints)
+}
+
+/// The node annotation that marks `gate`'s bootstrap done on a node:
+/// `agents-ready-since.meshgate.dev/<gate>`; a name longer than an annotation name may be (63)
+/// is cut to 54 characters and followed by `-` and 8 hex digits of its FNV-1a hash.
+pub fn ready_since_key(gate: &str) -> String {
+    const MAX: usize = 63;
+    let prefix = meshgate_api::names::GATE_READY_SINCE_PREFIX;
+    if gate.len() <= MAX {
+        return format!("{prefix}{gate}");
+    }
+    let hash = gate.bytes().fold(0x811c_9dc5_u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    // Gate names are DNS subdomains (ASCII): any byte index is a char boundary.
+    let head = gate.get(..MAX - 9).unwrap_or(gate);
+    format!("{prefix}{head}-{hash:08x}")
+}
+
+/// Whether `gate` has released the node once: the gate's own mark, or, on a node marked before
+/// marks were per gate (the node's mark and no gate's), that one.
+pub fn bootstrapped(gate: &str, annotations: &BTreeMap<String, String>) -> bool {
+    annotations.contains_key(&ready_since_key(gate))
+        || (annotations.contains_key(meshgate_api::names::NODE_READY_SINCE)
+            && !annotations
+                .keys()
+                .any(|k| k.starts_with(meshgate_api::names::GATE_READY_SINCE_PREFIX)))
 }
 
 /// Whether the gate selects the node.
@@ -405,9 +437,7 @@ fn decide_taint(spec: &NodeGateSpec, node: &NodeObservation<'_>) -> NodeDecision
         // decided across all gates, by `orphaned_taints`.
         return d;
     }
-    let bootstrapped = node
-        .annotations
-        .contains_key(meshgate_api::names::NODE_READY_SINCE);
+    let bootstrapped = bootstrapped(node.gate, node.annotations);
     if spec.mode == GateMode::Bootstrap && bootstrapped {
         // Released once: never tainted again. A gate taint still present (its removal failed
         // after the node was marked, or another gate marked the node: the annotation is the
@@ -702,12 +732,14 @@ pub fn uninstall_patches(
         ]));
     }
     plan.removed = removed;
-    let ours: serde_json::Map<String, Value> =
-        [OWNED_TAINTS, meshgate_api::names::NODE_READY_SINCE]
-            .iter()
-            .filter(|k| annotations.contains_key(**k))
-            .map(|k| ((*k).to_owned(), Value::Null))
-            .collect();
+    let ours: serde_json::Map<String, Value> = annotations
+        .keys()
+        .filter(|k| {
+            [OWNED_TAINTS, meshgate_api::names::NODE_READY_SINCE].contains(&k.as_str())
+                || k.starts_with(meshgate_api::names::GATE_READY_SINCE_PREFIX)
+        })
+        .map(|k| (k.clone(), Value::Null))
+        .collect();
     if !ours.is_empty() {
         plan.annotations = Some(json!({"metadata": {"annotations": ours}}));
     }
@@ -915,6 +947,7 @@ mod tests {
             decide(
                 spec,
                 &NodeObservation {
+                    gate: "g",
                     labels: &self.labels,
                     annotations: &self.annotations,
                     taints: &self.taints,
@@ -1001,6 +1034,62 @@ mod tests {
         assert_eq!(d.state, NodeState::Released);
         assert_eq!(d.taint, None);
         assert_eq!(d.resource, None);
+    }
+
+    #[test]
+    fn each_gate_has_its_own_bootstrap_mark() {
+        // Another gate released the node (its mark and the node's): this gate's agent is not
+        // ready and the node lacks its taint, so this gate taints it (one shared mark made
+        // this gate skip its taint).
+        let s = spec(GateMode::Bootstrap);
+        let mut f = Fixture::new(vec![], vec![AgentState::NotReady { since: 950 }]);
+        f.annotations
+            .insert(meshgate_api::names::NODE_READY_SINCE.into(), "x".into());
+        f.annotations.insert(ready_since_key("another"), "x".into());
+        let d = f.decide(&s);
+        assert_eq!(d.taint, Some(true));
+        assert_eq!(d.state, NodeState::Waiting);
+        // Its own mark: released once, never tainted again.
+        f.annotations.insert(ready_since_key("g"), "x".into());
+        assert_eq!(f.decide(&s).taint, None);
+        assert_eq!(f.decide(&s).state, NodeState::Released);
+    }
+
+    #[test]
+    fn a_node_marked_before_per_gate_marks_counts_as_released_by_every_gate() {
+        // Upgrade: the node's mark alone (written by a meshgate without per-gate marks) still
+        // means "released once", so an upgrade re-taints no node.
+        let s = spec(GateMode::Bootstrap);
+        let mut f = Fixture::new(vec![], vec![AgentState::NotReady { since: 950 }]);
+        f.annotations
+            .insert(meshgate_api::names::NODE_READY_SINCE.into(), "x".into());
+        assert_eq!(f.decide(&s).taint, None);
+        assert_eq!(f.decide(&s).state, NodeState::Released);
+        // Ready agents on a legacy-marked node: no new mark is needed.
+        let mut ready = Fixture::new(vec![], vec![AgentState::Ready { since: 950 }]);
+        ready
+            .annotations
+            .insert(meshgate_api::names::NODE_READY_SINCE.into(), "x".into());
+        assert_eq!(ready.decide(&s).mark_ready_since, None);
+    }
+
+    #[test]
+    fn ready_since_keys_are_valid_annotation_names() {
+        assert_eq!(
+            ready_since_key("mesh"),
+            "agents-ready-since.meshgate.dev/mesh"
+        );
+        let long = "a".repeat(63);
+        assert_eq!(
+            ready_since_key(&long),
+            format!("agents-ready-since.meshgate.dev/{long}")
+        );
+        let longer = format!("{}.b-c", "a".repeat(80));
+        let key = ready_since_key(&longer);
+        let name = key.rsplit_once('/').map(|(_, n)| n).unwrap_or_default();
+        assert_eq!(name.len(), 63, "{key}");
+        assert!(name.ends_with(|c: char| c.is_ascii_hexdigit()));
+        assert_ne!(key, ready_since_key(&format!("{}.b-d", "a".repeat(80))));
     }
 
     #[test]
