@@ -34,9 +34,11 @@
 //!   head of the queue; one within its window is skipped. The window lives in this replica's
 //!   memory: a new leader may act once more on a pod (a deleted pod is gone, a labelled pod
 //!   carries the label, so that is at most one extra Event).
-//! * Deletion carries a UID precondition; the label patch carries the UID (immutable, so a pod
+//! * Deletion goes through the Eviction API, so the pod's PodDisruptionBudgets hold: an eviction
+//!   a budget refuses (429) is retried every 5 s, counted as `skipped_total{reason=
+//!   "disruption-budget"}`, not as an error. It carries a UID precondition; the label patch carries the UID (immutable, so a pod
 //!   re-created under the same name is not touched). Bare pods are never deleted.
-//! * Every write (Events included) happens only while `*leader.borrow()` is true.
+//! * Every write (Events included) happens only while `leader.is_leader()` is true.
 //! * Dry run: no pod is changed; the loop logs and records `MeshRepairDryRun` Events saying what
 //!   it would do, paced and windowed like real actions.
 
@@ -45,10 +47,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::events::{EventType, Events};
+use crate::leader::Leader;
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Pod};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, Preconditions};
 use kube::core::PartialObjectMeta;
 use kube::runtime::{WatchStreamExt, watcher};
 use meshgate_core::repair::{
@@ -60,7 +63,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 pub use meshgate_core::repair::{RepairAction, RepairSettings};
@@ -76,6 +78,15 @@ pub const EVENT_DRY_RUN: &str = "MeshRepairDryRun";
 const NOT_FINISHED: &str = "status.phase!=Succeeded,status.phase!=Failed";
 /// Wait after a failed write before the queue moves on.
 const ERROR_BACKOFF: Duration = Duration::from_secs(1);
+/// How long a pod whose eviction a PodDisruptionBudget refused waits before the next try.
+const BUDGET_RETRY: Duration = Duration::from_secs(5);
+
+/// What a repair write did.
+enum Done {
+    Yes,
+    /// The eviction was refused by a PodDisruptionBudget (429).
+    HeldByBudget,
+}
 /// How often expired window entries are dropped.
 const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
 /// How often pods are checked for gates waiting longer than the threshold.
@@ -83,7 +94,8 @@ const WAITING_INTERVAL: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
-    /// Detections: `gate-timed-out`, `started-early`. Skips: `bare`, `window`, `rate`.
+    /// Detections: `gate-timed-out`, `started-early`. Skips: `bare`, `window`, `rate`,
+    /// `disruption-budget`.
     pub reason: &'static str,
 }
 
@@ -98,7 +110,9 @@ pub struct ActionLabels {
 /// * `detections_total{reason}`: pods found, once per pod and reason.
 /// * `actions_total{action}`: actions taken (or, in dry-run mode, that would have been).
 /// * `skipped_total{reason}`: `bare` (a bare pod labelled instead of deleted), `window` (already
-///   acted on within the window), `rate` (held back by the rate limit; counted per hold).
+///   acted on within the window), `rate` (held back by the rate limit; counted per hold),
+///   `disruption-budget` (an eviction a PodDisruptionBudget refused; counted per try, retried
+///   every 5 s).
 /// * `errors_total{action}`: failed writes.
 /// * `pods`: pod summaries kept.
 #[derive(Clone)]
@@ -204,12 +218,28 @@ impl RepairMetrics {
     }
 }
 
+/// A client for pod evictions that does not retry a `429 Too Many Requests` itself.
+///
+/// A PodDisruptionBudget refuses an eviction with 429; kube's default client retries a 429
+/// fifteen times with a backoff that grows to minutes, which would stall the repair loop on
+/// one pod. Build it from the controller's configuration with `default_retry: false`; the loop
+/// retries a refused eviction itself, every 5 s, between its other pods.
+#[derive(Clone)]
+pub struct EvictionClient(pub kube::Client);
+
+impl std::fmt::Debug for EvictionClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EvictionClient")
+    }
+}
+
 /// Runs the repair loop until `shutdown` resolves. It writes (pods, Events) only while
-/// `*leader.borrow()` is true. Disabled or invalid settings: nothing runs (invalid ones are
-/// logged), and the call returns at shutdown.
+/// `leader.is_leader()` is true. Disabled or invalid settings: nothing runs (invalid ones are
+/// logged), and the call returns at shutdown. Evictions go through `evictions`.
 pub async fn run(
     client: kube::Client,
-    leader: watch::Receiver<bool>,
+    evictions: EvictionClient,
+    leader: Leader,
     settings: RepairSettings,
     metrics: RepairMetrics,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -269,6 +299,7 @@ pub async fn run(
             Duration::ZERO,
         ),
         client,
+        evictions: evictions.0,
         leader: leader.clone(),
         settings,
         metrics,
@@ -286,7 +317,7 @@ pub async fn run(
     };
 
     let mut leader_rx = leader;
-    let mut is_leader = *leader_rx.borrow_and_update();
+    let mut is_leader = leader_rx.update();
     let mut leader_open = true;
     let mut wake: Option<Instant> = None;
     let mut prune = tokio::time::interval(PRUNE_INTERVAL);
@@ -304,7 +335,7 @@ pub async fn run(
             },
             changed = leader_rx.changed(), if leader_open => match changed {
                 Ok(()) => {
-                    let now_leader = *leader_rx.borrow_and_update();
+                    let now_leader = leader_rx.update();
                     if now_leader && !is_leader {
                         tracing::info!("repair loop: leading; judging every pod again");
                         state.enqueue_all();
@@ -358,7 +389,9 @@ fn summarize_event<K, S>(e: watcher::Event<K>, f: impl Fn(K) -> S) -> watcher::E
 
 struct State {
     client: kube::Client,
-    leader: watch::Receiver<bool>,
+    /// [`EvictionClient`].
+    evictions: kube::Client,
+    leader: Leader,
     settings: RepairSettings,
     metrics: RepairMetrics,
     events: Events,
@@ -587,7 +620,7 @@ impl State {
             } => (reason, false, instead_of_delete),
         };
         // Only the leader acts, Events included.
-        if !*self.leader.borrow() {
+        if !self.leader.is_leader() {
             return None;
         }
         match self.limiter.admit(&uid, self.now()) {
@@ -612,14 +645,25 @@ impl State {
         let result = if self.settings.dry_run {
             self.dry_run(&pod, reason, delete, instead_of_delete, &why)
                 .await;
-            Ok(())
+            Ok(Done::Yes)
         } else if delete {
-            self.delete(&pod, reason, &why).await
+            self.evict(&pod, reason, &why).await
         } else {
-            self.label(&pod, reason, instead_of_delete, &why).await
+            self.label(&pod, reason, instead_of_delete, &why)
+                .await
+                .map(|()| Done::Yes)
         };
         match result {
-            Ok(()) => None,
+            Ok(Done::Yes) => None,
+            Ok(Done::HeldByBudget) => {
+                // Not a failure: the budget allows no disruption now; try again later.
+                self.metrics.skip("disruption-budget");
+                tracing::debug!(namespace = %pod.namespace, pod = %pod.name,
+                    "repair: a PodDisruptionBudget allows no eviction now; retrying");
+                self.limiter.forget(&uid);
+                self.enqueue(uid);
+                Some(BUDGET_RETRY)
+            }
             Err(e) => {
                 let action = if delete { "delete" } else { "label" };
                 self.metrics
@@ -665,28 +709,34 @@ impl State {
             .await;
     }
 
-    async fn delete(
+    /// Deletes the pod through the Eviction API, so that its PodDisruptionBudgets hold.
+    async fn evict(
         &mut self,
         pod: &PodSummary,
         reason: Reason,
         why: &str,
-    ) -> Result<(), kube::Error> {
-        let api = Api::<Pod>::namespaced(self.client.clone(), &pod.namespace);
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: Some(pod.uid.clone()),
-                resource_version: None,
+    ) -> Result<Done, kube::Error> {
+        let api = Api::<Pod>::namespaced(self.evictions.clone(), &pod.namespace);
+        let params = EvictParams {
+            delete_options: Some(DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: Some(pod.uid.clone()),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
             }),
-            ..DeleteParams::default()
+            ..EvictParams::default()
         };
-        match api.delete(&pod.name, &params).await {
+        match api.evict(&pod.name, &params).await {
             Ok(_) => {}
             // Gone already, or a new pod under the same name: nothing to repair.
             Err(e) if is_status(&e, 404) || is_status(&e, 409) => {
                 tracing::debug!(namespace = %pod.namespace, pod = %pod.name, error = %e,
                     "repair: pod already gone");
-                return Ok(());
+                return Ok(Done::Yes);
             }
+            // A PodDisruptionBudget allows no disruption now (or is not computed yet).
+            Err(e) if is_status(&e, 429) => return Ok(Done::HeldByBudget),
             Err(e) => return Err(e),
         }
         self.count("delete");
@@ -701,7 +751,7 @@ impl State {
         tracing::info!(namespace = %pod.namespace, pod = %pod.name, reason = reason.as_str(), "repair: {note}");
         self.event(pod, EventType::Normal, EVENT_DELETED, note)
             .await;
-        Ok(())
+        Ok(Done::Yes)
     }
 
     async fn label(
@@ -772,7 +822,7 @@ impl State {
         self.metrics
             .gates_waiting
             .set(i64::try_from(waiting.len()).unwrap_or(i64::MAX));
-        if !*self.leader.borrow() {
+        if !self.leader.is_leader() {
             return;
         }
         for pod in waiting {
@@ -796,7 +846,7 @@ impl State {
     }
 
     async fn event(&self, pod: &PodSummary, type_: EventType, reason: &str, note: String) {
-        if !*self.leader.borrow() {
+        if !self.leader.is_leader() {
             return;
         }
         let reference = ObjectReference {

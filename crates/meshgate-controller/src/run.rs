@@ -37,6 +37,9 @@ pub struct ControllerSettings {
     pub manage_crds: bool,
     /// The repair loop (off unless `enabled`).
     pub repair: meshgate_core::repair::RepairSettings,
+    /// The repair loop's client for evictions (`crate::repair::EvictionClient`); `None`: the
+    /// controller's client (a budget's refusal then stalls the loop while kube retries it).
+    pub evictions: Option<crate::repair::EvictionClient>,
     /// Keep the rules of this `MutatingWebhookConfiguration`'s policies webhook in line with
     /// the kinds the MutationPolicies name (`None`: leave them as installed).
     pub policy_webhook: Option<String>,
@@ -155,7 +158,15 @@ pub async fn run_controller(
             policy_settings,
             shutdown.clone()
         ),
-        crate::repair::run(client, leader, s.repair, repair_metrics, shutdown),
+        crate::repair::run(
+            client.clone(),
+            s.evictions
+                .unwrap_or_else(|| crate::repair::EvictionClient(client)),
+            leader,
+            s.repair,
+            repair_metrics,
+            shutdown
+        ),
     );
     Ok(())
 }

@@ -291,6 +291,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                 // The demo applies the CRDs itself.
                 manage_crds: false,
                 repair: Default::default(),
+                evictions: None,
                 policy_webhook: None,
                 native_policies: false,
                 native_gate: None,

@@ -574,14 +574,16 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         );
     }
     if let Some(action) = o.repair {
-        // Only with the repair loop: label, or delete, pods whose gate timed out.
-        // (`delete` deletes pods a controller recreates and labels the others.)
-        let verbs = match action {
-            RepairAction::Label => json!(["patch"]),
-            RepairAction::Delete => json!(["patch", "delete"]),
-        };
+        // Only with the repair loop: label, or evict, pods whose gate timed out.
+        // (`delete` evicts pods a controller recreates, through the Eviction API so that
+        // PodDisruptionBudgets hold, and labels the others.)
         if let Some(rules) = controller_rules.as_array_mut() {
-            rules.push(json!({"apiGroups": [""], "resources": ["pods"], "verbs": verbs}));
+            rules.push(json!({"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}));
+            if action == RepairAction::Delete {
+                rules.push(
+                    json!({"apiGroups": [""], "resources": ["pods/eviction"], "verbs": ["create"]}),
+                );
+            }
         }
     }
     for (c, rules) in [("webhook", webhook_rules), ("controller", controller_rules)] {

@@ -548,7 +548,13 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 }
                 _ => None,
             };
-            let client = kube::Client::try_default().await?;
+            let config = kube::Config::infer().await?;
+            let client = kube::Client::try_from(config.clone())?;
+            // Evictions: no retry of a 429 inside the client (a PodDisruptionBudget's refusal;
+            // the repair loop retries it itself).
+            let mut config = config;
+            config.default_retry = false;
+            let evictions = kube::Client::try_from(config)?;
             let lease_namespace_for_certs = lease_namespace.clone();
             let lease = (!lease_namespace.is_empty()).then(|| LeaseSettings {
                 namespace: lease_namespace,
@@ -578,6 +584,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     }),
                     manage_crds,
                     repair,
+                    evictions: Some(meshgate_controller::repair::EvictionClient(evictions)),
                     policy_webhook: policy_webhook_configuration,
                     native_policies,
                     native_gate,

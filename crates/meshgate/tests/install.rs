@@ -181,7 +181,8 @@ async fn node_taint_auto_picks_the_admission_policy_on_this_api_server() {
 
 /// Each component's RBAC is what its enabled features need, checked by SubjectAccessReviews of
 /// its ServiceAccount on the real API server: no pod writes without the repair loop, pod
-/// `patch` for labelling repair, `patch` and `delete` for deleting repair, workload `patch`
+/// `patch` for labelling repair, `patch` and `create` on `pods/eviction` (never `delete`) for
+/// deleting repair, workload `patch`
 /// (DaemonSets included) for policy backfill, nothing on Secrets cluster-wide.
 #[tokio::test]
 async fn rbac_is_what_the_enabled_features_need() {
@@ -194,6 +195,9 @@ async fn rbac_is_what_the_enabled_features_need() {
     let allowed =
         |sa: &'static str, verb: &'static str, group: &'static str, resource: &'static str| {
             let client = client.clone();
+            let (resource, subresource) = resource
+                .split_once('/')
+                .map_or((resource, None), |(r, s)| (r, Some(s)));
             async move {
                 let review = SubjectAccessReview {
                     spec: SubjectAccessReviewSpec {
@@ -206,6 +210,7 @@ async fn rbac_is_what_the_enabled_features_need() {
                             verb: Some(verb.into()),
                             group: Some(group.into()),
                             resource: Some(resource.into()),
+                            subresource: subresource.map(Into::into),
                             namespace: Some("apps".into()),
                             ..Default::default()
                         }),
@@ -224,13 +229,14 @@ async fn rbac_is_what_the_enabled_features_need() {
         common::install_identities_with(&client, "istio-ambient", ns, repair).await;
         // RBAC changes reach the authorizer's cache asynchronously.
         let want_patch = repair.is_some();
-        let want_delete = repair == Some(RepairAction::Delete);
+        let want_evict = repair == Some(RepairAction::Delete);
         common::wait_for(
             "the RBAC to take effect",
             std::time::Duration::from_secs(20),
             || async {
                 allowed("meshgate-controller", "patch", "", "pods").await == want_patch
-                    && allowed("meshgate-controller", "delete", "", "pods").await == want_delete
+                    && allowed("meshgate-controller", "create", "", "pods/eviction").await
+                        == want_evict
             },
         )
         .await;
@@ -239,7 +245,8 @@ async fn rbac_is_what_the_enabled_features_need() {
             ("list", "", "pods", true),
             ("watch", "", "pods", true),
             ("patch", "", "pods", want_patch),
-            ("delete", "", "pods", want_delete),
+            ("create", "", "pods/eviction", want_evict),
+            ("delete", "", "pods", false),
             ("patch", "", "nodes", true),
             ("patch", "", "nodes/status", true),
             ("patch", "apps", "deployments", true),

@@ -44,8 +44,8 @@ const EXERCISED: &[(&str, &str)] = &[
     ("controller watch /pods", "node gate and repair: pod caches"),
     ("controller patch /pods", "repair: a bare pod is labelled"),
     (
-        "controller delete /pods",
-        "repair: a ReplicaSet's pod is deleted",
+        "controller create /pods/eviction",
+        "repair: a ReplicaSet's pod is evicted",
     ),
     ("controller list /limitranges", "native gate: its routes"),
     ("controller watch /limitranges", "native gate: its routes"),

@@ -22,7 +22,6 @@ use meshgate_controller::repair::{
     ActionLabels, ReasonLabels, RepairAction, RepairMetrics, RepairSettings,
 };
 use serde_json::{Value, json};
-use tokio::sync::watch;
 
 const TEST_LABEL: &str = "meshgate-repair-test";
 const REPAIR_LABEL: &str = "meshgate.dev/repair";
@@ -46,6 +45,12 @@ impl Repair {
         self.metrics
             .skipped
             .get_or_create(&ReasonLabels { reason })
+            .get()
+    }
+    fn errors(&self, action: &'static str) -> u64 {
+        self.metrics
+            .errors
+            .get_or_create(&ActionLabels { action })
             .get()
     }
     fn detected(&self, reason: &'static str) -> u64 {
@@ -82,7 +87,7 @@ fn settings(ns: &str, action: RepairAction) -> RepairSettings {
 async fn start(
     cp: &meshgate_testenv::ControlPlane,
     settings: RepairSettings,
-    leader: watch::Receiver<bool>,
+    leader: leader::Leader,
 ) -> Repair {
     let metrics = RepairMetrics::new();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -90,9 +95,24 @@ async fn start(
     let kubeconfig = cp.kubeconfig_path.clone();
     background().spawn(async move {
         let client = client_from(&kubeconfig).await;
-        meshgate_controller::repair::run(client, leader, settings, m, async move {
-            let _ = stopped.await;
-        })
+        // As `meshgate controller` builds it: no retry of a 429 in the client.
+        let kc = kube::config::Kubeconfig::read_from(&kubeconfig).expect("kubeconfig");
+        let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .expect("config");
+        let mut config = config;
+        config.default_retry = false;
+        let evictions = kube::Client::try_from(config).expect("client");
+        meshgate_controller::repair::run(
+            client,
+            meshgate_controller::repair::EvictionClient(evictions),
+            leader,
+            settings,
+            m,
+            async move {
+                let _ = stopped.await;
+            },
+        )
         .await;
     });
     Repair {
@@ -344,11 +364,11 @@ async fn timed_out_gates_owned_pods_are_deleted_and_bare_pods_labelled() {
             get_pod(&client, &ns, name).await.is_none()
         })
         .await;
-        assert!(
-            has_event(&client, &ns, name, "MeshRepairDeleted").await,
-            "{:?}",
-            events(&client, &ns, name).await
-        );
+        // The Event follows the eviction's answer.
+        wait_for(&format!("the Event of {name}"), TIMEOUT, || {
+            has_event(&client, &ns, name, "MeshRepairDeleted")
+        })
+        .await;
     }
     wait_for("the bare pod labelled", TIMEOUT, || {
         is_labelled(&client, &ns, "bare")
@@ -497,6 +517,83 @@ async fn pods_started_before_their_node_was_ready_are_labelled() {
     assert_eq!(repair.action("label"), 2);
 }
 
+/// Deleting repair goes through the Eviction API: a running pod that started early, covered by
+/// a PodDisruptionBudget that allows no disruption (none is computed here: no controller
+/// manager runs), stays, counted as held by the budget; once the budget is gone it is evicted.
+/// A pod whose gate timed out is Pending, and the API server evicts Pending pods whatever the
+/// budgets say (`canIgnorePDB`): the other test deletes those.
+#[tokio::test]
+async fn a_disruption_budget_holds_the_eviction_of_a_running_pod() {
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    let (client, cp, ns) = setup("repair-pdb").await;
+    let ready = now() - 600;
+    let node = format!("{ns}-node");
+    create_node(&client, &node, Some(ready)).await;
+    let budgets = Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns);
+    budgets
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "web"},
+                "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}},
+            }))
+            .expect("budget"),
+        )
+        .await
+        .expect("budget created");
+    let rs = create_replicaset(&client, &ns).await;
+    let mut s = settings(&ns, RepairAction::Delete);
+    s.detect_started_early = true;
+    let repair = start(&cp, s, leader::always()).await;
+    create_pod(&client, &ns, "early", false, Some(&rs), Some(&node)).await;
+    set_status(
+        &client,
+        &ns,
+        "early",
+        json!({"phase": "Running", "startTime": ts(ready - 60)}),
+    )
+    .await;
+
+    // Twice refused: the loop has tried, been refused, and tried again.
+    wait_for(
+        "the budget to refuse the eviction twice",
+        TIMEOUT,
+        || async { repair.skipped("disruption-budget") >= 2 },
+    )
+    .await;
+    assert!(
+        get_pod(&client, &ns, "early").await.is_some(),
+        "the pod was removed although its budget allows no disruption"
+    );
+    assert_eq!(repair.action("delete"), 0);
+    assert_eq!(
+        repair.errors("delete"),
+        0,
+        "a refusal by a budget is not an error"
+    );
+
+    budgets
+        .delete("web", &Default::default())
+        .await
+        .expect("budget deleted");
+    // Bound to a node, the evicted pod stays Terminating (no kubelet confirms it here).
+    wait_for(
+        "the pod evicted once its budget is gone",
+        TIMEOUT,
+        || async {
+            get_pod(&client, &ns, "early")
+                .await
+                .is_none_or(|p| p.metadata.deletion_timestamp.is_some())
+        },
+    )
+    .await;
+    assert_eq!(repair.action("delete"), 1);
+    eprintln!(
+        "measured: evictions refused by the budget before it was deleted: {}",
+        repair.skipped("disruption-budget")
+    );
+}
+
 #[tokio::test]
 async fn actions_are_rate_limited_and_a_pod_is_handled_once_per_window() {
     let (client, cp, ns) = setup("repair-rate").await;
@@ -591,7 +688,7 @@ async fn dry_run_changes_nothing() {
 #[tokio::test]
 async fn a_replica_that_does_not_lead_writes_nothing_until_it_leads() {
     let (client, cp, ns) = setup("repair-leader").await;
-    let (lead, leader_rx) = watch::channel(false);
+    let (lead, leader_rx) = leader::manual(false);
     let repair = start(&cp, settings(&ns, RepairAction::Label), leader_rx).await;
     create_pod(&client, &ns, "bare", true, None, None).await;
     gate_timed_out(&client, &ns, "bare").await;
@@ -607,7 +704,7 @@ async fn a_replica_that_does_not_lead_writes_nothing_until_it_leads() {
     );
     assert!(events(&client, &ns, "bare").await.is_empty());
 
-    lead.send(true).expect("leader channel");
+    lead.set(true);
     wait_for("the new leader to label the pod", TIMEOUT, || {
         is_labelled(&client, &ns, "bare")
     })
