@@ -11,6 +11,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use crate::leader::Leader;
 use futures::StreamExt;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::LimitRange;
@@ -21,7 +22,6 @@ use meshgate_core::native_gate::{Routes, policy, routed_namespace};
 use meshgate_core::registration::{PolicyApi, native_gate_entries};
 use meshgate_core::resources::ContainerLimits;
 use serde_json::{Value, json};
-use tokio::sync::watch;
 
 /// What the loop needs.
 #[derive(Clone, Debug)]
@@ -110,7 +110,7 @@ pub enum WriteError {
 /// list and whenever they change (retrying a failed write every `retry`).
 pub async fn run(
     client: kube::Client,
-    leader: watch::Receiver<bool>,
+    leader: Leader,
     s: Settings,
     retry: Duration,
     shutdown: impl Future<Output = ()>,
@@ -150,7 +150,7 @@ pub async fn run(
             // Now and then again, whatever was written: a re-run `install` writes `Routes::All`.
             _ = tick.tick() => written = None,
         }
-        if !listed || !*leader.borrow() {
+        if !listed || !leader.is_leader() {
             continue;
         }
         let state = store.state();

@@ -53,6 +53,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::events::{EventType, Events};
+use crate::leader::Leader;
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::api::batch::v1::{CronJob, Job};
@@ -74,7 +75,6 @@ use meshgate_core::policy::{
 };
 use meshgate_core::registration::{PolicyApi, policy_kind_entries};
 use serde_json::Value;
-use tokio::sync::watch;
 
 /// At most this many workloads are named in `status.existing.changed`.
 pub const MAX_CHANGED: usize = 50;
@@ -129,21 +129,21 @@ impl Default for Settings {
 
 struct Ctx {
     client: kube::Client,
-    leader: watch::Receiver<bool>,
+    leader: Leader,
     events: Events,
     settings: Settings,
 }
 
 impl Ctx {
     fn is_leader(&self) -> bool {
-        *self.leader.borrow()
+        self.leader.is_leader()
     }
 }
 
 /// Runs the backfill controller with default [`Settings`] until `shutdown` resolves.
 pub async fn run(
     client: kube::Client,
-    leader: watch::Receiver<bool>,
+    leader: Leader,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     run_with(client, leader, Settings::default(), shutdown).await;
@@ -152,14 +152,13 @@ pub async fn run(
 /// Runs the backfill controller until `shutdown` resolves.
 pub async fn run_with(
     client: kube::Client,
-    leader: watch::Receiver<bool>,
+    leader: Leader,
     settings: Settings,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
     let events = Events::new(client.clone());
     // Leadership gained: every policy is looked at again (those already observed are skipped).
-    let gained = tokio_stream::wrappers::WatchStream::new(leader.clone())
-        .filter_map(|is_leader| futures::future::ready(is_leader.then_some(())));
+    let gained = leader.gains();
     let ctx = Arc::new(Ctx {
         client: client.clone(),
         leader,

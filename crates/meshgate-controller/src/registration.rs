@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use crate::leader::Leader;
 use futures::StreamExt;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use kube::api::{Api, Patch, PatchParams};
@@ -22,7 +23,6 @@ use meshgate_core::registration::{
     PolicyResource, policies_webhook_name, policy_kind_entries, policy_rules,
 };
 use serde_json::json;
-use tokio::sync::watch;
 
 /// Resolves `kinds` entries to resources with discovery; returns them and the entries it could
 /// not resolve.
@@ -154,7 +154,7 @@ impl Seen {
 /// `resync`, writes only while leader.
 pub async fn run(
     client: kube::Client,
-    leader: watch::Receiver<bool>,
+    leader: Leader,
     configuration: String,
     resync: Duration,
     shutdown: impl Future<Output = ()>,
@@ -197,7 +197,7 @@ pub async fn run(
             },
             _ = tick.tick() => {}
         }
-        if lists_done < 2 || !*leader.borrow() {
+        if lists_done < 2 || !leader.is_leader() {
             continue;
         }
         let (cluster, namespaced) = (store.state(), nstore.state());

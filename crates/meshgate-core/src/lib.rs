@@ -14,11 +14,13 @@
 //! | [`pod_gate`]  | which pods the init gate holds, per mesh; gate resources | `object`           |
 //! | [`node_gate`] | node taints, agent states, repair, the DRA device        | `object`           |
 //! | [`policy`]    | the `MutationPolicy` engine, native compilation, Kyverno | `object`           |
+//! | [`leader`]    | until when a Lease's holder may act as the leader        | nothing            |
 //! | [`object`]    | views, patches, labels, quantities, pod templates, CEL   | nothing (the leaf) |
 //!
 //! The three domains do not use each other; what two of them share lives in [`object`].
 
 pub mod admission;
+pub mod leader;
 pub mod node_gate;
 pub mod object;
 pub mod pod_gate;

@@ -19,6 +19,8 @@ const MAY_USE: &[(&str, &[&str])] = &[
     ("pod_gate", &["object"]),
     ("node_gate", &["object"]),
     ("policy", &["object"]),
+    // The controller's leadership on a Lease.
+    ("leader", &[]),
     // The leaf: Kubernetes objects, patches, quantities, CEL.
     ("object", &[]),
 ];

@@ -128,7 +128,7 @@ async fn controller() -> ExitCode {
         .await
         .expect("kube client");
     let metrics = meshgate_controller::Metrics::new();
-    let (_leader_tx, leader) = tokio::sync::watch::channel(true);
+    let (_leader_tx, leader) = meshgate_controller::leader::manual(true);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     // The defaults of `meshgate controller` (gate status every 5 s, resync every 300 s, 16
     // nodes at once), the concurrency from `MESHGATE_BENCH_CONTROLLER_CONCURRENCY` if set.

@@ -10,6 +10,11 @@
 //!   the Lease once it has expired and does the work (a node whose agents become Ready is
 //!   untainted); a node with an unready agent is never untainted meanwhile. Prints the failover
 //!   time.
+//! * `paused_leader_steps_down`: the leader of two replicas is paused (SIGSTOP) past its lease;
+//!   the other takes the lease and does the work, then crashes with its lease still valid. The
+//!   paused replica, resumed (SIGCONT), makes no write to the nodes or the gate (their
+//!   resourceVersions, read before each read of the lease) until it holds the lease again; it
+//!   logs that it stepped down, then does the work that waited. Prints the writes seen (0).
 //! * `webhook_sigterm_under_load`: the `meshgate webhook` process, registered with
 //!   `failurePolicy: Fail`, gets SIGTERM while 48 tasks create pods through the API server. Every
 //!   create that succeeded carries the gate. Every create that failed, failed to connect to the
@@ -421,6 +426,139 @@ async fn leader_crash_failover() {
 
     // Only the new leader is alive: it does the work, and `held` stays held.
     scene.converges().await;
+}
+
+/// The resourceVersions of the nodes and the gate: any write changes one.
+async fn versions(client: &kube::Client) -> Option<Vec<String>> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let mut out = Vec::new();
+    for name in ["held", "released"] {
+        out.push(nodes.get(name).await.ok()?.metadata.resource_version?);
+    }
+    let gate = Api::<NodeGate>::all(client.clone())
+        .get("faults")
+        .await
+        .ok()?;
+    out.push(gate.metadata.resource_version?);
+    Some(out)
+}
+
+#[tokio::test]
+async fn paused_leader_steps_down() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let mut scene = scene_with(Controllers::Replicas(&["replica-a", "replica-b"])).await;
+    let client = scene.client.clone();
+    let ns = scene.lease_namespace.clone();
+    let identities: Vec<String> = scene.replicas.iter().map(|r| r.identity.clone()).collect();
+    wait_for("a replica to hold the lease", Duration::from_secs(60), || {
+        let (client, ns, identities) = (client.clone(), ns.clone(), identities.clone());
+        async move {
+            holder(&lease(&client, &ns).await).is_some_and(|h| identities.contains(&h))
+        }
+    })
+    .await;
+    let paused = holder(&lease(&client, &ns).await).expect("a holder");
+    let paused_idx = scene
+        .replicas
+        .iter()
+        .position(|r| r.identity == paused)
+        .expect("the holder is a replica");
+    let other_idx = 1 - paused_idx;
+    let other = scene.replicas[other_idx].identity.clone();
+
+    // The leader is paused past its lease; the other replica takes it and does the work.
+    scene.replicas[paused_idx].process.signal("STOP");
+    wait_for(
+        "the other replica to take the lease from the paused one",
+        Duration::from_secs(LEASE_SECONDS * 5 + 30),
+        || {
+            let (client, ns, other) = (client.clone(), ns.clone(), other.clone());
+            async move { holder(&lease(&client, &ns).await).as_deref() == Some(other.as_str()) }
+        },
+    )
+    .await;
+    set_ready(&client, "proxy-released", true).await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    wait_for(
+        "the new leader to untaint the released node",
+        Duration::from_secs(60),
+        || {
+            let nodes = nodes.clone();
+            async move { has_taint(&nodes, "released").await == Some(false) }
+        },
+    )
+    .await;
+
+    // The new leader crashes while its lease is valid, and work waits that only a leader may
+    // do: the held node's last agent becomes Ready.
+    scene.replicas[other_idx].process.signal("KILL");
+    scene.replicas[other_idx]
+        .process
+        .wait_exit(Duration::from_secs(30))
+        .await
+        .expect("the killed replica exited");
+    set_ready(&client, "proxy-held", true).await;
+    let before = versions(&client).await.expect("nodes and gate read");
+
+    // The paused replica resumes. Until it holds the lease again, nothing may change: each
+    // round reads the nodes and the gate, then the lease (which names the dead replica until
+    // the resumed one takes it).
+    scene.replicas[paused_idx].process.signal("CONT");
+    let resumed = Instant::now();
+    let mut writes = Vec::new();
+    let mut rounds = 0;
+    loop {
+        let now = versions(&client).await;
+        let holder_now = holder(&lease(&client, &ns).await);
+        if holder_now.as_deref() == Some(paused.as_str()) {
+            break;
+        }
+        rounds += 1;
+        if let Some(now) = now
+            && now != before
+            && writes.last() != Some(&now)
+        {
+            writes.push(now);
+        }
+        assert!(
+            resumed.elapsed() < Duration::from_secs(LEASE_SECONDS * 5 + 30),
+            "the resumed replica did not take the lease again; its log:\n{}",
+            scene.replicas[paused_idx].process.log_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let retaken = resumed.elapsed();
+    eprintln!(
+        "measured: the paused leader, resumed while the dead replica's lease was valid, made {} \
+         write(s) to the nodes and the gate before it held the lease again ({} ms after it \
+         resumed, {rounds} reads); resourceVersions before {before:?}, seen {writes:?}",
+        writes.len(),
+        retaken.as_millis()
+    );
+    assert!(
+        writes.is_empty(),
+        "the resumed replica wrote before it held the lease again"
+    );
+    let log = std::fs::read_to_string(&scene.replicas[paused_idx].process.log)
+        .expect("the resumed replica's log");
+    assert!(
+        log.contains("stepping down"),
+        "the resumed replica did not report that it stepped down; its log:\n{}",
+        scene.replicas[paused_idx].process.log_tail(20)
+    );
+
+    // Holding the lease again, it does the work that waited.
+    wait_for(
+        "the resumed leader to untaint the held node",
+        Duration::from_secs(60),
+        || {
+            let nodes = nodes.clone();
+            async move { has_taint(&nodes, "held").await == Some(false) }
+        },
+    )
+    .await;
+    scene.replicas[paused_idx].process.assert_running();
+    scene.watcher.abort();
 }
 
 // ------------------------------------------------------------------------------------------
