@@ -1145,9 +1145,17 @@ async fn ambient_meshgate_installed_from_its_image_gates_the_real_node() {
         errors.len()
     );
     assert!(created > 0, "pods were created during the restart");
+    // Why the API server admitted a pod ungated: its log says what the call to the webhook met.
+    let failing_open: Vec<String> = std::fs::read_to_string(cp.dir().join("kube-apiserver.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("failed calling webhook") || l.contains("failing open"))
+        .map(str::to_owned)
+        .collect();
     assert!(
         ungated.is_empty(),
-        "admitted without their gate: {ungated:?}"
+        "admitted without their gate: {ungated:?}; the API server's log: {:?}",
+        &failing_open[failing_open.len().saturating_sub(5)..]
     );
     assert!(errors.is_empty(), "creates failed: {errors:?}");
 
@@ -1572,8 +1580,12 @@ async fn sidecar_meshgate_installed_from_its_image_repairs_pods_that_started_bef
     );
 
     assert!(
-        service_account_may(&client, "meshgate-controller", "delete", "pods").await,
-        "with --repair delete the controller may delete pods"
+        service_account_may(&client, "meshgate-controller", "create", "pods/eviction").await,
+        "with --repair delete the controller may evict pods"
+    );
+    assert!(
+        !service_account_may(&client, "meshgate-controller", "delete", "pods").await,
+        "the controller evicts, it never deletes pods outright"
     );
     assert!(
         !service_account_may(&client, "meshgate-webhook", "delete", "pods").await,

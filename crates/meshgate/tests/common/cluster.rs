@@ -346,6 +346,10 @@ pub async fn service_account_may(
     use k8s_openapi::api::authorization::v1::{
         ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
     };
+    // `pods/eviction`: a resource and its subresource.
+    let (resource, subresource) = resource
+        .split_once('/')
+        .map_or((resource, None), |(r, s)| (r, Some(s)));
     let review = SubjectAccessReview {
         spec: SubjectAccessReviewSpec {
             user: Some(format!("system:serviceaccount:meshgate-system:{sa}")),
@@ -356,6 +360,7 @@ pub async fn service_account_may(
             resource_attributes: Some(ResourceAttributes {
                 verb: Some(verb.into()),
                 resource: Some(resource.into()),
+                subresource: subresource.map(Into::into),
                 namespace: Some("any".into()),
                 ..Default::default()
             }),
