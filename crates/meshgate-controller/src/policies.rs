@@ -116,6 +116,10 @@ pub struct Settings {
     /// Native mode: compile policies to MutatingAdmissionPolicies of this API version (the
     /// API server serves it). `None`: every policy stays on the webhook.
     pub native: Option<PolicyApi>,
+    /// The backfill of existing workloads (`spec.existing`). Off (`install
+    /// --workload-backfill=false`, which then grants no workload `patch`): such policies apply
+    /// at admission only and say so in their `Ready` condition.
+    pub backfill: bool,
 }
 
 impl Default for Settings {
@@ -123,6 +127,7 @@ impl Default for Settings {
         Self {
             excluded_namespaces: GateConfig::default().excluded_namespaces,
             native: None,
+            backfill: true,
         }
     }
 }
@@ -252,15 +257,13 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
         "the policy is valid",
     );
 
-    if !spec.existing.enabled {
-        let ready = condition(
-            &old,
-            generation,
-            "Ready",
-            true,
-            "AdmissionOnly",
-            "applied at admission only; existing workloads are left alone (spec.existing.enabled is false)",
-        );
+    if !spec.existing.enabled || !ctx.settings.backfill {
+        let message = if spec.existing.enabled {
+            "applied at admission only; existing workloads are left alone: this installation turns the backfill off (meshgate install --workload-backfill=false, chart value policies.workloadBackfill)"
+        } else {
+            "applied at admission only; existing workloads are left alone (spec.existing.enabled is false)"
+        };
+        let ready = condition(&old, generation, "Ready", true, "AdmissionOnly", message);
         write_status(
             &ctx,
             &name,

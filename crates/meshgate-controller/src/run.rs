@@ -53,6 +53,8 @@ pub struct ControllerSettings {
     /// Namespaces in which policies never change anything (backfill, native policies): the
     /// webhook's `excludedNamespaces`. `None`: the configuration's default.
     pub excluded_namespaces: Option<Vec<String>>,
+    /// Turn the backfill of existing workloads off (`--workload-backfill=false`).
+    pub no_workload_backfill: bool,
 }
 
 /// Runs the controllers (node gate, and the MutationPolicy backfill of existing workloads)
@@ -89,6 +91,7 @@ pub async fn run_controller(
     if let Some(excluded) = s.excluded_namespaces {
         policy_settings.excluded_namespaces = excluded;
     }
+    policy_settings.backfill = !s.no_workload_backfill;
     if s.native_policies {
         policy_settings.native = crate::discovery::policy_api(&client).await;
         match policy_settings.native {

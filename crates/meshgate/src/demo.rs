@@ -296,6 +296,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                 native_policies: false,
                 native_gate: None,
                 excluded_namespaces: None,
+                no_workload_backfill: false,
             },
             async move {
                 let _ = stop_rx.await;

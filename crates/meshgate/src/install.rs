@@ -59,6 +59,34 @@ pub struct InstallOptions {
     /// whose existing objects policies' backfill (`spec.existing`) mutates: the controller may
     /// list and patch them, cluster-wide.
     pub existing_kinds: Vec<String>,
+    /// The policy features whose grants are cluster-admin strong (`--workload-backfill`,
+    /// `--native-policies`).
+    pub policies: PolicyFeatures,
+}
+
+/// Policy features that each need a grant as strong as cluster-admin if the controller were
+/// compromised; each grant is rendered only with its feature.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PolicyFeatures {
+    /// `--workload-backfill` (default on): policies with `spec.existing` patch existing
+    /// workloads' pod templates; the controller may `patch` Deployments, StatefulSets,
+    /// DaemonSets, ReplicaSets, Jobs and CronJobs, cluster-wide. Off: no such grant, and such
+    /// policies apply at admission only (their `Ready` condition says so).
+    pub workload_backfill: bool,
+    /// `--native-policies` (default on): policies a MutatingAdmissionPolicy can express are
+    /// compiled into one; the controller may `create`/`patch`/`delete` MutatingAdmissionPolicies
+    /// and their bindings, cluster-wide. Off: no such grant (the native pod gate keeps `patch`
+    /// on its own policy and binding, by name), and the webhook serves every policy.
+    pub native: bool,
+}
+
+impl Default for PolicyFeatures {
+    fn default() -> Self {
+        Self {
+            workload_backfill: true,
+            native: true,
+        }
+    }
 }
 
 pub use meshgate_core::repair::RepairAction;
@@ -533,10 +561,10 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
-        // patch: policy backfill of existing workloads' pod templates (DaemonSets included;
-        // their pods are also read for the agents' DaemonSets).
-        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "daemonsets", "replicasets"], "verbs": ["get", "list", "watch", "patch"]},
-        {"apiGroups": ["batch"], "resources": ["jobs", "cronjobs"], "verbs": ["get", "list", "watch", "patch"]},
+        // Read: the agents' DaemonSets, and the workloads the backfill visits; `patch` only with
+        // the backfill (below).
+        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "daemonsets", "replicasets"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["batch"], "resources": ["jobs", "cronjobs"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "namespacedmutationpolicies"], "verbs": ["list", "watch"]},
         // patch: the gate's finalizer (taints come off every node before a gate goes).
         {"apiGroups": ["meshgate.dev"], "resources": ["nodegates"], "verbs": ["list", "watch", "patch"]},
@@ -545,11 +573,32 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"], "resourceNames": ["meshgate"], "verbs": ["get", "patch"]},
         // --manage-crds: meshgate's CRDs at the controller's schema (by name: no other CRD).
         {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "resourceNames": ["nodegates.meshgate.dev", "mutationpolicies.meshgate.dev", "namespacedmutationpolicies.meshgate.dev"], "verbs": ["get", "patch"]},
-        // Native policies: the MutatingAdmissionPolicies (and bindings) compiled from
-        // MutationPolicies, kept by server-side apply and deleted when a policy stops compiling.
-        {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingadmissionpolicies", "mutatingadmissionpolicybindings"], "verbs": ["create", "patch", "delete"]},
     ]);
     let mut controller_rules = controller_rules;
+    if let Some(rules) = controller_rules.as_array_mut() {
+        if o.policies.workload_backfill {
+            // The backfill of existing workloads' pod templates (DaemonSets included).
+            rules.push(json!({"apiGroups": ["apps"], "resources": ["deployments", "statefulsets", "daemonsets", "replicasets"], "verbs": ["patch"]}));
+            rules.push(json!({"apiGroups": ["batch"], "resources": ["jobs", "cronjobs"], "verbs": ["patch"]}));
+        }
+        if o.policies.native {
+            // Native policies: the MutatingAdmissionPolicies (and bindings) compiled from
+            // MutationPolicies, kept by server-side apply and deleted when a policy stops
+            // compiling.
+            rules.push(json!({"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingadmissionpolicies", "mutatingadmissionpolicybindings"], "verbs": ["create", "patch", "delete"]}));
+        } else if let PodGate::Native(api) = o.pod_gate {
+            // The native gate's own policy and binding (install creates them; the controller
+            // keeps their routes), by name.
+            let names: Vec<String> = meshgate_core::native_gate::policy(&config, api, &Routes::All)
+                .map_err(|e| anyhow::anyhow!("native gate: {e}"))?
+                .iter()
+                .filter_map(|d| d["metadata"]["name"].as_str().map(str::to_owned))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            rules.push(json!({"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingadmissionpolicies", "mutatingadmissionpolicybindings"], "resourceNames": names, "verbs": ["patch"]}));
+        }
+    }
     if let Some(rules) = controller_rules.as_array_mut() {
         // DRA gates: the controller watches the slices it wrote wherever the API server serves
         // them; it writes slices and device classes only for a DRA strategy.
@@ -602,6 +651,11 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     // The resources policies' apiCall entries GET, cluster-wide.
     out.extend(context_api_read_rbac(ns, &o.context_api_reads)?);
     // The other kinds the backfill mutates.
+    if !o.existing_kinds.is_empty() && !o.policies.workload_backfill {
+        anyhow::bail!(
+            "--existing-kind needs the backfill (--workload-backfill=false turns it off)"
+        );
+    }
     out.extend(existing_kind_rbac(ns, &o.existing_kinds)?);
     // Tenants: a namespace's admins and editors may manage the NamespacedMutationPolicies of
     // their namespace (aggregated into the built-in `admin` and `edit` roles), viewers read
@@ -696,12 +750,19 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
                 "--manage-crds".to_owned(),
                 "--policy-webhook-configuration".to_owned(),
                 "meshgate".to_owned(),
-                "--native-policies".to_owned(),
+            ];
+            if o.policies.native {
+                args.push("--native-policies".into());
+            }
+            args.extend([
                 "--gate-wait-threshold".to_owned(),
                 "120s".to_owned(),
                 "--excluded-namespaces".to_owned(),
                 config.excluded_namespaces.join(","),
-            ];
+            ]);
+            if !o.policies.workload_backfill {
+                args.push("--workload-backfill=false".into());
+            }
             if let PodGate::Native(_) = o.pod_gate {
                 args.push("--native-gate-config".into());
                 args.push("/etc/meshgate/config/config.yaml".into());

@@ -125,6 +125,11 @@ enum Command {
         /// to serve MutatingAdmissionPolicy (discovery); else every policy stays on the webhook.
         #[arg(long)]
         native_policies: bool,
+        /// Patch the pod templates of existing workloads for policies with `spec.existing`
+        /// (`false`: such policies apply at admission only; `install --workload-backfill=false`
+        /// grants no workload `patch`).
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        workload_backfill: bool,
         /// The native gate: keep the init gate's MutatingAdmissionPolicy and the routes of the
         /// webhook's gate entries (namespaces with LimitRanges stay on the webhook) for the
         /// webhook configuration in this file (`install` passes the webhook's). Needs
@@ -254,7 +259,8 @@ enum Command {
         #[arg(long)]
         cni_plugin: Option<String>,
         /// Run the controller's repair loop for pods whose gate timed out, and grant it the pod
-        /// writes it needs: `label` (patch) or `delete` (patch and delete). Off by default.
+        /// writes it needs: `label` (patch) or `delete` (patch, and create on pods/eviction: pods
+        /// are evicted, so PodDisruptionBudgets hold). Off by default.
         #[arg(long, value_parser = ["label", "delete"])]
         repair: Option<String>,
         /// Admit connections to the webhook's HTTPS port only from these addresses (CIDR,
@@ -277,6 +283,17 @@ enum Command {
         /// `existing.enabled` mutate: the controller may list and patch it, cluster-wide.
         #[arg(long = "existing-kind")]
         existing_kinds: Vec<String>,
+        /// Patch existing workloads' pod templates for policies with `existing.enabled` (the
+        /// controller gets `patch` on Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs
+        /// and CronJobs, cluster-wide). `false`: no such grant; those policies apply at
+        /// admission only.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        workload_backfill: bool,
+        /// Compile policies a MutatingAdmissionPolicy can express into one (the controller gets
+        /// `create`/`patch`/`delete` on MutatingAdmissionPolicies and their bindings,
+        /// cluster-wide). `false`: no such grant; every policy is served by the webhook.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        native_policies: bool,
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
@@ -518,6 +535,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             manage_crds,
             policy_webhook_configuration,
             native_policies,
+            workload_backfill,
             native_gate_config,
             excluded_namespaces,
             gate_wait_threshold,
@@ -589,6 +607,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     native_policies,
                     native_gate,
                     excluded_namespaces,
+                    no_workload_backfill: !workload_backfill,
                 },
                 run::shutdown_signal(),
             )
@@ -684,6 +703,8 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             context_config_maps,
             context_api_reads,
             existing_kinds,
+            workload_backfill,
+            native_policies,
             kubeconfig,
         } => {
             let strategy = meshgate::install::Strategy::choose(&strategy)?;
@@ -743,6 +764,10 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 context_config_maps,
                 context_api_reads,
                 existing_kinds,
+                policies: meshgate::install::PolicyFeatures {
+                    workload_backfill,
+                    native: native_policies,
+                },
             })?;
             let Some(client) = client else {
                 return emit(&render::to_yaml_stream(&docs)?);

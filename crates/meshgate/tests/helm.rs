@@ -189,8 +189,9 @@ fn lint_passes_and_the_templates_stay_small() {
     assert!(out.path().join("meshgate-0.1.0.tgz").exists(), "{said}");
 }
 
-/// Every profile, strategy, node-taint path, init-gate path and repair mode, and every list
-/// option: `helm template --set ...` equals `meshgate install ...`.
+/// Every profile, strategy, node-taint path, init-gate path and repair mode, the policy
+/// features on and off, and every list option: `helm template --set ...` equals `meshgate
+/// install ...`.
 #[test]
 fn template_equals_install_for_every_option() {
     let mut cases = 0;
@@ -239,6 +240,15 @@ fn template_equals_install_for_every_option() {
                     if !repair.is_empty() {
                         args.extend(["--repair".into(), repair.into()]);
                     }
+                    // The policy features in every combination (the list options below name
+                    // existing kinds, which need the backfill).
+                    let features = p + s + t;
+                    let backfill = features % 2 == 0 || (p + s) % 2 == 1;
+                    let native_policies = (features / 2) % 2 == 0;
+                    sets.push(format!("policies.workloadBackfill={backfill}"));
+                    sets.push(format!("policies.native={native_policies}"));
+                    args.push(format!("--workload-backfill={backfill}"));
+                    args.push(format!("--native-policies={native_policies}"));
                     if (p + s) % 2 == 1 {
                         // The gate's key, the node plugin's paths and every list option.
                         let key = "startup-taint.cluster-autoscaler.kubernetes.io/mesh-agents";

@@ -26,6 +26,7 @@ fn options(profile: &str) -> InstallOptions {
         context_config_maps: Vec::new(),
         context_api_reads: Vec::new(),
         existing_kinds: Vec::new(),
+        policies: Default::default(),
     }
 }
 
@@ -280,6 +281,114 @@ async fn rbac_is_what_the_enabled_features_need() {
             );
         }
     }
+
+    // The policy features whose grants are cluster-admin strong, each on and off: the grant is
+    // there exactly when its feature is.
+    for (backfill, native) in [(false, false), (true, false), (false, true), (true, true)] {
+        common::install_identities_of(
+            &client,
+            &meshgate::install::InstallOptions {
+                policies: meshgate::install::PolicyFeatures {
+                    workload_backfill: backfill,
+                    native,
+                },
+                ..common::install_options("istio-ambient", ns)
+            },
+        )
+        .await;
+        let c = "meshgate-controller";
+        let map = "mutatingadmissionpolicies";
+        common::wait_for(
+            "the RBAC to take effect",
+            std::time::Duration::from_secs(20),
+            || async {
+                allowed(c, "patch", "apps", "deployments").await == backfill
+                    && allowed(c, "create", "admissionregistration.k8s.io", map).await == native
+            },
+        )
+        .await;
+        let features = format!("workload backfill {backfill}, native policies {native}");
+        for (verb, group, resource, want) in [
+            ("patch", "apps", "deployments", backfill),
+            ("patch", "apps", "statefulsets", backfill),
+            ("patch", "apps", "daemonsets", backfill),
+            ("patch", "apps", "replicasets", backfill),
+            ("patch", "batch", "jobs", backfill),
+            ("patch", "batch", "cronjobs", backfill),
+            ("list", "apps", "deployments", true),
+            ("watch", "apps", "daemonsets", true),
+            ("create", "admissionregistration.k8s.io", map, native),
+            ("patch", "admissionregistration.k8s.io", map, native),
+            ("delete", "admissionregistration.k8s.io", map, native),
+            (
+                "delete",
+                "admissionregistration.k8s.io",
+                "mutatingadmissionpolicybindings",
+                native,
+            ),
+        ] {
+            assert_eq!(
+                allowed(c, verb, group, resource).await,
+                want,
+                "controller {verb} {group}/{resource} ({features})"
+            );
+        }
+    }
+}
+
+/// Without native policies, the native pod gate keeps `patch` on its own policy and binding,
+/// by name, and nothing else on admission policies; `--existing-kind` needs the backfill.
+#[test]
+fn the_native_gate_alone_patches_its_own_policy() {
+    let docs = meshgate::install::render(&meshgate::install::InstallOptions {
+        pod_gate: meshgate::install::PodGate::Native(meshgate_core::registration::PolicyApi::V1),
+        policies: meshgate::install::PolicyFeatures {
+            workload_backfill: true,
+            native: false,
+        },
+        ..common::install_options("istio-ambient", "meshgate-system")
+    })
+    .expect("install renders");
+    let role = docs
+        .iter()
+        .find(|d| d["kind"] == "ClusterRole" && d["metadata"]["name"] == "meshgate-controller")
+        .expect("controller role");
+    let admission: Vec<&serde_json::Value> = role["rules"]
+        .as_array()
+        .expect("rules")
+        .iter()
+        .filter(|r| r["apiGroups"][0] == "admissionregistration.k8s.io")
+        .filter(|r| r["resources"][0] != "mutatingwebhookconfigurations")
+        .collect();
+    assert_eq!(
+        admission,
+        [&serde_json::json!({
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["mutatingadmissionpolicies", "mutatingadmissionpolicybindings"],
+            "resourceNames": ["meshgate-pod-gate"],
+            "verbs": ["patch"],
+        })]
+    );
+    let controller_args = docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "meshgate-controller")
+        .map(|d| d["spec"]["template"]["spec"]["containers"][0]["args"].to_string())
+        .expect("controller deployment");
+    assert!(
+        !controller_args.contains("--native-policies"),
+        "{controller_args}"
+    );
+
+    let err = meshgate::install::render(&meshgate::install::InstallOptions {
+        existing_kinds: vec!["services".into()],
+        policies: meshgate::install::PolicyFeatures {
+            workload_backfill: false,
+            native: true,
+        },
+        ..common::install_options("istio-ambient", "meshgate-system")
+    })
+    .expect_err("--existing-kind without the backfill");
+    assert!(err.to_string().contains("--existing-kind"), "{err}");
 }
 
 /// What each strategy renders: the gate configuration the webhook reads, the default NodeGate's

@@ -273,6 +273,7 @@ fn every_granted_permission_is_exercised_and_nothing_more() {
         context_config_maps: Vec::new(),
         context_api_reads: Vec::new(),
         existing_kinds: Vec::new(),
+        policies: Default::default(),
     })
     .expect("render");
     let granted = granted(&docs);
@@ -323,6 +324,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
         context_config_maps: Vec::new(),
         context_api_reads: Vec::new(),
         existing_kinds: Vec::new(),
+        policies: Default::default(),
     })
     .expect("render");
     // Everything but the Deployments (the components run here, as their ServiceAccounts).

@@ -421,6 +421,7 @@ async fn namespaced_policies_stay_in_their_namespace() {
         context_config_maps: Vec::new(),
         context_api_reads: Vec::new(),
         existing_kinds: Vec::new(),
+        policies: Default::default(),
     })
     .expect("install renders");
     let role: Vec<Value> = docs

@@ -304,6 +304,7 @@ fn install_manifests_and_crds_read_back_as_meant() {
             context_config_maps: Vec::new(),
             context_api_reads: Vec::new(),
             existing_kinds: Vec::new(),
+            policies: Default::default(),
         })
         .expect("install renders");
         let yaml = meshgate::render::to_yaml_stream(&docs).expect("yaml");

@@ -690,6 +690,7 @@ pub fn install_options(profile: &str, namespace: &str) -> meshgate::install::Ins
         context_config_maps: Vec::new(),
         context_api_reads: Vec::new(),
         existing_kinds: Vec::new(),
+        policies: Default::default(),
     }
 }
 
