@@ -270,6 +270,25 @@ fn child_env<'a>(cp: &'a ControlPlane, log: &'a str) -> Vec<(&'static str, &'a s
 }
 
 impl Scene {
+    /// Waits until one of the two replicas holds the lease: (its index, the other's).
+    async fn leader_and_other(&self) -> (usize, usize) {
+        let (client, ns) = (&self.client, &self.lease_namespace);
+        let identities: Vec<String> = self.replicas.iter().map(|r| r.identity.clone()).collect();
+        wait_for(
+            "a replica to hold the lease",
+            Duration::from_secs(60),
+            || async { holder(&lease(client, ns).await).is_some_and(|h| identities.contains(&h)) },
+        )
+        .await;
+        let leader = holder(&lease(client, ns).await).expect("a holder");
+        let leader_idx = self
+            .replicas
+            .iter()
+            .position(|r| r.identity == leader)
+            .expect("the holder is a replica");
+        (leader_idx, 1 - leader_idx)
+    }
+
     async fn converges(mut self) {
         // After the fault: the released node's last agent becomes Ready.
         self.client = self.cp.client().await.expect("client");
@@ -345,21 +364,8 @@ async fn leader_crash_failover() {
     let ns = scene.lease_namespace.clone();
 
     // The nodes were tainted, so a leader is at work.
-    let identities: Vec<String> = scene.replicas.iter().map(|r| r.identity.clone()).collect();
-    wait_for("a replica to hold the lease", Duration::from_secs(60), || {
-        let (client, ns, identities) = (client.clone(), ns.clone(), identities.clone());
-        async move {
-            holder(&lease(&client, &ns).await).is_some_and(|h| identities.contains(&h))
-        }
-    })
-    .await;
-    let leader = holder(&lease(&client, &ns).await).expect("a holder");
-    let leader_idx = scene
-        .replicas
-        .iter()
-        .position(|r| r.identity == leader)
-        .expect("the holder is a replica");
-    let other_idx = 1 - leader_idx;
+    let (leader_idx, other_idx) = scene.leader_and_other().await;
+    let leader = scene.replicas[leader_idx].identity.clone();
     let other = scene.replicas[other_idx].identity.clone();
     for r in &mut scene.replicas {
         r.process.assert_running();
@@ -449,21 +455,8 @@ async fn paused_leader_steps_down() {
     let mut scene = scene_with(Controllers::Replicas(&["replica-a", "replica-b"])).await;
     let client = scene.client.clone();
     let ns = scene.lease_namespace.clone();
-    let identities: Vec<String> = scene.replicas.iter().map(|r| r.identity.clone()).collect();
-    wait_for("a replica to hold the lease", Duration::from_secs(60), || {
-        let (client, ns, identities) = (client.clone(), ns.clone(), identities.clone());
-        async move {
-            holder(&lease(&client, &ns).await).is_some_and(|h| identities.contains(&h))
-        }
-    })
-    .await;
-    let paused = holder(&lease(&client, &ns).await).expect("a holder");
-    let paused_idx = scene
-        .replicas
-        .iter()
-        .position(|r| r.identity == paused)
-        .expect("the holder is a replica");
-    let other_idx = 1 - paused_idx;
+    let (paused_idx, other_idx) = scene.leader_and_other().await;
+    let paused = scene.replicas[paused_idx].identity.clone();
     let other = scene.replicas[other_idx].identity.clone();
 
     // The leader is paused past its lease; the other replica takes it and does the work.
