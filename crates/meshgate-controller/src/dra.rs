@@ -1,7 +1,9 @@
 //! The DRA gate's writes: a `DeviceClass` per DRA gate and a `ResourceSlice` per gate and ready
 //! node (objects and rules in `meshgate_core::dra`).
 //!
-//! * Whether the API server serves `resource.k8s.io/v1` is asked once at start; without it (or
+//! * Whether the API server serves `resource.k8s.io/v1` is asked at start, until it answers (a
+//!   failure to ask is retried, [`served`]); a cluster that starts serving it later needs a
+//!   controller restart. Without it (or
 //!   where it drops `DeviceClass.spec.extendedResourceName`, DRA extended resources off) a DRA
 //!   gate **falls back** to offering its resource in the node status, and says so in its
 //!   `ResourceProvider` condition and an Event.
@@ -263,15 +265,42 @@ impl Dra {
     }
 }
 
-/// Whether the API server serves `resource.k8s.io/v1` with ResourceSlices and DeviceClasses.
+/// Whether the API server serves `resource.k8s.io/v1` with ResourceSlices and DeviceClasses,
+/// asked until it answers: "not found" (the group version is not served) is an answer; any
+/// other failure (no connection, a 5xx) is retried with backoff
+/// (`meshgate_core::node_gate::retry`, one warning per streak), so that a blip at start no
+/// longer pins every DRA gate to the node status for the life of the process. Nothing is decided
+/// for any node before this returns (the node gate waits for it before it syncs).
 pub async fn served(client: &kube::Client) -> bool {
-    match client.list_api_group_resources("resource.k8s.io/v1").await {
-        Ok(list) => ["resourceslices", "deviceclasses"]
-            .iter()
-            .all(|r| list.resources.iter().any(|x| x.name == *r)),
-        Err(e) => {
-            tracing::info!(error = %e, "resource.k8s.io/v1 is not served: DRA gates use the node status");
-            false
+    use meshgate_core::node_gate::retry::{retry_after, warn_on};
+    let mut failures = 0u32;
+    loop {
+        match client.list_api_group_resources("resource.k8s.io/v1").await {
+            Ok(list) => {
+                if failures > 0 {
+                    tracing::info!(
+                        failures,
+                        "asked again: the API server answered whether it serves resource.k8s.io/v1"
+                    );
+                }
+                return ["resourceslices", "deviceclasses"]
+                    .iter()
+                    .all(|r| list.resources.iter().any(|x| x.name == *r));
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                tracing::info!("resource.k8s.io/v1 is not served: DRA gates use the node status");
+                return false;
+            }
+            Err(e) => {
+                failures = failures.saturating_add(1);
+                let wait = retry_after(failures);
+                if warn_on(failures) {
+                    tracing::warn!(error = %e, retry_in = ?wait, "could not ask whether resource.k8s.io/v1 is served; asking again");
+                } else {
+                    tracing::debug!(error = %e, failures, retry_in = ?wait, "could not ask whether resource.k8s.io/v1 is served");
+                }
+                tokio::time::sleep(wait).await;
+            }
         }
     }
 }
@@ -291,3 +320,83 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Shared handle.
 pub type SharedDra = Arc<Dra>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+    use std::future::IntoFuture;
+    use std::sync::atomic::AtomicUsize;
+
+    /// A fake API server whose discovery of `resource.k8s.io/v1` fails with a 500 `failures`
+    /// times, then answers: `Some(resources)` or a 404. Returns a client for it and the calls.
+    async fn api_server(
+        failures: usize,
+        resources: Option<&'static [&'static str]>,
+    ) -> (kube::Client, Arc<AtomicUsize>) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let status = |code: u16, reason: &str| {
+            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "message": reason, "reason": reason, "code": code})
+            .to_string()
+        };
+        let app = axum::Router::new().route(
+            "/apis/resource.k8s.io/v1",
+            axum::routing::get(move || {
+                let n = seen.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    match resources {
+                        _ if n < failures => (
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            status(500, "InternalError"),
+                        ),
+                        None => (StatusCode::NOT_FOUND, status(404, "NotFound")),
+                        Some(names) => {
+                            let list: Vec<serde_json::Value> = names
+                                .iter()
+                                .map(|n| {
+                                    serde_json::json!({"name": n, "namespaced": false,
+                                    "kind": "X", "singularName": "", "verbs": ["list"]})
+                                })
+                                .collect();
+                            (
+                                StatusCode::OK,
+                                serde_json::json!({"kind": "APIResourceList",
+                                    "groupVersion": "resource.k8s.io/v1", "resources": list})
+                                .to_string(),
+                            )
+                        }
+                    }
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(axum::serve(listener, app).into_future());
+        let url = format!("http://{addr}").parse().expect("url");
+        let client = kube::Client::try_from(kube::Config::new(url)).expect("client");
+        (client, calls)
+    }
+
+    #[tokio::test]
+    async fn a_failure_to_ask_is_retried_until_the_api_server_answers() {
+        // Two 500s (not retried inside kube's client), then the answer: served. Asked once,
+        // as before, the first failure decided "not served" for the life of the process.
+        let (client, calls) = api_server(2, Some(&["resourceslices", "deviceclasses"])).await;
+        assert!(served(&client).await);
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn not_served_is_an_answer() {
+        let (client, calls) = api_server(0, None).await;
+        assert!(!served(&client).await);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        // Served without device classes: not enough.
+        let (client, _) = api_server(0, Some(&["resourceslices"])).await;
+        assert!(!served(&client).await);
+    }
+}
