@@ -266,8 +266,8 @@ impl Dra {
 }
 
 /// Whether the API server serves `resource.k8s.io/v1` with ResourceSlices and DeviceClasses,
-/// asked until it answers: "not found" (the group version is not served) is an answer; any
-/// other failure (no connection, a 5xx) is retried with backoff
+/// asked until it answers: a refusal ("not found": the group version is not served) is an
+/// answer; a failure to ask (no connection, a 5xx, a 429) is retried with backoff
 /// (`meshgate_core::node_gate::retry`, one warning per streak), so that a blip at start no
 /// longer pins every DRA gate to the node status for the life of the process. Nothing is decided
 /// for any node before this returns (the node gate waits for it before it syncs).
@@ -287,8 +287,10 @@ pub async fn served(client: &kube::Client) -> bool {
                     .iter()
                     .all(|r| list.resources.iter().any(|x| x.name == *r));
             }
-            Err(kube::Error::Api(e)) if e.code == 404 => {
-                tracing::info!("resource.k8s.io/v1 is not served: DRA gates use the node status");
+            // A refusal (404: the group version is not served; any other 4xx but 429) is an
+            // answer; retrying would not change it.
+            Err(kube::Error::Api(e)) if (400..500).contains(&e.code) && e.code != 429 => {
+                tracing::info!(code = e.code, reason = %e.reason, "resource.k8s.io/v1 is not served: DRA gates use the node status");
                 return false;
             }
             Err(e) => {
