@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, PostParams};
@@ -77,25 +75,13 @@ async fn without_the_backfill_a_policy_applies_at_admission_only() {
         .expect("policy created");
 
     // The controller reports the policy: ready, at admission only, and why.
-    wait_for(
+    let status = wait_for_policy_status(
+        &client,
+        "backfill-off",
         "the policy's Ready condition",
-        Duration::from_secs(60),
-        || async {
-            policies
-                .get("backfill-off")
-                .await
-                .ok()
-                .and_then(|p| p.status)
-                .is_some_and(|s| s.conditions.iter().any(|c| c.type_ == "Ready"))
-        },
+        |s| s.conditions.iter().any(|c| c.type_ == "Ready"),
     )
     .await;
-    let status = policies
-        .get("backfill-off")
-        .await
-        .expect("policy")
-        .status
-        .expect("status");
     let ready = status
         .conditions
         .iter()

@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service};
 use kube::api::{Api, PostParams};
@@ -83,25 +81,13 @@ async fn the_backfill_mutates_existing_objects_of_the_kinds_it_was_granted() {
         )
         .await
         .expect("policy created");
-    wait_for(
+    let status = wait_for_policy_status(
+        &client,
+        "backfill-kinds",
         "the policy's pass to be reported",
-        Duration::from_secs(60),
-        || async {
-            policies
-                .get("backfill-kinds")
-                .await
-                .ok()
-                .and_then(|p| p.status)
-                .is_some_and(|s| s.existing.is_some())
-        },
+        |s| s.existing.is_some(),
     )
     .await;
-    let status = policies
-        .get("backfill-kinds")
-        .await
-        .expect("policy")
-        .status
-        .expect("status");
     let labelled = |labels: Option<std::collections::BTreeMap<String, String>>| {
         labels.unwrap_or_default().get(label).cloned()
     };

@@ -314,6 +314,30 @@ pub async fn serve_policies(cp: &ControlPlane) {
         .await;
 }
 
+/// Waits (60 s at most) until the cluster-wide MutationPolicy `name` has a status that `done`
+/// accepts (what the controller reported), and returns it.
+pub async fn wait_for_policy_status(
+    client: &Client,
+    name: &str,
+    what: &str,
+    done: impl Fn(&meshgate_api::MutationPolicyStatus) -> bool,
+) -> meshgate_api::MutationPolicyStatus {
+    let policies: Api<meshgate_api::MutationPolicy> = Api::all(client.clone());
+    let read = || async {
+        policies
+            .get(name)
+            .await
+            .ok()
+            .and_then(|p| p.status)
+            .filter(|s| done(s))
+    };
+    wait_for(what, Duration::from_secs(60), || async {
+        read().await.is_some()
+    })
+    .await;
+    read().await.expect("the status just seen")
+}
+
 /// A client built from a kubeconfig file (for the background runtime).
 pub async fn client_from(kubeconfig: &std::path::Path) -> Client {
     let kc = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig");
