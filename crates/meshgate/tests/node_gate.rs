@@ -489,6 +489,76 @@ async fn continuous_mode_puts_the_taint_back_and_bootstrap_mode_does_not() {
     );
 }
 
+/// Two gates on one node, each with its own bootstrap mark (#42 4c): the first gate's agents
+/// become Ready and it releases the node (its mark `agents-ready-since.meshgate.dev/<gate>`);
+/// a second gate created afterwards, whose agent on the node is not Ready, still holds the node
+/// with its own taint. With one mark shared by all gates the second counted the node as
+/// released and left it untainted.
+#[tokio::test]
+async fn a_second_gate_holds_a_node_the_first_released() {
+    let (client, cp, _) = setup().await;
+    let agents_ns = cp.namespace("agents-two-gates", &[]).await.unwrap();
+    let pool = format!("two-{agents_ns}");
+    let first = format!("first-{agents_ns}");
+    create_gate(
+        &client,
+        &first,
+        gate_spec(&pool, &agents_ns, json!({"mode": "Bootstrap"})),
+    )
+    .await;
+    let node = format!("{pool}-node");
+    create_node(&client, &node, &pool, &[]).await;
+    let (cni, proxy) = (format!("{pool}-cni"), format!("{pool}-proxy"));
+    agent(&client, &agents_ns, &cni, "cni", &node).await;
+    agent(&client, &agents_ns, &proxy, "node-proxy", &node).await;
+    set_ready(&client, &agents_ns, &cni, true).await;
+    set_ready(&client, &agents_ns, &proxy, true).await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let annotations = |n: Node| n.metadata.annotations.unwrap_or_default();
+    let first_mark = meshgate_core::nodegate::ready_since_key(&first);
+    wait_for(
+        "the first gate to release the node and mark it",
+        Duration::from_secs(30),
+        || async {
+            !node_has_taint(&client, &node).await
+                && annotations(nodes.get(&node).await.expect("node")).contains_key(&first_mark)
+        },
+    )
+    .await;
+
+    // The second gate: its own agent (not Ready on the node) and its own key.
+    let key = "second.meshgate.dev/agent-not-ready";
+    let second = format!("second-{agents_ns}");
+    let mesh_b = format!("{pool}-mesh-b");
+    agent(&client, &agents_ns, &mesh_b, "mesh-b", &node).await;
+    set_ready(&client, &agents_ns, &mesh_b, false).await;
+    let spec: NodeGateSpec = serde_json::from_value(json!({
+        "agents": [{"name": "mesh-b", "namespace": agents_ns,
+                    "selector": {"matchLabels": {"app": "mesh-b"}}}],
+        "nodeSelector": {"matchLabels": {"pool": pool}},
+        "taint": {"key": key},
+        "mode": "Bootstrap",
+    }))
+    .expect("second gate spec");
+    create_gate(&client, &second, spec).await;
+    wait_for(
+        "the second gate to hold the node with its own taint",
+        Duration::from_secs(30),
+        || async { taint_keys(&nodes.get(&node).await.expect("node")).contains(&key.to_owned()) },
+    )
+    .await;
+    let marks = annotations(nodes.get(&node).await.expect("node"));
+    assert!(marks.contains_key(&first_mark), "{marks:?}");
+    assert!(
+        !marks.contains_key(&meshgate_core::nodegate::ready_since_key(&second)),
+        "the second gate has not released the node: {marks:?}"
+    );
+    assert!(
+        !node_has_taint(&client, &node).await,
+        "the first gate's taint stays off"
+    );
+}
+
 #[tokio::test]
 async fn resource_gate_holds_pods_until_the_node_advertises_the_resource() {
     let (client, cp, _) = setup().await;
