@@ -10,7 +10,8 @@
 # (<cache>/demo-build.log), named at the end. The last build, meshgate's static binaries for the
 # real node's images, is run by `meshgate demo` itself before its story (once per source state).
 # Istio is never built here: when tools/test.sh has built it (and Helm), the real node runs the
-# real Istio (MESHGATE_ISTIO, MESHGATE_HELM), else meshgate's mesh stand-ins.
+# real Istio (MESHGATE_ISTIO, MESHGATE_HELM), else meshgate's mesh stand-ins. Nor is Karpenter:
+# when tools/test.sh has built it (and KWOK), it launches the demo's new node (MESHGATE_KARPENTER).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 cache=${MESHGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
@@ -76,6 +77,14 @@ if [ $real_node = yes ]; then
     echo "Istio: built and cached ($istio): the real node runs the real Istio"
   else
     echo "Istio: not built (tools/test.sh builds it and Helm, about 15 min cold): the real node runs meshgate's mesh stand-ins"
+  fi
+  # The real Karpenter launches the demo's new node when tools/test.sh has built it (its
+  # kube-controller-manager comes with the node's binaries); never built here.
+  if [ -n "${MESHGATE_NODE_BIN:-}" ] && karpenter=$(tools/karpenter/build.sh --cached 2>>"$log"); then
+    export MESHGATE_KARPENTER=$karpenter
+    echo "Karpenter: built and cached ($karpenter): it launches the demo's new node"
+  else
+    echo "Karpenter: not built (tools/test.sh builds it and KWOK, about 5 min cold): the demo registers its new node itself"
   fi
 fi
 build "meshgate with the demo (cargo, debug)" "about 4 min on 2 cores" \

@@ -2,8 +2,11 @@
 //!
 //! Starts etcd, kube-apiserver and kube-scheduler on loopback (built from source and cached by
 //! `tools/controlplane/build.sh`), runs meshgate's webhook (over TLS, called by the API server)
-//! and controller in-process, and plays a new node's arrival: the demo creates the Node and the
-//! agent pods and reports their readiness as a kubelet would. Then, where this host can run one
+//! and controller in-process, configured as `meshgate install --profile istio-ambient` renders
+//! by default, and plays a new node's arrival: where the real Karpenter is built and cached
+//! (`MESHGATE_KARPENTER`, `autoscaled`) it launches the node, on KWOK, for a pending mesh pod;
+//! else the demo creates the Node and the agent pods and reports their readiness as a kubelet
+//! would. Then, where this host can run one
 //! (`meshgate_testenv::node`), a real node joins: a kubelet with containerd and a CNI bridge, the
 //! mesh's agents, and a gated pod that really runs; the host is compared with its state before
 //! afterwards. The mesh there is the real Istio in ambient mode when it is built and cached
@@ -19,12 +22,13 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use meshgate_api::{GateConfig, MutationPolicy, NodeGate, Profile};
+use meshgate_api::{MutationPolicy, NodeGate, Profile};
 use meshgate_core::registration::{Registration, WebhookTarget, webhook_configuration};
 use serde_json::json;
 
 use crate::run::{ControllerSettings, WebhookSettings};
 
+mod autoscaled;
 mod real_node;
 
 /// Demo options.
@@ -147,6 +151,148 @@ async fn build_static_binaries(log: &std::path::Path) -> anyhow::Result<bool> {
     Ok(true)
 }
 
+/// The namespace `install` would put meshgate in (excluded from its gates).
+const DEMO_NAMESPACE: &str = "meshgate-system";
+
+/// The demo's new node: what placed it, and when meshgate lifted its taint.
+struct NodeStory {
+    node: String,
+    /// Who launched the node, when an autoscaler did.
+    launched: Option<String>,
+    /// From the agents Ready to the taint gone.
+    untaint_ms: u128,
+    /// The real Karpenter, running until the workload has left.
+    autoscaler: Option<meshgate_testenv::karpenter::Autoscaler>,
+}
+
+/// Creates the ambient pod `shop/web` (`resources` as given) and waits until the scheduler
+/// holds it back; tells its init containers and why it is Pending.
+async fn create_mesh_pod(
+    story: &Story,
+    client: &kube::Client,
+    resources: serde_json::Value,
+) -> anyhow::Result<()> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {"containers": [{"name": "web", "image": "registry.invalid/web:1", "resources": resources}]},
+    }))?;
+    let stored = pods.create(&PostParams::default(), &pod).await?;
+    let inits: Vec<String> = stored
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_ref())
+        .map(|cs| cs.iter().map(|c| c.name.clone()).collect())
+        .unwrap_or_default();
+    story.detail(&if inits.is_empty() {
+        "stored as written: no init container (the node's startup taint is what holds it)"
+            .to_owned()
+    } else {
+        format!("stored with init containers {inits:?}")
+    });
+    let why = poll(
+        "the scheduler to hold the pod back",
+        Duration::from_secs(30),
+        || {
+            let pods = pods.clone();
+            async move {
+                let p = pods.get("web").await.ok()?;
+                p.status?.conditions?.into_iter().find_map(|c| {
+                    (c.type_ == "PodScheduled" && c.status == "False")
+                        .then(|| c.message.unwrap_or_default())
+                })
+            }
+        },
+    )
+    .await?;
+    story.detail(&format!("Pending: {why}"));
+    Ok(())
+}
+
+/// Waits until the scheduler binds `shop/web`; tells where; the node's name.
+async fn wait_bound(story: &Story, client: &kube::Client) -> anyhow::Result<String> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
+    let bound = poll(
+        "the scheduler to bind the pod",
+        Duration::from_secs(30),
+        || {
+            let pods = pods.clone();
+            async move { pods.get("web").await.ok()?.spec?.node_name }
+        },
+    )
+    .await?;
+    story.detail(&format!(
+        "shop/web bound to {bound} once the taint was gone, with nothing added to it: it starts as it would without meshgate"
+    ));
+    Ok(bound)
+}
+
+/// The demo's new node without an autoscaler: the demo registers the Node and the agent pods
+/// and reports their readiness as a kubelet would.
+async fn simulated_node(
+    story: &mut Story,
+    client: &kube::Client,
+    key: &str,
+) -> anyhow::Result<NodeStory> {
+    story.say("A new node registers (think: the autoscaler added it)");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(
+        json!({"metadata": {"name": "node-1", "labels": {"kubernetes.io/os": "linux"}}}),
+    )?;
+    let created = nodes.create(&PostParams::default(), &node).await?;
+    meshgate_testenv::make_node_ready(client, "node-1").await?;
+    story.detail(&format!(
+        "node-1 registered with taints {:?}",
+        taint_keys(&created)
+    ));
+    story.detail("the kubelet reports Ready; the mesh agents on node-1 are still starting");
+
+    story.say("A mesh pod is created in namespace shop (ambient mode)");
+    create_mesh_pod(story, client, json!({})).await?;
+
+    story.say("The CNI agent and the node proxy on node-1 become Ready");
+    let agents: Api<Pod> = Api::namespaced(client.clone(), "mesh-system");
+    for (name, app) in [
+        ("mesh-cni-node-1", "mesh-cni"),
+        ("mesh-node-proxy-node-1", "mesh-node-proxy"),
+    ] {
+        let p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"app": app}},
+            "spec": {"nodeName": "node-1", "tolerations": [{"operator": "Exists"}],
+                     "containers": [{"name": "agent", "image": "registry.invalid/agent:1"}]},
+        }))?;
+        agents.create(&PostParams::default(), &p).await?;
+    }
+    let ready_at = Instant::now();
+    for name in ["mesh-cni-node-1", "mesh-node-proxy-node-1"] {
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let status = json!({"status": {"phase": "Running", "conditions": [
+            {"type": "Ready", "status": "True", "lastTransitionTime": now}]}});
+        agents
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await?;
+    }
+    poll("the taint to be removed", Duration::from_secs(30), || {
+        let nodes = nodes.clone();
+        async move {
+            let n = nodes.get("node-1").await.ok()?;
+            (!taint_keys(&n).iter().any(|t| t.starts_with(key))).then_some(())
+        }
+    })
+    .await?;
+    let untaint_ms = ready_at.elapsed().as_millis();
+    story.detail(&format!(
+        "meshgate removed the startup taint {untaint_ms} ms after the agents were Ready"
+    ));
+    let node = wait_bound(story, client).await?;
+    Ok(NodeStory {
+        node,
+        launched: None,
+        untaint_ms,
+        autoscaler: None,
+    })
+}
+
 /// Runs the demo.
 /// Builds what `tools/demo.sh` builds when the demo runs without it (the control plane and, as
 /// root, the node binaries), before the story: a progress line each (a cached one is done at
@@ -230,10 +376,18 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     let (cert, key) = (cp.dir().join("webhook.crt"), cp.dir().join("webhook.key"));
     std::fs::write(&cert, &serving.cert_pem)?;
     std::fs::write(&key, &serving.key_pem)?;
-    let mut config = GateConfig {
-        profiles: vec![Profile::IstioAmbient, Profile::IstioSidecar],
-        ..GateConfig::default()
-    };
+    // What `meshgate install --profile istio-ambient` renders by default (one place owns the
+    // defaults: its strategy and taint key), with Istio's sidecar mode too for the kubeflow step.
+    let strategy = crate::install::Strategy::default();
+    let taint_key = meshgate_api::names::STARTUP_TAINT_KEY;
+    let mut config = crate::install::gate_config_for(
+        "istio-ambient",
+        DEMO_NAMESPACE,
+        &meshgate_api::config::InitGate::default().image,
+        strategy,
+        taint_key,
+    )?;
+    config.profiles.push(Profile::IstioSidecar);
     if real_node.is_ok() {
         config.init_gate.image = meshgate_testenv::image::GATE_IMAGE.into();
         config.init_gate.image_pull_policy = "Never".into();
@@ -334,17 +488,12 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                 .await?;
         }
     }
-    let gate: NodeGate = serde_json::from_value(json!({
-        "apiVersion": "meshgate.dev/v1alpha1", "kind": "NodeGate",
-        "metadata": {"name": "mesh-agents"},
-        "spec": {
-            "agents": [
-                {"name": "cni", "namespace": "mesh-system", "selector": {"matchLabels": {"app": "mesh-cni"}}},
-                {"name": "node-proxy", "namespace": "mesh-system", "selector": {"matchLabels": {"app": "mesh-node-proxy"}}},
-            ],
-            "mode": "Continuous",
-        },
-    }))?;
+    // The gate `install` renders for the profile, waiting for the demo's agents.
+    let mut gate = crate::install::default_gate("istio-ambient", strategy, taint_key)?;
+    gate.spec.agents = serde_json::from_value(json!([
+        {"name": "cni", "namespace": "mesh-system", "selector": {"matchLabels": {"app": "mesh-cni"}}},
+        {"name": "node-proxy", "namespace": "mesh-system", "selector": {"matchLabels": {"app": "mesh-node-proxy"}}},
+    ]))?;
     Api::<NodeGate>::all(client.clone())
         .create(&PostParams::default(), &gate)
         .await?;
@@ -376,108 +525,25 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                 let created = nodes.create(&dry, &probe).await.ok()?;
                 taint_keys(&created)
                     .iter()
-                    .any(|t| t.starts_with("node.meshgate.dev/"))
+                    .any(|t| t.starts_with(taint_key))
                     .then_some(())
             }
         },
     )
     .await?;
     story.detail(&format!(
+        "as `meshgate install --profile istio-ambient` renders it by default: startup taint {taint_key} (a prefix autoscalers know as a startup taint), the init gate only in pods the taint cannot hold"
+    ));
+    story.detail(&format!(
         "new nodes get the startup taint at registration from a MutatingAdmissionPolicy ({})",
         api.api_version()
     ));
 
-    story.say("A new node registers (think: the autoscaler added it)");
-    let nodes: Api<Node> = Api::all(client.clone());
-    let node: Node = serde_json::from_value(
-        json!({"metadata": {"name": "node-1", "labels": {"kubernetes.io/os": "linux"}}}),
-    )?;
-    let created = nodes.create(&PostParams::default(), &node).await?;
-    meshgate_testenv::make_node_ready(&client, "node-1").await?;
-    story.detail(&format!(
-        "node-1 registered with taints {:?}",
-        taint_keys(&created)
-    ));
-    story.detail("the kubelet reports Ready; the mesh agents on node-1 are still starting");
-
-    story.say("A mesh pod is created in namespace shop (ambient mode)");
-    let pods: Api<Pod> = Api::namespaced(client.clone(), "shop");
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "web"},
-        "spec": {"containers": [{"name": "web", "image": "registry.invalid/web:1"}]},
-    }))?;
-    let stored = pods.create(&PostParams::default(), &pod).await?;
-    let inits: Vec<String> = stored
-        .spec
-        .as_ref()
-        .and_then(|s| s.init_containers.as_ref())
-        .map(|cs| cs.iter().map(|c| c.name.clone()).collect())
-        .unwrap_or_default();
-    story.detail(&format!("stored with init containers {inits:?}"));
-    let why = poll(
-        "the scheduler to hold the pod back",
-        Duration::from_secs(30),
-        || {
-            let pods = pods.clone();
-            async move {
-                let p = pods.get("web").await.ok()?;
-                p.status?.conditions?.into_iter().find_map(|c| {
-                    (c.type_ == "PodScheduled" && c.status == "False")
-                        .then(|| c.message.unwrap_or_default())
-                })
-            }
-        },
-    )
-    .await?;
-    story.detail(&format!("Pending: {why}"));
-
-    story.say("The CNI agent and the node proxy on node-1 become Ready");
-    let agents: Api<Pod> = Api::namespaced(client.clone(), "mesh-system");
-    for (name, app) in [
-        ("mesh-cni-node-1", "mesh-cni"),
-        ("mesh-node-proxy-node-1", "mesh-node-proxy"),
-    ] {
-        let p: Pod = serde_json::from_value(json!({
-            "metadata": {"name": name, "labels": {"app": app}},
-            "spec": {"nodeName": "node-1", "tolerations": [{"operator": "Exists"}],
-                     "containers": [{"name": "agent", "image": "registry.invalid/agent:1"}]},
-        }))?;
-        agents.create(&PostParams::default(), &p).await?;
-    }
-    let ready_at = Instant::now();
-    for name in ["mesh-cni-node-1", "mesh-node-proxy-node-1"] {
-        let now = k8s_openapi::jiff::Timestamp::now().to_string();
-        let status = json!({"status": {"phase": "Running", "conditions": [
-            {"type": "Ready", "status": "True", "lastTransitionTime": now}]}});
-        agents
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-            .await?;
-    }
-    poll("the taint to be removed", Duration::from_secs(30), || {
-        let nodes = nodes.clone();
-        async move {
-            let n = nodes.get("node-1").await.ok()?;
-            (!taint_keys(&n)
-                .iter()
-                .any(|t| t.starts_with("node.meshgate.dev/")))
-            .then_some(())
-        }
-    })
-    .await?;
-    let untaint_ms = ready_at.elapsed().as_millis();
-    story.detail(&format!(
-        "meshgate removed the startup taint {untaint_ms} ms after the agents were Ready"
-    ));
-    let bound = poll(
-        "the scheduler to bind the pod",
-        Duration::from_secs(30),
-        || {
-            let pods = pods.clone();
-            async move { pods.get("web").await.ok()?.spec?.node_name }
-        },
-    )
-    .await?;
-    story.detail(&format!("shop/web scheduled to {bound}; its first init container meshgate-wait holds the app until the node proxy's listener exists in the pod"));
+    let mut node_story = if autoscaled::available() {
+        autoscaled::launch(&mut story, &cp, &client, taint_key).await?
+    } else {
+        simulated_node(&mut story, &client, taint_key).await?
+    };
 
     story.say("Kubeflow-style namespace: an application init container that needs the network");
     for doc in crate::render::parse_documents("deploy/policies/kubeflow.yaml", KUBEFLOW_POLICY)? {
@@ -556,6 +622,10 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         "kubeflow-user/notebook: init container fetch-model runs as uid {user} (the proxy's, whose traffic is not redirected); excludeOutboundIPRanges {excluded}; gate verdict {verdict:?}"
     ));
 
+    if let Some(autoscaler) = node_story.autoscaler.take() {
+        autoscaled::scale_down(&mut story, &client, autoscaler, &node_story.node).await?;
+    }
+
     let real = match &real_node {
         Ok(_) => {
             story.say(match &istio {
@@ -565,7 +635,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
                 ),
                 None => "A real node joins: containerd, runc, a CNI bridge and a kubelet on this machine".to_owned(),
             }.as_str());
-            match real_node::story(&story, &cp, &client, istio.as_ref()).await {
+            match real_node::story(&story, &cp, &client, istio.as_ref(), taint_key).await {
                 Ok(r) => Some(r),
                 Err(e) => {
                     story.detail(&format!("the real node did not complete: {e:#}"));
@@ -584,11 +654,20 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     let status = crate::status::collect(&client).await?;
     print!("{}", crate::status::table(&status));
     println!();
+    let NodeStory {
+        node,
+        launched,
+        untaint_ms,
+        ..
+    } = &node_story;
+    if let Some(launched) = launched {
+        println!("  {node}: {launched};");
+    }
     println!(
-        "  node-1 was held by its startup taint until both agents were Ready; the taint lifted after {untaint_ms} ms;"
+        "  {node} was held by its startup taint until both agents were Ready; the taint lifted {untaint_ms} ms after;"
     );
     println!(
-        "  shop/web waited Pending, then was bound to the simulated node-1 with meshgate-wait as its first init container;"
+        "  shop/web waited Pending, then was bound to {node} without an init container: the taint held it, nothing was added to the pod;"
     );
     println!(
         "  kubeflow-user/notebook: its init container fetch-model runs as uid {user}, nothing else of the pod left the mesh (excludeOutboundIPRanges {excluded})."

@@ -58,14 +58,15 @@ pub async fn story(
     cp: &meshgate_testenv::ControlPlane,
     client: &kube::Client,
     istio: Option<&CachedIstio>,
+    key: &str,
 ) -> anyhow::Result<RealNodeReport> {
     let (started, mesh) = match istio {
         Some(istio) => (
-            start_with_istio(story, cp, client, istio).await?,
+            start_with_istio(story, cp, client, istio, key).await?,
             format!("the real Istio {}", istio.istio.version),
         ),
         None => (
-            start_with_stand_ins(story, cp, client).await?,
+            start_with_stand_ins(story, cp, client, key).await?,
             "meshgate's mesh stand-ins".to_owned(),
         ),
     };
@@ -151,10 +152,11 @@ struct Started {
     lifted_ms: u128,
 }
 
-/// Waits until no `node.meshgate.dev/` taint is left on the node; the time since `start`.
+/// Waits until the gate's taint `key` is off the node; the time since `start`.
 async fn wait_released(
     nodes: &Api<Node>,
     name: &str,
+    key: &str,
     start: Instant,
     limit: Duration,
 ) -> anyhow::Result<u128> {
@@ -162,10 +164,7 @@ async fn wait_released(
         let (nodes, name) = (nodes.clone(), name.to_owned());
         async move {
             let n = nodes.get(&name).await.ok()?;
-            (!taint_keys(&n)
-                .iter()
-                .any(|t| t.starts_with("node.meshgate.dev/")))
-            .then_some(())
+            (!taint_keys(&n).iter().any(|t| t.starts_with(key))).then_some(())
         }
     })
     .await?;
@@ -182,27 +181,27 @@ async fn start_with_istio(
     cp: &meshgate_testenv::ControlPlane,
     client: &kube::Client,
     istio: &CachedIstio,
+    key: &str,
 ) -> anyhow::Result<Started> {
     let nodes: Api<Node> = Api::all(client.clone());
-    nodes.delete("node-1", &DeleteParams::default()).await?;
-    let all: Api<Pod> = Api::all(client.clone());
-    for p in all
-        .list(&ListParams::default().fields("spec.nodeName=node-1"))
-        .await?
-    {
-        let (Some(ns), Some(name)) = (p.metadata.namespace, p.metadata.name) else {
-            continue;
-        };
-        Api::<Pod>::namespaced(client.clone(), &ns)
-            .delete(&name, &DeleteParams::default().grace_period(0))
-            .await?;
+    if nodes.get_opt("node-1").await?.is_some() {
+        nodes.delete("node-1", &DeleteParams::default()).await?;
+        let all: Api<Pod> = Api::all(client.clone());
+        for p in all
+            .list(&ListParams::default().fields("spec.nodeName=node-1"))
+            .await?
+        {
+            let (Some(ns), Some(name)) = (p.metadata.namespace, p.metadata.name) else {
+                continue;
+            };
+            Api::<Pod>::namespaced(client.clone(), &ns)
+                .delete(&name, &DeleteParams::default().grace_period(0))
+                .await?;
+        }
+        story.detail("the simulated node-1 left, and its pods with it (Istio's DaemonSets would place pods on a node no kubelet runs)");
     }
-    story.detail("the simulated node-1 left, and its pods with it (Istio's DaemonSets would place pods on a node no kubelet runs)");
-    let gate = crate::install::default_gate(
-        "istio-ambient",
-        crate::install::Strategy::Pod,
-        meshgate_api::names::DEFAULT_TAINT_KEY,
-    )?;
+    let gate =
+        crate::install::default_gate("istio-ambient", crate::install::Strategy::default(), key)?;
     Api::<meshgate_api::NodeGate>::all(client.clone())
         .patch(
             "mesh-agents",
@@ -246,7 +245,7 @@ async fn start_with_istio(
     );
     let options = InstallOptions {
         ambient: true,
-        istiod_tolerates: vec![meshgate_api::names::DEFAULT_TAINT_KEY.to_owned()],
+        istiod_tolerates: vec![key.to_owned()],
     };
     let node = tokio::task::spawn_blocking(move || {
         istio_build
@@ -258,7 +257,8 @@ async fn start_with_istio(
         "Istio {} installed from its own charts with Helm: istiod (tolerating meshgate's startup taint), the istio-cni node agent and plugin in ambient mode, the node proxy (a stand-in the real agent feeds over ZDS)",
         istio.istio.version
     ));
-    let lifted_ms = wait_released(&nodes, &name, registered_at, Duration::from_secs(240)).await?;
+    let lifted_ms =
+        wait_released(&nodes, &name, key, registered_at, Duration::from_secs(240)).await?;
     Ok(Started {
         node,
         taints_at_registration,
@@ -274,6 +274,7 @@ async fn start_with_stand_ins(
     story: &Story,
     cp: &meshgate_testenv::ControlPlane,
     client: &kube::Client,
+    key: &str,
 ) -> anyhow::Result<Started> {
     let daemonset = |app: &str,
                      command: Vec<String>,
@@ -357,7 +358,8 @@ async fn start_with_stand_ins(
         "{name} registered (kubelet Ready {:.2?} after its start) with taints {taints_at_registration:?}; the mesh's agents: meshgate's stand-ins (tools/test.sh builds the real Istio, which the demo then uses)",
         node.timings.ready_after_kubelet_start,
     ));
-    let lifted_ms = wait_released(&nodes, &name, registered_at, Duration::from_secs(60)).await?;
+    let lifted_ms =
+        wait_released(&nodes, &name, key, registered_at, Duration::from_secs(60)).await?;
     Ok(Started {
         node,
         taints_at_registration,
