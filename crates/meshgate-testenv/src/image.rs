@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::{Error, io};
+use crate::{Error, io, workspace_dir};
 
 /// The image the node's containerd uses for pod sandboxes (`sandbox_image`).
 pub const PAUSE_IMAGE: &str = "meshgate.local/pause:1";
@@ -91,10 +91,6 @@ const STATIC_PACKAGES: [&str; 4] = [
 const STATIC_RUSTFLAGS: &str = "-C target-feature=+crt-static";
 /// Beside the binaries: the source state ([`source_state`]) they were built from.
 const SOURCE_STATE_FILE: &str = ".meshgate-source-state";
-
-fn workspace_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn static_target_dir() -> PathBuf {
     cache_dir().join("static-target")

@@ -98,6 +98,24 @@ pub fn helm() -> Result<PathBuf, Error> {
     built("MESHGATE_HELM", "tools/helm/build.sh")
 }
 
+/// The checkout this process works in (the directory holding `Cargo.lock` and `tools/`): found
+/// from `CARGO_MANIFEST_DIR` as Cargo sets it when it runs a test, bench or binary, else from
+/// the working directory, else the checkout this crate was compiled in. The compile-time path
+/// comes last: a build directory shared between clones (tools/test.sh keeps it in the cache)
+/// reuses artifacts compiled in another clone, whose path may be gone.
+pub fn workspace_dir() -> PathBuf {
+    let is_root = |d: &Path| d.join("Cargo.lock").is_file() && d.join("tools").is_dir();
+    let runtime = std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from);
+    let cwd = std::env::current_dir().ok();
+    runtime
+        .iter()
+        .chain(cwd.iter())
+        .flat_map(|d| d.ancestors())
+        .find(|d| is_root(d))
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+}
+
 /// A tool the repository's scripts build once and cache: the path in `env` when set, else
 /// what `script` (relative to the repository) prints on stdout; its progress goes to stderr.
 pub fn built(env: &str, script: &str) -> Result<PathBuf, Error> {
@@ -110,9 +128,7 @@ pub fn built_logged(env: &str, script: &str, log: Option<&Path>) -> Result<PathB
     if let Some(dir) = std::env::var_os(env) {
         return Ok(PathBuf::from(dir));
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .join(script);
+    let script = workspace_dir().join(script);
     let stderr = match log {
         Some(log) => std::process::Stdio::from(
             std::fs::OpenOptions::new()
