@@ -10,7 +10,9 @@
 //! * `VALUE early-default-<profile>` and `VALUE early-none-<profile>`: mesh pods bound before every
 //!   agent of their node was Ready (the race; meshgate's must be 0);
 //! * `VALUE release-p50-default-<profile>-ms`, `...-p99-...`: from the last agent Ready on a pod's
-//!   node to the pod Running;
+//!   node to the pod Running; `VALUE release-<leg>-p50-...` (with its p99) that time in legs:
+//!   `untaint` (to the taint seen lifted: meshgate), `bind` (to the binding seen: the scheduler),
+//!   `run` (to Running seen: KWOK);
 //! * `RATIO scaleup-default-<profile>/none`: from the Deployment's creation to its last pod
 //!   Running, with over without meshgate (the agents' start, 5 s here, is what meshgate waits for).
 //!
@@ -80,6 +82,18 @@ fn report(name: &str, pairs: &[(Round, Round)]) {
         "VALUE release-p99-default-{name}-ms: {:.0}",
         percentile(&release, 99.0).as_secs_f64() * 1000.0
     );
+    // Where the release's time goes (docs/design.md, "Autoscalers").
+    for (i, leg) in ["untaint", "bind", "run"].iter().enumerate() {
+        let xs: Vec<Duration> = pairs
+            .iter()
+            .flat_map(|(w, _)| w.legs.iter().map(|l| l[i]))
+            .collect();
+        println!(
+            "VALUE release-{leg}-p50-default-{name}-ms: {:.0} (p99 {:.0})",
+            percentile(&xs, 50.0).as_secs_f64() * 1000.0,
+            percentile(&xs, 99.0).as_secs_f64() * 1000.0
+        );
+    }
     let same = pairs.iter().all(|(w, n)| w.launched == n.launched);
     println!("VALUE same-instance-types-{name}: {same}");
 }

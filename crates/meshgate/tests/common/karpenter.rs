@@ -417,6 +417,9 @@ pub struct Round {
     pub early: usize,
     /// From the last agent Ready on its node to the pod Running, per pod.
     pub release: Vec<Duration>,
+    /// The release in its legs, per pod whose node meshgate tainted: the agents Ready to the
+    /// taint seen lifted (meshgate), to the binding seen (the scheduler), to Running seen (KWOK).
+    pub legs: Vec<[Duration; 3]>,
     /// NodeClaims Initialized before meshgate lifted the taint of their node.
     pub initialized_early: usize,
     /// From the Deployment's creation to its last pod Running.
@@ -523,7 +526,7 @@ pub async fn round(
         let s = seen.lock().expect("seen");
         let mut nodes = BTreeSet::new();
         for uid in &uids {
-            let Some((_, node, bound_rv, _)) = s.bound.get(uid) else {
+            let Some((_, node, bound_rv, bound_at)) = s.bound.get(uid) else {
                 continue;
             };
             nodes.insert(node.clone());
@@ -548,6 +551,13 @@ pub async fn round(
                 (s.running.get(uid), on_node.iter().map(|(_, at)| *at).max())
             {
                 out.release.push(running.saturating_duration_since(at));
+                if let Some((_, lifted)) = s.lifted.get(node) {
+                    out.legs.push([
+                        lifted.saturating_duration_since(at),
+                        bound_at.saturating_duration_since(*lifted),
+                        running.saturating_duration_since(*bound_at),
+                    ]);
+                }
             }
         }
         for claim in s
