@@ -319,6 +319,10 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
         });
     }
 
+    for gate in gates.iter().filter(|g| g.spec.taint_on_create) {
+        out.push(registration_check(client, gate).await);
+    }
+
     out.extend(autoscaler_checks(client, namespace, &gates).await);
 
     // RBAC of the components.
@@ -376,6 +380,58 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
         )
     });
     Ok(out)
+}
+
+/// Whether a node registering now gets the gate's taint: a Node (with the labels of the gate's
+/// node selector) created with `dryRun`, through every admission step the API server runs.
+/// Served is not enforced: an admission-policy API whose feature gate is off stores the
+/// node-taint policy and never runs it.
+async fn registration_check(client: &kube::Client, gate: &NodeGate) -> Check {
+    let gname = gate.metadata.name.clone().unwrap_or_default();
+    let key = &gate.spec.taint.key;
+    let probe = json!({"metadata": {"name": format!("meshgate-check-{gname}"),
+                                    "labels": gate.spec.node_selector.match_labels}});
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let created = match serde_json::from_value::<k8s_openapi::api::core::v1::Node>(probe) {
+        Ok(node) => {
+            Api::<k8s_openapi::api::core::v1::Node>::all(client.clone())
+                .create(&dry, &node)
+                .await
+        }
+        Err(e) => return fail("registration", format!("gate {gname}: {e}"), "report a bug"),
+    };
+    match created {
+        Ok(node) => {
+            let tainted = node
+                .spec
+                .and_then(|s| s.taints)
+                .unwrap_or_default()
+                .iter()
+                .any(|t| &t.key == key);
+            if tainted {
+                pass(
+                    "registration",
+                    format!("gate {gname}: a node registering now gets {key} (a dry-run Node)"),
+                )
+            } else {
+                fail(
+                    "registration",
+                    format!(
+                        "gate {gname}: a node registering now does not get {key} (a dry-run Node came back without it): new nodes run pods before their agents are Ready until the controller taints them"
+                    ),
+                    "`meshgate install --apply` again: it proves that the API server runs MutatingAdmissionPolicies before it uses one (off where their feature gate is), else the webhook taints nodes",
+                )
+            }
+        }
+        Err(e) => fail(
+            "registration",
+            format!("gate {gname}: could not dry-run a Node: {e}"),
+            "run `meshgate check` as a user that may create nodes (nothing is stored: dry run)",
+        ),
+    }
 }
 
 /// Whether the autoscalers found can provision for each live gate: its taint and what the

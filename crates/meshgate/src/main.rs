@@ -730,7 +730,12 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                 |line| eprintln!("{line}"),
             )?;
             let served = match &client {
-                Some(c) => meshgate::discovery::policy_api(c).await,
+                Some(c) => {
+                    // Served is not enough: the API server must run what it serves.
+                    let found = meshgate::discovery::policy_enforcement(c, dry_run).await;
+                    eprintln!("admission policies: {}", found.describe());
+                    found.usable()
+                }
                 // Offline: a Kubernetes 1.36+ API server (v1 is GA there).
                 None => Some(meshgate_core::registration::PolicyApi::V1),
             };

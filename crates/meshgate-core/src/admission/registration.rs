@@ -333,10 +333,79 @@ pub fn node_taint_policy(gate_name: &str, gate: &NodeGateSpec, api: PolicyApi) -
     [policy, binding]
 }
 
+/// The label a policy-enforcement probe's ConfigMap carries (its value the probe's token).
+pub const PROBE_LABEL: &str = "meshgate.dev/policy-probe";
+/// The label the probe's policy adds: seen on the dry-run ConfigMap, it proves the API server
+/// runs MutatingAdmissionPolicies, not only stores them.
+pub const PROBE_APPLIED_LABEL: &str = "meshgate.dev/policy-probe-applied";
+
+/// Proof that the API server *runs* MutatingAdmissionPolicies: discovery lists the API whenever
+/// its storage is enabled (`--runtime-config`), but the admission plugin runs only with the
+/// `MutatingAdmissionPolicy` feature gate (docs/design.md, "Kubernetes versions"). A policy and
+/// binding (named after `token`, labelled meshgate's) that label a ConfigMap carrying
+/// [`PROBE_LABEL`]` = token`, and that ConfigMap, to be created with `dryRun` in `namespace`:
+/// [`probe_applied`] on what comes back.
+pub fn enforcement_probe(api: PolicyApi, token: &str, namespace: &str) -> ([Value; 2], Value) {
+    let name = format!("meshgate-policy-probe-{token}");
+    let labels = json!({names::MANAGED_BY: "meshgate", PROBE_LABEL: token});
+    let mutation = format!(
+        "Object{{metadata: Object.metadata{{labels: {{{}: \"true\"}}}}}}",
+        cel_string(PROBE_APPLIED_LABEL)
+    );
+    let policy = json!({
+        "apiVersion": api.api_version(),
+        "kind": "MutatingAdmissionPolicy",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["configmaps"],
+            }]},
+            "failurePolicy": "Ignore",
+            "reinvocationPolicy": "Never",
+            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": mutation}}],
+        },
+    });
+    let binding = json!({
+        "apiVersion": api.api_version(),
+        "kind": "MutatingAdmissionPolicyBinding",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"policyName": name, "matchResources": {
+            "objectSelector": {"matchLabels": {PROBE_LABEL: token}},
+        }},
+    });
+    let config_map = json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace, "labels": {PROBE_LABEL: token}},
+    });
+    ([policy, binding], config_map)
+}
+
+/// Whether the probe's policy changed `object` (the ConfigMap the API server returned).
+pub fn probe_applied(object: &Value) -> bool {
+    object["metadata"]["labels"][PROBE_APPLIED_LABEL] == "true"
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use meshgate_api::Profile;
+
+    #[test]
+    fn the_enforcement_probe_selects_only_its_own_config_map() {
+        let ([policy, binding], cm) = enforcement_probe(PolicyApi::V1beta1, "abc123", "default");
+        assert_eq!(policy["apiVersion"], "admissionregistration.k8s.io/v1beta1");
+        assert_eq!(binding["spec"]["policyName"], policy["metadata"]["name"]);
+        assert_eq!(
+            binding["spec"]["matchResources"]["objectSelector"]["matchLabels"][PROBE_LABEL],
+            "abc123"
+        );
+        assert_eq!(cm["metadata"]["labels"][PROBE_LABEL], "abc123");
+        assert_eq!(policy["metadata"]["labels"][names::MANAGED_BY], "meshgate");
+        assert!(!probe_applied(&cm));
+        let mut applied = cm.clone();
+        applied["metadata"]["labels"][PROBE_APPLIED_LABEL] = json!("true");
+        assert!(probe_applied(&applied));
+    }
 
     fn reg(config: &GateConfig) -> Registration<'_> {
         Registration {

@@ -1,0 +1,179 @@
+//! A MutatingAdmissionPolicy API that the API server serves but does not run (issue 43,
+//! finding 1): kube-apiserver registers the API's storage from `--runtime-config` alone while its
+//! admission plugin runs only with the `MutatingAdmissionPolicy` feature gate. Reproduced on
+//! Kubernetes 1.36 with the gate set false (the API stays served: discovery lists it). There:
+//! * the probe finds the API stored only, and leaves nothing behind;
+//! * `meshgate install --apply` says so and taints nodes at registration with its webhook;
+//! * `meshgate check` fails on a node-taint policy that the API server stores and never runs
+//!   (what `install` chose there before), naming the fix, and passes on an API server that runs it.
+//!
+//! Before the fix `install` chose the policy (discovery alone) and nothing was reported.
+//!
+//! Run: `cargo test -p meshgate --test policy_enforcement`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kube::api::{Api, DynamicObject, ListParams};
+use meshgate::discovery::{PolicyEnforcement, policy_api, prove_policy_api};
+use meshgate_core::registration::PolicyApi;
+use serde_json::Value;
+
+const NS: &str = "meshgate-system";
+
+async fn gate_off() -> meshgate_testenv::ControlPlane {
+    meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
+        apiserver_flags: vec!["--feature-gates=MutatingAdmissionPolicy=false".into()],
+        ..Default::default()
+    })
+    .await
+    .expect("control plane starts")
+}
+
+/// meshgate's admission policies left in the cluster (probes included).
+async fn policies(client: &kube::Client) -> Vec<String> {
+    let ar = kube::discovery::ApiResource {
+        group: "admissionregistration.k8s.io".into(),
+        version: "v1".into(),
+        api_version: "admissionregistration.k8s.io/v1".into(),
+        kind: "MutatingAdmissionPolicy".into(),
+        plural: "mutatingadmissionpolicies".into(),
+    };
+    Api::<DynamicObject>::all_with(client.clone(), &ar)
+        .list(&ListParams::default())
+        .await
+        .expect("policies")
+        .items
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
+        .collect()
+}
+
+/// `meshgate check -o json`: the `registration` checks.
+fn registration_checks(cp: &meshgate_testenv::ControlPlane) -> Vec<Value> {
+    let out = meshgate_on(cp, &["check", "--namespace", NS, "-o", "json"]);
+    let checks: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "check output: {e}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    checks
+        .into_iter()
+        .filter(|c| c["name"] == "registration")
+        .collect()
+}
+
+/// The default gate of a profile and its node-taint policy, as `install` rendered them where it
+/// chose the policy.
+async fn gate_with_policy(client: &kube::Client) {
+    install_crds(client).await;
+    let docs = meshgate::install::render(&meshgate::install::InstallOptions {
+        node_taint: meshgate::install::NodeTaint::Policy(PolicyApi::V1),
+        ..install_options("istio-ambient", NS)
+    })
+    .expect("render");
+    let wanted: Vec<Value> = docs
+        .into_iter()
+        .filter(|d| {
+            [
+                "NodeGate",
+                "MutatingAdmissionPolicy",
+                "MutatingAdmissionPolicyBinding",
+            ]
+            .contains(&d["kind"].as_str().unwrap_or_default())
+        })
+        .collect();
+    assert_eq!(wanted.len(), 3, "the gate, its policy and binding");
+    meshgate::install::apply(client, &wanted, false, |_| {})
+        .await
+        .expect("applied");
+}
+
+#[tokio::test]
+async fn a_policy_api_served_but_not_run_is_not_chosen() {
+    let cp = gate_off().await;
+    let client = cp.client().await.expect("client");
+    assert_eq!(
+        policy_api(&client).await,
+        Some(PolicyApi::V1),
+        "the cell reproduces the finding: discovery lists the API with its feature gate off"
+    );
+    let found = prove_policy_api(&client, "default", Duration::from_secs(5)).await;
+    assert!(
+        matches!(found, PolicyEnforcement::StoredOnly(PolicyApi::V1, _)),
+        "{found:?}"
+    );
+    assert_eq!(
+        policies(&client).await,
+        Vec::<String>::new(),
+        "no probe left"
+    );
+
+    let out = meshgate_on(
+        &cp,
+        &[
+            "install",
+            "--profile",
+            "istio-ambient",
+            "--namespace",
+            NS,
+            "--apply",
+        ],
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "install: {said}");
+    assert!(
+        said.contains("served but NOT enforced"),
+        "install says why: {said}"
+    );
+    assert!(
+        said.contains("node taint at registration: webhook"),
+        "install taints nodes with its webhook: {said}"
+    );
+    assert_eq!(
+        policies(&client).await,
+        Vec::<String>::new(),
+        "no admission policy installed, no probe left"
+    );
+}
+
+#[tokio::test]
+async fn check_fails_on_a_node_taint_policy_the_api_server_does_not_run() {
+    let cp = gate_off().await;
+    let client = cp.client().await.expect("client");
+    gate_with_policy(&client).await;
+    let checks = registration_checks(&cp);
+    assert_eq!(checks.len(), 1, "{checks:?}");
+    assert_eq!(checks[0]["ok"], false, "{checks:?}");
+    let message = checks[0]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("does not get readiness.k8s.io/mesh-agents"),
+        "{message}"
+    );
+    assert!(
+        checks[0]["hint"]
+            .as_str()
+            .is_some_and(|h| h.contains("meshgate install --apply")),
+        "{checks:?}"
+    );
+}
+
+#[tokio::test]
+async fn check_passes_where_the_api_server_runs_the_node_taint_policy() {
+    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options::default())
+        .await
+        .expect("control plane starts");
+    let client = cp.client().await.expect("client");
+    let found = prove_policy_api(&client, "default", Duration::from_secs(30)).await;
+    assert_eq!(found, PolicyEnforcement::Enforced(PolicyApi::V1));
+    gate_with_policy(&client).await;
+    // The policy takes effect asynchronously: the check passes once a dry-run node is tainted.
+    wait_registration_taint(&client, meshgate_api::names::STARTUP_TAINT_KEY, true).await;
+    let checks = registration_checks(&cp);
+    assert_eq!(checks.len(), 1, "{checks:?}");
+    assert_eq!(checks[0]["ok"], true, "{checks:?}");
+}
