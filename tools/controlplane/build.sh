@@ -3,7 +3,10 @@
 # script, once, into a cache outside the repository, and prints the directory that holds the binaries.
 #
 #   tools/controlplane/build.sh            # build if missing, print the bin directory on stdout
+#   MESHGATE_KUBE_MINOR=1.34 tools/controlplane/build.sh   # another cell of the version matrix
 #
+# One Go module per Kubernetes minor (kube-<minor>/go.mod pins its latest patch); the default
+# minor is 1.36. MESHGATE_KUBE_MINOR picks another: 1.34, 1.35, 1.37.
 # The cache key is the pinned versions plus a hash of the go.mod/go.sum files, so a version bump
 # builds a new set and an unchanged checkout reuses the old one. Progress goes to stderr.
 # Env: MESHGATE_CACHE (default: ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate).
@@ -14,13 +17,19 @@ cache=${MESHGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
 
 # shellcheck source=../lib/kube.sh
 source "$here/../lib/kube.sh"
-kube_version=$(pinned k8s.io/kubernetes "$here/kube/go.mod")
-etcd_version=$(pinned go.etcd.io/etcd/server/v3 "$here/etcd/go.mod")
-[ -n "$kube_version" ] && [ -n "$etcd_version" ] || {
-  echo "build.sh: cannot read the pinned versions from $here/{kube,etcd}/go.mod" >&2
+minor=${MESHGATE_KUBE_MINOR:-1.36}
+kube="$here/kube-$minor"
+[ -f "$kube/go.mod" ] || {
+  echo "build.sh: no Kubernetes $minor here (MESHGATE_KUBE_MINOR: one of $(cd "$here" && ls -d kube-* | sed 's/kube-//' | tr '\n' ' '))" >&2
   exit 1
 }
-sum=$(cat "$here"/kube/go.mod "$here"/kube/go.sum "$here"/etcd/go.mod "$here"/etcd/go.sum | sha256sum | cut -c1-12)
+kube_version=$(pinned k8s.io/kubernetes "$kube/go.mod")
+etcd_version=$(pinned go.etcd.io/etcd/server/v3 "$here/etcd/go.mod")
+[ -n "$kube_version" ] && [ -n "$etcd_version" ] || {
+  echo "build.sh: cannot read the pinned versions from $here/{kube-$minor,etcd}/go.mod" >&2
+  exit 1
+}
+sum=$(cat "$kube"/go.mod "$kube"/go.sum "$here"/etcd/go.mod "$here"/etcd/go.sum | sha256sum | cut -c1-12)
 bin="$cache/controlplane/kube-$kube_version-etcd-$etcd_version-$sum"
 
 log() { printf '[controlplane %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -52,11 +61,11 @@ log "[1/3] etcd $etcd_version: downloading modules"
 log "[1/3] etcd $etcd_version: compiling"
 (cd "$here/etcd" && go build -trimpath -ldflags "-s -w" -o "$tmp/etcd" go.etcd.io/etcd/server/v3)
 log "[2/3] kube-apiserver $kube_version: downloading modules"
-(cd "$here/kube" && go mod download)
+(cd "$kube" && go mod download)
 log "[2/3] kube-apiserver $kube_version: compiling (the long step)"
-(cd "$here/kube" && go build -trimpath -ldflags "$kube_ldflags" -o "$tmp/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver)
+(cd "$kube" && go build -trimpath -ldflags "$kube_ldflags" -o "$tmp/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver)
 log "[3/3] kube-scheduler $kube_version: compiling"
-(cd "$here/kube" && go build -trimpath -ldflags "$kube_ldflags" -o "$tmp/kube-scheduler" k8s.io/kubernetes/cmd/kube-scheduler)
+(cd "$kube" && go build -trimpath -ldflags "$kube_ldflags" -o "$tmp/kube-scheduler" k8s.io/kubernetes/cmd/kube-scheduler)
 "$tmp/kube-apiserver" --version >&2
 rm -rf "$bin"
 mv "$tmp" "$bin"

@@ -1,5 +1,5 @@
 // Builds kubelet, kube-controller-manager and kube-proxy for a real node in meshgate's local
-// cluster, at the control plane's Kubernetes version (tools/controlplane/kube/go.mod).
+// cluster, at the control plane's Kubernetes version (tools/controlplane/kube-1.36/go.mod).
 // Only built by tools/node/build.sh; nothing here is shipped.
 module meshgate.dev/tools/node/kube
 
