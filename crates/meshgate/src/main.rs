@@ -224,13 +224,15 @@ enum Command {
         dry_run: bool,
         /// How new nodes get the startup taint at registration: `policy` (a
         /// MutatingAdmissionPolicy, evaluated by the API server), `webhook`, or `auto` (the policy
-        /// where the API server serves it; without --apply: the policy, v1).
+        /// where the API server runs it, proven by a probe policy; without --apply: as
+        /// --kubernetes-version runs it by default).
         #[arg(long, default_value = "auto", value_parser = ["policy", "webhook", "auto"])]
         node_taint: String,
         /// Where the init gate is decided: `native` (a MutatingAdmissionPolicy the API server
         /// evaluates for the clauses CEL can decide, Istio ambient; the webhook for the others
         /// and for namespaces with LimitRanges), `webhook`, or `auto` (native where the API
-        /// server serves the policy API and the profile has such clauses; without --apply: v1).
+        /// server runs the policy API and the profile has such clauses; without --apply: as
+        /// --kubernetes-version runs it by default).
         #[arg(long, default_value = "auto", value_parser = ["native", "webhook", "auto"])]
         pod_gate: String,
         /// What holds mesh pods besides the startup taint on new nodes: `taint` (the taint alone;
@@ -248,6 +250,11 @@ enum Command {
         /// without --apply: `readiness.k8s.io/mesh-agents`.
         #[arg(long)]
         taint_key: Option<String>,
+        /// Without --apply: the Kubernetes version to render for (`1.35`, `v1.35.4`), as its
+        /// API server runs by default: admission policies from 1.36, the webhook before. Not
+        /// given: 1.36 or later, said on stderr. With --apply the cluster is asked.
+        #[arg(long, conflicts_with = "apply")]
+        kubernetes_version: Option<String>,
         /// The kubelet's root directory on the nodes (the node plugin registers there).
         #[arg(long, default_value = "/var/lib/kubelet")]
         kubelet_root: String,
@@ -695,6 +702,7 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             pod_gate,
             strategy,
             taint_key,
+            kubernetes_version,
             kubelet_root,
             cni_conf_dir,
             cni_plugin,
@@ -736,8 +744,25 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
                     eprintln!("admission policies: {}", found.describe());
                     found.usable()
                 }
-                // Offline: a Kubernetes 1.36+ API server (v1 is GA there).
-                None => Some(meshgate_core::registration::PolicyApi::V1),
+                // Offline: what the version given runs by default, else 1.36+ (v1 is GA there).
+                None => {
+                    use meshgate_core::registration::PolicyApi;
+                    match &kubernetes_version {
+                        Some(v) => PolicyApi::enforced_by_default(
+                            PolicyApi::minor_of(v).ok_or_else(|| {
+                                anyhow::anyhow!(
+                                    "--kubernetes-version {v:?}: expected 1.MINOR or v1.MINOR.PATCH"
+                                )
+                            })?,
+                        ),
+                        None => {
+                            eprintln!(
+                                "offline: assuming Kubernetes 1.36 or later (it runs MutatingAdmissionPolicy v1 by default); for 1.34 or 1.35 give --kubernetes-version (their API servers run none by default: the webhook then taints nodes and gates pods)"
+                            );
+                            Some(PolicyApi::V1)
+                        }
+                    }
+                }
             };
             let node_taint = meshgate::install::NodeTaint::choose(&node_taint, served)?;
             eprintln!("node taint at registration: {}", node_taint.describe());

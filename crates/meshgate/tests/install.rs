@@ -66,6 +66,74 @@ fn install_output_holds_no_key_material() {
     }
 }
 
+/// Offline, `install` renders what the Kubernetes version given runs by default: no admission
+/// policy for 1.34 and 1.35 (their API servers run none by default; the webhook taints nodes
+/// and gates pods), the policies from 1.36; without the version it says what it assumes.
+#[test]
+fn offline_install_renders_for_the_kubernetes_version_given() {
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshgate"))
+            .args(["install", "--profile", "istio-ambient"])
+            .args(extra)
+            .output()
+            .expect("meshgate runs");
+        assert!(out.status.success(), "{out:?}");
+        let docs =
+            meshgate::render::parse_documents("stdout", &String::from_utf8_lossy(&out.stdout))
+                .expect("YAML");
+        let kinds: Vec<String> = docs
+            .iter()
+            .filter_map(|d| d["kind"].as_str().map(str::to_owned))
+            .collect();
+        let node_webhook = docs
+            .iter()
+            .filter(|d| d["kind"] == "MutatingWebhookConfiguration")
+            .flat_map(|d| d["webhooks"].as_array().cloned().unwrap_or_default())
+            .any(|w| w["name"].as_str().is_some_and(|n| n.starts_with("nodes.")));
+        (
+            kinds,
+            node_webhook,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for version in ["1.34", "v1.35.4"] {
+        let (kinds, node_webhook, _) = run(&["--kubernetes-version", version]);
+        assert!(
+            !kinds
+                .iter()
+                .any(|k| k.starts_with("MutatingAdmissionPolicy")),
+            "{version}: {kinds:?}"
+        );
+        assert!(node_webhook, "{version}: the webhook taints nodes");
+    }
+    for version in ["1.36", "v1.37.2"] {
+        let (kinds, node_webhook, said) = run(&["--kubernetes-version", version]);
+        assert!(
+            kinds.iter().any(|k| k == "MutatingAdmissionPolicy"),
+            "{version}: {kinds:?}"
+        );
+        assert!(!node_webhook, "{version}");
+        assert!(!said.contains("assuming"), "{said}");
+    }
+    let (_, _, said) = run(&[]);
+    assert!(said.contains("assuming Kubernetes 1.36 or later"), "{said}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_meshgate"))
+        .args([
+            "install",
+            "--profile",
+            "istio-ambient",
+            "--kubernetes-version",
+            "136",
+        ])
+        .output()
+        .expect("meshgate runs");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--kubernetes-version \"136\""),
+        "{out:?}"
+    );
+}
+
 #[test]
 fn an_unknown_profile_is_named() {
     let err = render(&options("consul")).unwrap_err().to_string();

@@ -43,7 +43,12 @@ async fn policies(client: &kube::Client) -> Vec<String> {
     let api = policy_api(client).await.expect("the policy API is served");
     let ar = kube::discovery::ApiResource {
         group: "admissionregistration.k8s.io".into(),
-        version: api.api_version().rsplit('/').next().unwrap_or_default().into(),
+        version: api
+            .api_version()
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .into(),
         api_version: api.api_version().into(),
         kind: "MutatingAdmissionPolicy".into(),
         plural: "mutatingadmissionpolicies".into(),

@@ -17,6 +17,20 @@ pub enum PolicyApi {
 }
 
 impl PolicyApi {
+    /// What a Kubernetes 1.`minor` API server serves *and runs* with its defaults: v1 from 1.36
+    /// (GA, its feature gate on); before, the beta API and its feature gate are both off by
+    /// default, so nothing.
+    pub fn enforced_by_default(minor: u32) -> Option<Self> {
+        (minor >= 36).then_some(Self::V1)
+    }
+
+    /// The minor of a Kubernetes version as users write it: `1.35`, `v1.35.4`.
+    pub fn minor_of(version: &str) -> Option<u32> {
+        let mut parts = version.trim().trim_start_matches('v').split('.');
+        (parts.next()? == "1").then_some(())?;
+        parts.next()?.parse().ok()
+    }
+
     pub fn api_version(self) -> &'static str {
         match self {
             PolicyApi::V1 => "admissionregistration.k8s.io/v1",
@@ -102,4 +116,21 @@ pub fn cel_string(s: &str) -> String {
     }
     out.push('"');
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offline_renders_follow_each_minors_defaults() {
+        assert_eq!(PolicyApi::minor_of("1.35"), Some(35));
+        assert_eq!(PolicyApi::minor_of("v1.37.2"), Some(37));
+        assert_eq!(PolicyApi::minor_of("2.1"), None);
+        assert_eq!(PolicyApi::minor_of("v1"), None);
+        assert_eq!(PolicyApi::enforced_by_default(34), None);
+        assert_eq!(PolicyApi::enforced_by_default(35), None);
+        assert_eq!(PolicyApi::enforced_by_default(36), Some(PolicyApi::V1));
+        assert_eq!(PolicyApi::enforced_by_default(37), Some(PolicyApi::V1));
+    }
 }
