@@ -87,6 +87,26 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { what, source }
 }
 
+/// The Kubernetes minor of the control-plane binaries in `bin` (`kube-apiserver --version`:
+/// `Kubernetes v1.34.4` is 34).
+pub fn kube_minor(bin: &Path) -> Result<u32, Error> {
+    let out = std::process::Command::new(bin.join("kube-apiserver"))
+        .arg("--version")
+        .output()
+        .map_err(io("running kube-apiserver --version"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split_whitespace()
+        .last()
+        .and_then(|v| v.trim_start_matches('v').split('.').nth(1)?.parse().ok())
+        .ok_or_else(|| Error::Build {
+            script: "kube-apiserver --version".into(),
+            message: format!("no version in {text:?}"),
+        })
+}
+
+/// The first minor that runs the MutatingAdmissionPolicy API by default (v1, GA).
+pub const POLICY_API_GA_MINOR: u32 = 36;
+
 /// Where the control-plane binaries are: `MESHGATE_CONTROLPLANE_BIN`, else what
 /// `tools/controlplane/build.sh` prints (it builds once and caches outside the repository).
 pub fn binaries() -> Result<PathBuf, Error> {
@@ -196,6 +216,12 @@ pub struct Options {
     /// admission plugin (the node's kube-controller-manager creates the accounts and publishes
     /// the root CA; [`ControlPlane::namespace`] waits for the `default` account).
     pub serve_pods: bool,
+    /// The minor's own defaults for the admission-policy API. Without it, a minor before
+    /// [`POLICY_API_GA_MINOR`] (1.34, 1.35) runs with the MutatingAdmissionPolicy beta turned
+    /// on (`--runtime-config=admissionregistration.k8s.io/v1beta1=true`, the feature gate on),
+    /// as users who take meshgate's policy path there turn it on: every cell of the version
+    /// matrix then runs the same suites, the older ones through `v1beta1`.
+    pub version_defaults: bool,
 }
 
 /// The host address the API server listens on with [`Options::serve_pods`]: a private address
@@ -209,6 +235,8 @@ pub const KUBERNETES_SERVICE_IP: &str = "10.96.0.1";
 /// A running control plane. Dropping it stops its processes and removes its directory.
 pub struct ControlPlane {
     bin: PathBuf,
+    /// The Kubernetes minor of its binaries (34 for 1.34).
+    pub minor: u32,
     dir: tempfile::TempDir,
     ca: meshgate_pki::Ca,
     etcd: Process,
@@ -246,6 +274,7 @@ impl ControlPlane {
         let bin = tokio::task::spawn_blocking(binaries)
             .await
             .map_err(|e| Error::Kubeconfig(e.to_string()))??;
+        let minor = kube_minor(&bin)?;
         // etcd's data is throw-away: keep it in memory when the machine has /dev/shm.
         let parent = if Path::new("/dev/shm").is_dir() {
             PathBuf::from("/dev/shm")
@@ -354,6 +383,12 @@ impl ControlPlane {
             apiserver_args.push("--disable-admission-plugins=ServiceAccount".into());
             apiserver_args.push("--endpoint-reconciler-type=none".into());
         }
+        if minor < POLICY_API_GA_MINOR && !options.version_defaults {
+            apiserver_args
+                .push("--runtime-config=admissionregistration.k8s.io/v1beta1=true".into());
+            apiserver_args.push("--feature-gates=MutatingAdmissionPolicy=true".into());
+        }
+        // The caller's flags last: a later feature gate or runtime-config entry wins.
         apiserver_args.extend(options.apiserver_flags.iter().cloned());
         let apiserver = Process::spawn(
             "kube-apiserver",
@@ -372,6 +407,7 @@ impl ControlPlane {
         let ca_pem = ca.certificate().cert_pem.clone();
         let cp = Self {
             bin,
+            minor,
             dir,
             ca,
             etcd,

@@ -147,6 +147,10 @@ fn an_unknown_profile_is_named() {
 async fn every_profile_passes_server_side_dry_run_apply() {
     let cp = common::control_plane(false).await;
     let client = cp.client().await.unwrap();
+    // The policy API this API server serves (v1beta1 on 1.34 and 1.35).
+    let served = meshgate::discovery::policy_api(&client)
+        .await
+        .expect("the policy API is served");
     let strategies = [
         meshgate::install::Strategy::Taint,
         meshgate::install::Strategy::Resource,
@@ -160,6 +164,7 @@ async fn every_profile_passes_server_side_dry_run_apply() {
         let docs = render(&InstallOptions {
             strategy,
             taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
+            node_taint: NodeTaint::Policy(served),
             ..options(profile)
         })
         .unwrap();
@@ -212,13 +217,15 @@ async fn node_taint_auto_picks_the_admission_policy_on_this_api_server() {
     let cp = common::control_plane(false).await;
     let client = cp.client().await.unwrap();
     let served = meshgate::discovery::policy_api(&client).await;
-    assert_eq!(
-        served,
-        Some(PolicyApi::V1),
-        "Kubernetes 1.36 serves it as v1"
-    );
+    // v1 from 1.36; before, the beta the test environment turns on (Options::version_defaults).
+    let want = if cp.minor >= meshgate_testenv::POLICY_API_GA_MINOR {
+        PolicyApi::V1
+    } else {
+        PolicyApi::V1beta1
+    };
+    assert_eq!(served, Some(want), "Kubernetes 1.{}", cp.minor);
     let chosen = NodeTaint::choose("auto", served).unwrap();
-    assert_eq!(chosen, NodeTaint::Policy(PolicyApi::V1));
+    assert_eq!(chosen, NodeTaint::Policy(want));
     let docs = render(&InstallOptions {
         node_taint: chosen,
         pod_gate: meshgate::install::PodGate::Webhook,

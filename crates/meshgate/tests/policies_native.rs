@@ -15,9 +15,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::*;
-use k8s_openapi::api::admissionregistration::v1::{
-    MutatingAdmissionPolicy, MutatingAdmissionPolicyBinding, MutatingWebhookConfiguration,
-};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use meshgate_api::MutationPolicy;
 use meshgate_core::policy::native::native_name;
@@ -400,8 +398,29 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
             );
         }
     }
-    let maps: Api<MutatingAdmissionPolicy> = Api::all(client.clone());
-    let bindings: Api<MutatingAdmissionPolicyBinding> = Api::all(client.clone());
+    // The policy API this API server serves (v1beta1 on 1.34 and 1.35).
+    let api = meshgate::discovery::policy_api(&client)
+        .await
+        .expect("the policy API is served");
+    let version = api.api_version().rsplit('/').next().expect("group/version");
+    let admission = |kind: &str, plural: &str| ApiResource {
+        group: "admissionregistration.k8s.io".into(),
+        version: version.into(),
+        api_version: api.api_version().into(),
+        kind: kind.into(),
+        plural: plural.into(),
+    };
+    let maps: Api<DynamicObject> = Api::all_with(
+        client.clone(),
+        &admission("MutatingAdmissionPolicy", "mutatingadmissionpolicies"),
+    );
+    let bindings: Api<DynamicObject> = Api::all_with(
+        client.clone(),
+        &admission(
+            "MutatingAdmissionPolicyBinding",
+            "mutatingadmissionpolicybindings",
+        ),
+    );
     for case in &corpus.cases {
         let name = native_name(&case.name);
         let map = maps.get_opt(&name).await.expect("get policy");
@@ -446,23 +465,14 @@ async fn compiled_policies_store_what_the_webhook_and_render_give() {
     // 2b. Offline: the compiled MutatingAdmissionPolicies as the cluster holds them, applied
     //     by `meshgate render` (its CEL evaluator), give what the API server stored.
     let mut map_docs = Vec::new();
-    let raw_maps: Api<DynamicObject> = Api::all_with(
-        client.clone(),
-        &ApiResource {
-            group: "admissionregistration.k8s.io".into(),
-            version: "v1".into(),
-            api_version: "admissionregistration.k8s.io/v1".into(),
-            kind: "MutatingAdmissionPolicy".into(),
-            plural: "mutatingadmissionpolicies".into(),
-        },
-    );
+    let raw_maps = maps.clone();
     for case in corpus.cases.iter().filter(|c| c.native()) {
         let map = raw_maps
             .get(&native_name(&case.name))
             .await
             .expect("policy");
         let mut doc = serde_json::to_value(&map).expect("json");
-        doc["apiVersion"] = json!("admissionregistration.k8s.io/v1");
+        doc["apiVersion"] = json!(api.api_version());
         doc["kind"] = json!("MutatingAdmissionPolicy");
         map_docs.push(doc);
     }

@@ -188,3 +188,51 @@ async fn check_passes_where_the_api_server_runs_the_node_taint_policy() {
     assert_eq!(checks.len(), 1, "{checks:?}");
     assert_eq!(checks[0]["ok"], true, "{checks:?}");
 }
+
+/// Each minor as it comes by default: 1.34 and 1.35 serve no policy API (its beta is off), so
+/// `install --apply` taints nodes with its webhook; 1.36 and 1.37 run v1, proven by the probe,
+/// and `install` takes the policy.
+#[tokio::test]
+async fn install_on_each_minors_defaults_takes_the_path_that_runs() {
+    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
+        version_defaults: true,
+        ..Default::default()
+    })
+    .await
+    .expect("control plane starts");
+    let client = cp.client().await.expect("client");
+    let found = prove_policy_api(&client, "default", Duration::from_secs(30)).await;
+    let out = meshgate_on(
+        &cp,
+        &[
+            "install",
+            "--profile",
+            "istio-ambient",
+            "--namespace",
+            NS,
+            "--apply",
+        ],
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "install: {said}");
+    if cp.minor >= meshgate_testenv::POLICY_API_GA_MINOR {
+        assert_eq!(
+            found,
+            PolicyEnforcement::Enforced(meshgate_core::registration::PolicyApi::V1)
+        );
+        assert!(
+            said.contains("node taint at registration: MutatingAdmissionPolicy (admissionregistration.k8s.io/v1)"),
+            "{said}"
+        );
+    } else {
+        assert_eq!(found, PolicyEnforcement::NotServed);
+        assert!(
+            said.contains("no MutatingAdmissionPolicy API served"),
+            "{said}"
+        );
+        assert!(
+            said.contains("node taint at registration: webhook"),
+            "{said}"
+        );
+    }
+}

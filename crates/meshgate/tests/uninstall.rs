@@ -38,8 +38,21 @@ fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource
     )
 }
 
+/// The version of the admission-policy API this API server serves (`v1beta1` on 1.34 and
+/// 1.35).
+async fn policy_version(client: &kube::Client) -> &'static str {
+    let api = meshgate::discovery::policy_api(client)
+        .await
+        .expect("the policy API is served");
+    api.api_version()
+        .rsplit('/')
+        .next()
+        .expect("a group/version")
+}
+
 /// Every object of meshgate's (by its label) in the kinds `install` writes, as `Kind/name`.
 async fn meshgate_objects(client: &kube::Client, ns: &str) -> Vec<String> {
+    let policy = policy_version(client).await;
     let kinds = [
         (
             "admissionregistration.k8s.io",
@@ -50,14 +63,14 @@ async fn meshgate_objects(client: &kube::Client, ns: &str) -> Vec<String> {
         ),
         (
             "admissionregistration.k8s.io",
-            "v1",
+            policy,
             "MutatingAdmissionPolicy",
             "mutatingadmissionpolicies",
             false,
         ),
         (
             "admissionregistration.k8s.io",
-            "v1",
+            policy,
             "MutatingAdmissionPolicyBinding",
             "mutatingadmissionpolicybindings",
             false,
@@ -194,17 +207,18 @@ async fn uninstall_removes_meshgate_and_leaves_no_node_tainted() {
         )
         .await
         .expect("resource advertised");
+    let policy = policy_version(&client).await;
     let maps: Api<DynamicObject> = Api::all_with(
         client.clone(),
         &resource(
             "admissionregistration.k8s.io",
-            "v1",
+            policy,
             "MutatingAdmissionPolicy",
             "mutatingadmissionpolicies",
         ),
     );
     let native: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingAdmissionPolicy",
+        "apiVersion": format!("admissionregistration.k8s.io/{policy}"), "kind": "MutatingAdmissionPolicy",
         "metadata": {"name": "meshgate-policy-example", "labels": {
             "app.kubernetes.io/managed-by": "meshgate", "meshgate.dev/mutation-policy": "example"}},
         "spec": {
