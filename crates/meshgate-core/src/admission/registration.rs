@@ -277,10 +277,14 @@ pub fn node_taint_policy(gate_name: &str, gate: &NodeGateSpec, api: PolicyApi) -
     let key = cel_string(&gate.taint.key);
     let effect = cel_string(gate.taint.effect.as_str());
     let taint = format!("Object.spec.taints{{key: {key}, effect: {effect}}}");
+    // A node without taints gets an empty list first, then the taint appended: a list literal
+    // holding an `Object{}` (`value: [Object.spec.taints{...}]`) makes kube-apiserver 1.36.3
+    // abort the request (`policy_enforcement`: reachable when the TaintNodesByCondition
+    // plugin, which always adds a taint first, is off).
     let add_taint = format!(
         "(!has(object.spec.taints) ? \
-[JSONPatch{{op: \"add\", path: \"/spec/taints\", value: [{taint}]}}] : \
-[JSONPatch{{op: \"add\", path: \"/spec/taints/-\", value: {taint}}}])"
+[JSONPatch{{op: \"add\", path: \"/spec/taints\", value: []}}] : []) + \
+[JSONPatch{{op: \"add\", path: \"/spec/taints/-\", value: {taint}}}]"
     );
     // A key outside meshgate's domain is recorded as meshgate's when it is added (the
     // controller only removes keys it owns).
