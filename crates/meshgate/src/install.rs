@@ -1076,28 +1076,38 @@ pub async fn apply(
     mut progress: impl FnMut(&str),
 ) -> anyhow::Result<()> {
     use kube::api::{Api, DynamicObject, Patch, PatchParams};
-    use kube::discovery::{ApiResource, Discovery, Scope};
+    use kube::discovery::{ApiCapabilities, ApiResource, Scope};
     let mut pp = PatchParams::apply("meshgate").force();
     pp.dry_run = dry_run;
-    let mut discovery = Discovery::new(client.clone()).run().await?;
+    // Each kind is looked up in its own group version, not by discovering every group: an
+    // aggregated API that is down (a metrics server) fails a full discovery, and has nothing
+    // to do with meshgate's objects.
+    let mut kinds: std::collections::BTreeMap<(String, String), (ApiResource, ApiCapabilities)> =
+        Default::default();
     for doc in docs {
         let api_version = doc["apiVersion"].as_str().unwrap_or_default();
         let kind = doc["kind"].as_str().unwrap_or_default();
         let name = doc["metadata"]["name"].as_str().unwrap_or_default();
         let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
         let gvk = kube::core::GroupVersionKind::gvk(group, version, kind);
-        let found = match discovery.resolve_gvk(&gvk) {
-            Some(f) => Some(f),
+        let key = (api_version.to_owned(), kind.to_owned());
+        let (ar, caps) = match kinds.get(&key) {
+            Some(found) => found.clone(),
             None => {
-                // Kinds of CRDs applied a moment ago.
-                discovery = Discovery::new(client.clone()).run().await?;
-                discovery.resolve_gvk(&gvk)
+                let found = match kube::discovery::pinned_kind(client, &gvk).await {
+                    Ok(found) => found,
+                    Err(kube::Error::Discovery(_)) => anyhow::bail!(
+                        "{api_version} {kind} {name}: the API server does not serve this kind"
+                    ),
+                    Err(kube::Error::Api(e)) if e.code == 404 => anyhow::bail!(
+                        "{api_version} {kind} {name}: the API server does not serve this kind"
+                    ),
+                    Err(e) => anyhow::bail!("{api_version} {kind} {name}: discovery: {e}"),
+                };
+                kinds.insert(key, found.clone());
+                found
             }
         };
-        let Some((ar, caps)) = found else {
-            anyhow::bail!("{api_version} {kind} {name}: the API server does not serve this kind");
-        };
-        let ar: ApiResource = ar;
         let obj: DynamicObject = serde_json::from_value(doc.clone())?;
         let api: Api<DynamicObject> = match (caps.scope, doc["metadata"]["namespace"].as_str()) {
             (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client.clone(), ns, &ar),

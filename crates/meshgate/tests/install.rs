@@ -134,6 +134,76 @@ fn offline_install_renders_for_the_kubernetes_version_given() {
     );
 }
 
+/// `install --apply` works while an aggregated API is down (a metrics server's APIService whose
+/// Service does not exist: the API server answers 503 for its group): it looks up only the kinds
+/// it applies. Before, a full discovery failed on that group and nothing was applied.
+#[tokio::test]
+async fn install_apply_survives_an_aggregated_api_that_is_down() {
+    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options::default())
+        .await
+        .expect("control plane starts");
+    let client = cp.client().await.unwrap();
+    let service: k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService =
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "v1beta1.metrics.k8s.io"},
+            "spec": {"group": "metrics.k8s.io", "version": "v1beta1",
+                     "service": {"namespace": "kube-system", "name": "metrics-server", "port": 443},
+                     "insecureSkipTLSVerify": true,
+                     "groupPriorityMinimum": 100, "versionPriority": 100},
+        }))
+        .unwrap();
+    kube::Api::<k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService>::all(
+        client.clone(),
+    )
+    .create(&Default::default(), &service)
+    .await
+    .expect("APIService");
+    // The API server answers for the group, and it is an error: the API is down. (Asked
+    // without the client's retries of a 503, which would wait for minutes.)
+    let kc = kube::config::Kubeconfig::read_from(&cp.kubeconfig_path).expect("kubeconfig");
+    let mut config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .expect("config");
+    config.default_retry = false;
+    let once = kube::Client::try_from(config).expect("client");
+    common::wait_for(
+        "the aggregated API to be unavailable",
+        std::time::Duration::from_secs(30),
+        || async {
+            once.list_api_group_resources("metrics.k8s.io/v1beta1")
+                .await
+                .is_err_and(|e| matches!(e, kube::Error::Api(ref s) if s.code == 503))
+        },
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let out = common::meshgate_on(
+        &cp,
+        &[
+            "install",
+            "--profile",
+            "istio-ambient",
+            "--namespace",
+            "meshgate-system",
+            "--apply",
+        ],
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "install --apply: {said}");
+    eprintln!(
+        "measured: install --apply with an aggregated API down: {:.1?}",
+        started.elapsed()
+    );
+    assert!(
+        kube::Api::<meshgate_api::NodeGate>::all(client.clone())
+            .get_opt("mesh-agents")
+            .await
+            .unwrap()
+            .is_some(),
+        "the gate was applied"
+    );
+}
+
 #[test]
 fn an_unknown_profile_is_named() {
     let err = render(&options("consul")).unwrap_err().to_string();
