@@ -322,6 +322,33 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
     for gate in gates.iter().filter(|g| g.spec.taint_on_create) {
         out.push(registration_check(client, gate).await);
     }
+    // Which layer offers each gate's resource on this cluster, as its controller found it.
+    for gate in gates.iter().filter(|g| g.spec.resource.is_some()) {
+        let gname = gate.metadata.name.clone().unwrap_or_default();
+        let provider = gate
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "ResourceProvider"));
+        let dra = gate
+            .spec
+            .resource
+            .as_ref()
+            .is_some_and(|r| r.provider == meshgate_api::node_gate::ResourceProvider::Dra);
+        out.push(match (provider, dra) {
+            (Some(c), _) => pass("layers", format!("gate {gname}: {}", c.message)),
+            (None, false) => pass(
+                "layers",
+                format!("gate {gname}: the resource is advertised in ready nodes' status"),
+            ),
+            (None, true) => fail(
+                "layers",
+                format!(
+                    "gate {gname}: its controller has not reported whether DRA works on this cluster (no ResourceProvider condition)"
+                ),
+                format!("the controller runs? `kubectl -n {namespace} get deployment meshgate-controller`"),
+            ),
+        });
+    }
 
     out.extend(autoscaler_checks(client, namespace, &gates).await);
 

@@ -236,3 +236,64 @@ async fn install_on_each_minors_defaults_takes_the_path_that_runs() {
         );
     }
 }
+
+/// The node-taint policy on a Node that registers with no taint at all (issue 43, finding 4):
+/// its JSON patch then creates the list (`value: [Object.spec.taints{...}]`), a shape reported to
+/// crash some API servers' policy evaluation. Reachable only without the `TaintNodesByCondition`
+/// admission plugin (it runs first and always adds a taint), so that plugin is off here. The
+/// node registers, carrying the gate's taint, on every minor of the matrix.
+#[tokio::test]
+async fn the_node_taint_policy_creates_the_taint_list_on_a_node_without_taints() {
+    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
+        apiserver_flags: vec![
+            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition".into(),
+        ],
+        ..Default::default()
+    })
+    .await
+    .expect("control plane starts");
+    let client = cp.client().await.expect("client");
+    gate_with_policy(&client).await;
+    let key = meshgate_api::names::STARTUP_TAINT_KEY;
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client.clone());
+    // Active once a dry-run Node (with a taint of its own: the list exists) comes back with the
+    // gate's taint too.
+    let dry = kube::api::PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let with_taint: k8s_openapi::api::core::v1::Node = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "probe"},
+        "spec": {"taints": [{"key": "example.com/other", "effect": "NoSchedule"}]},
+    }))
+    .expect("node");
+    wait_for(
+        "the policy to taint nodes",
+        Duration::from_secs(30),
+        || async {
+            nodes.create(&dry, &with_taint).await.is_ok_and(|n| {
+                n.spec
+                    .and_then(|s| s.taints)
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|t| t.key == key)
+            })
+        },
+    )
+    .await;
+    let node: k8s_openapi::api::core::v1::Node =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "bare-node"}}))
+            .expect("node");
+    let created = nodes
+        .create(&Default::default(), &node)
+        .await
+        .unwrap_or_else(|e| panic!("Kubernetes 1.{}: a Node with no taint: {e}", cp.minor));
+    let taints: Vec<String> = created
+        .spec
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| t.key)
+        .collect();
+    assert_eq!(taints, vec![key.to_owned()], "Kubernetes 1.{}", cp.minor);
+}

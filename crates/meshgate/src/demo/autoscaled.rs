@@ -204,9 +204,9 @@ pub async fn scale_down(
     }
     let nodes: Api<Node> = Api::all(client.clone());
     let claims = Api::<DynamicObject>::all_with(client.clone(), &karpenter::node_claims());
-    poll(
+    let removed = poll(
         "Karpenter to remove the node",
-        Duration::from_secs(120),
+        Duration::from_secs(180),
         || {
             let (nodes, claims, node) = (nodes.clone(), claims.clone(), node.to_owned());
             async move {
@@ -221,7 +221,30 @@ pub async fn scale_down(
             }
         },
     )
-    .await?;
+    .await;
+    if let Err(e) = removed {
+        // What Karpenter said about disrupting it, and what is still on the node.
+        let said: Vec<String> = autoscaler
+            .karpenter_log(400)
+            .lines()
+            .filter(|l| l.contains("disrupt") || l.contains("consolidat") || l.contains(node))
+            .map(str::to_owned)
+            .collect();
+        let left: Vec<String> = all
+            .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+            .await
+            .map(|l| {
+                l.items
+                    .into_iter()
+                    .filter_map(|p| p.metadata.name)
+                    .collect()
+            })
+            .unwrap_or_default();
+        anyhow::bail!(
+            "{e}: pods still on it {left:?}; Karpenter's last lines on disruption:\n{}",
+            said[said.len().saturating_sub(15)..].join("\n")
+        );
+    }
     story.detail(&format!(
         "{node} and its NodeClaim are gone {:.1} s after its pods left: no taint, resource or finalizer of meshgate's kept them",
         start.elapsed().as_secs_f64()
