@@ -63,6 +63,24 @@ async fn policies(client: &kube::Client) -> Vec<String> {
         .collect()
 }
 
+/// `meshgate install --profile istio-ambient --apply`, which must succeed; what it said.
+fn install_apply(cp: &meshgate_testenv::ControlPlane) -> String {
+    let out = meshgate_on(
+        cp,
+        &[
+            "install",
+            "--profile",
+            "istio-ambient",
+            "--namespace",
+            NS,
+            "--apply",
+        ],
+    );
+    let said = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "install: {said}");
+    said
+}
+
 /// `meshgate check -o json`: the `registration` checks.
 fn registration_checks(cp: &meshgate_testenv::ControlPlane) -> Vec<Value> {
     let out = meshgate_on(cp, &["check", "--namespace", NS, "-o", "json"]);
@@ -126,19 +144,7 @@ async fn a_policy_api_served_but_not_run_is_not_chosen() {
         "no probe left"
     );
 
-    let out = meshgate_on(
-        &cp,
-        &[
-            "install",
-            "--profile",
-            "istio-ambient",
-            "--namespace",
-            NS,
-            "--apply",
-        ],
-    );
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "install: {said}");
+    let said = install_apply(&cp);
     assert!(
         said.contains("served but NOT enforced"),
         "install says why: {said}"
@@ -202,19 +208,7 @@ async fn install_on_each_minors_defaults_takes_the_path_that_runs() {
     .expect("control plane starts");
     let client = cp.client().await.expect("client");
     let found = prove_policy_api(&client, "default", Duration::from_secs(30)).await;
-    let out = meshgate_on(
-        &cp,
-        &[
-            "install",
-            "--profile",
-            "istio-ambient",
-            "--namespace",
-            NS,
-            "--apply",
-        ],
-    );
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "install: {said}");
+    let said = install_apply(&cp);
     if cp.minor >= meshgate_testenv::POLICY_API_GA_MINOR {
         assert_eq!(
             found,

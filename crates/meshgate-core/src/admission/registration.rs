@@ -310,24 +310,47 @@ pub fn node_taint_policy(gate_name: &str, gate: &NodeGateSpec, api: PolicyApi) -
 {add_taint}{record}"
     );
     let labels = json!({names::MANAGED_BY: "meshgate", "meshgate.dev/node-gate": gate_name});
+    let mut match_resources = json!({});
+    if !gate.node_selector.is_empty() {
+        match_resources["objectSelector"] =
+            serde_json::to_value(gate.node_selector.to_k8s()).unwrap_or(Value::Null);
+    }
+    create_policy(
+        api,
+        &name,
+        &labels,
+        "nodes",
+        (
+            "IfNeeded",
+            json!({"patchType": "JSONPatch", "jsonPatch": {"expression": expression}}),
+        ),
+        match_resources,
+    )
+}
+
+/// A MutatingAdmissionPolicy on CREATE of the core `resource` with `mutation` (and its
+/// reinvocation policy), failure policy `Ignore`, and its binding of the same name.
+fn create_policy(
+    api: PolicyApi,
+    name: &str,
+    labels: &Value,
+    resource: &str,
+    (reinvocation, mutation): (&str, Value),
+    match_resources: Value,
+) -> [Value; 2] {
     let policy = json!({
         "apiVersion": api.api_version(),
         "kind": "MutatingAdmissionPolicy",
         "metadata": {"name": name, "labels": labels},
         "spec": {
             "matchConstraints": {"resourceRules": [{
-                "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["nodes"],
+                "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": [resource],
             }]},
             "failurePolicy": "Ignore",
-            "reinvocationPolicy": "IfNeeded",
-            "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": expression}}],
+            "reinvocationPolicy": reinvocation,
+            "mutations": [mutation],
         },
     });
-    let mut match_resources = json!({});
-    if !gate.node_selector.is_empty() {
-        match_resources["objectSelector"] =
-            serde_json::to_value(gate.node_selector.to_k8s()).unwrap_or(Value::Null);
-    }
     let binding = json!({
         "apiVersion": api.api_version(),
         "kind": "MutatingAdmissionPolicyBinding",
@@ -356,32 +379,22 @@ pub fn enforcement_probe(api: PolicyApi, token: &str, namespace: &str) -> ([Valu
         "Object{{metadata: Object.metadata{{labels: {{{}: \"true\"}}}}}}",
         cel_string(PROBE_APPLIED_LABEL)
     );
-    let policy = json!({
-        "apiVersion": api.api_version(),
-        "kind": "MutatingAdmissionPolicy",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "matchConstraints": {"resourceRules": [{
-                "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["configmaps"],
-            }]},
-            "failurePolicy": "Ignore",
-            "reinvocationPolicy": "Never",
-            "mutations": [{"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": mutation}}],
-        },
-    });
-    let binding = json!({
-        "apiVersion": api.api_version(),
-        "kind": "MutatingAdmissionPolicyBinding",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"policyName": name, "matchResources": {
-            "objectSelector": {"matchLabels": {PROBE_LABEL: token}},
-        }},
-    });
+    let pair = create_policy(
+        api,
+        &name,
+        &labels,
+        "configmaps",
+        (
+            "Never",
+            json!({"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": mutation}}),
+        ),
+        json!({"objectSelector": {"matchLabels": {PROBE_LABEL: token}}}),
+    );
     let config_map = json!({
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": name, "namespace": namespace, "labels": {PROBE_LABEL: token}},
     });
-    ([policy, binding], config_map)
+    (pair, config_map)
 }
 
 /// Whether the probe's policy changed `object` (the ConfigMap the API server returned).
