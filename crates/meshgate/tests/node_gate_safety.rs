@@ -165,14 +165,6 @@ async fn set_ready(client: &kube::Client, ns: &str, name: &str, ready: bool) {
         .expect("agent status");
 }
 
-fn taint_keys(node: &Node) -> Vec<String> {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .map(|ts| ts.iter().map(|t| t.key.clone()).collect())
-        .unwrap_or_default()
-}
-
 async fn get_node(client: &kube::Client, name: &str) -> Node {
     Api::<Node>::all(client.clone())
         .get(name)

@@ -63,24 +63,6 @@ async fn policies(client: &kube::Client) -> Vec<String> {
         .collect()
 }
 
-/// `meshgate install --profile istio-ambient --apply`, which must succeed; what it said.
-fn install_apply(cp: &meshgate_testenv::ControlPlane) -> String {
-    let out = meshgate_on(
-        cp,
-        &[
-            "install",
-            "--profile",
-            "istio-ambient",
-            "--namespace",
-            NS,
-            "--apply",
-        ],
-    );
-    let said = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "install: {said}");
-    said
-}
-
 /// `meshgate check -o json`: the `registration` checks.
 fn registration_checks(cp: &meshgate_testenv::ControlPlane) -> Vec<Value> {
     let out = meshgate_on(cp, &["check", "--namespace", NS, "-o", "json"]);
@@ -144,7 +126,7 @@ async fn a_policy_api_served_but_not_run_is_not_chosen() {
         "no probe left"
     );
 
-    let said = install_apply(&cp);
+    let said = install_applied(&cp, "istio-ambient", NS);
     assert!(
         said.contains("served but NOT enforced"),
         "install says why: {said}"
@@ -208,7 +190,7 @@ async fn install_on_each_minors_defaults_takes_the_path_that_runs() {
     .expect("control plane starts");
     let client = cp.client().await.expect("client");
     let found = prove_policy_api(&client, "default", Duration::from_secs(30)).await;
-    let said = install_apply(&cp);
+    let said = install_applied(&cp, "istio-ambient", NS);
     if cp.minor >= meshgate_testenv::POLICY_API_GA_MINOR {
         assert_eq!(
             found,
@@ -282,12 +264,10 @@ async fn the_node_taint_policy_creates_the_taint_list_on_a_node_without_taints()
         .create(&Default::default(), &node)
         .await
         .unwrap_or_else(|e| panic!("Kubernetes 1.{}: a Node with no taint: {e}", cp.minor));
-    let taints: Vec<String> = created
-        .spec
-        .and_then(|s| s.taints)
-        .unwrap_or_default()
-        .into_iter()
-        .map(|t| t.key)
-        .collect();
-    assert_eq!(taints, vec![key.to_owned()], "Kubernetes 1.{}", cp.minor);
+    assert_eq!(
+        taint_keys(&created),
+        vec![key.to_owned()],
+        "Kubernetes 1.{}",
+        cp.minor
+    );
 }

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use common::cluster::*;
 use common::istio::*;
+use common::taint_keys;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use meshgate_testenv::istio::ISTIO_NAMESPACE as ISTIO_NS;
@@ -47,14 +48,6 @@ use serde_json::{Value, json};
 const MESH_NS: &str = "mesh";
 /// Istio's node readiness taint (`pilot.taint`, its untaint controller's default).
 const ISTIO_TAINT: &str = "cni.istio.io/not-ready";
-
-fn taint_keys(n: &k8s_openapi::api::core::v1::Node) -> Vec<String> {
-    n.spec
-        .iter()
-        .flat_map(|s| s.taints.iter().flatten())
-        .map(|t| t.key.clone())
-        .collect()
-}
 
 fn annotation<'a>(p: &'a Pod, key: &str) -> Option<&'a str> {
     p.metadata

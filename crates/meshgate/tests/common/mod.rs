@@ -455,7 +455,7 @@ pub fn meshgate_on(cp: &ControlPlane, args: &[&str]) -> std::process::Output {
 
 /// `meshgate install --profile PROFILE --namespace NS --apply` against the control plane;
 /// panics with its output when it fails.
-pub fn install_applied(cp: &ControlPlane, profile: &str, namespace: &str) {
+pub fn install_applied(cp: &ControlPlane, profile: &str, namespace: &str) -> String {
     let out = meshgate_on(
         cp,
         &[
@@ -473,6 +473,16 @@ pub fn install_applied(cp: &ControlPlane, profile: &str, namespace: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The keys of a node's taints.
+pub fn taint_keys(node: &k8s_openapi::api::core::v1::Node) -> Vec<String> {
+    node.spec
+        .iter()
+        .flat_map(|s| s.taints.iter().flatten())
+        .map(|t| t.key.clone())
+        .collect()
 }
 
 /// A child process of a test (e.g. `meshgate webhook`), its stdout and stderr in a log file.
