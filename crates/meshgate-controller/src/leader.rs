@@ -174,7 +174,18 @@ async fn follow(
                             )
                         });
                     if set(left.map_or(Term::Follower, |l| Term::Until(read_at + l))) {
-                        tracing::info!(lease = %s.name, leader = left.is_some(), "leadership changed");
+                        if left.is_some() {
+                            tracing::info!(lease = %s.name, leader = true, "leadership changed");
+                        } else {
+                            // The same report whichever of the read and the deadline saw it
+                            // first (a process resumed after a pause sees both at once).
+                            tracing::warn!(
+                                lease = %s.name,
+                                leader = false,
+                                "stepping down: the lease read back names another holder or \
+                                 has expired; no writes until it holds the lease again"
+                            );
+                        }
                     }
                 }
                 // The deadline decides: a renewal not read back in time ends the term.
@@ -191,13 +202,8 @@ async fn follow(
         };
         let reading = *held.borrow();
         tokio::select! {
-            () = tx.closed() => return,
-            changed = held.changed() => {
-                if changed.is_err() {
-                    set(Term::Follower);
-                    return;
-                }
-            }
+            // The deadline first: a process resumed after a pause finds every branch ready.
+            biased;
             () = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now).into()), if deadline.is_some() => {
                 set(Term::Follower);
                 tracing::warn!(
@@ -206,6 +212,13 @@ async fn follow(
                      deadline (renewals failing, or this process was paused); no writes until \
                      it holds the lease again"
                 );
+            }
+            () = tx.closed() => return,
+            changed = held.changed() => {
+                if changed.is_err() {
+                    set(Term::Follower);
+                    return;
+                }
             }
             () = tokio::time::sleep(every), if reading => {}
         }
