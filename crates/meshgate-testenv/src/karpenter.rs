@@ -189,6 +189,31 @@ spec:
       phase: Running
 "#;
 
+/// KWOK's options. Every real node has its own kubelet, which starts its pods beside every
+/// other node's; KWOK plays all the nodes' pods from one queue, four at a time by default, so a
+/// burst released on thirty nodes at once would wait in KWOK's queue, not on any kubelet. One
+/// worker per node of the largest burst the tests and benchmarks launch (200 pods over about
+/// thirty nodes) keeps that queue out of the measured pod start. KWOK v0.8.0 does not default a
+/// configuration read from a file (`pkg/config/vars.go` defaults only the one it makes when
+/// none is given), so every other option is written with its default
+/// (`pkg/apis/config/v1alpha1/zz_generated.defaults.go`).
+pub const KWOK_CONFIGURATION: &str = r#"
+apiVersion: config.kwok.x-k8s.io/v1alpha1
+kind: KwokConfiguration
+options:
+  podPlayStageParallelism: 32
+  cidr: 10.0.0.0/24
+  manageAllNodes: false
+  enableDebuggingHandlers: true
+  enableContentionProfiling: false
+  enableProfilingHandler: true
+  nodePlayStageParallelism: 4
+  nodeLeaseParallelism: 4
+  podsOnNodeSyncParallelism: 1
+  enablePodsOnNodeSyncListPager: true
+  enablePodsOnNodeSyncStreamWatch: false
+"#;
+
 /// KWOK's own stages this environment uses (from the built directory's `stages/`): node
 /// initialization and heartbeat, pod deletion and completion. Its `pod-ready` is replaced by
 /// [`POD_STAGES`].
@@ -295,6 +320,9 @@ impl Autoscaler {
             .map(|s| bin.join("stages").join(s).display().to_string())
             .collect();
         configs.push(stages.display().to_string());
+        let kwok_options = d.join("meshgate-kwok.yaml");
+        std::fs::write(&kwok_options, KWOK_CONFIGURATION).map_err(io("writing KWOK's options"))?;
+        configs.push(kwok_options.display().to_string());
         let home = d.join("home");
         std::fs::create_dir_all(&home).map_err(io("creating KWOK's home"))?;
         let kwok_port = free_port()?;
