@@ -19,8 +19,8 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
-use meshgate_controller::watch;
 use meshgate_core::policy::context::ClusterData;
+use meshgate_kube::watch;
 use serde_json::Value;
 use tokio::task::AbortHandle;
 
@@ -208,7 +208,7 @@ impl ClusterData for ContextMaps {
         }
     }
 
-    /// Paths are read by `meshgate_controller::api_reader`, not from this cache.
+    /// Paths are read by `meshgate_kube::api_reader`, not from this cache.
     fn get(&self, path: &str) -> Result<Value, String> {
         Err(format!("GET {path}: not read (no API client)"))
     }

@@ -25,9 +25,9 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use meshgate_api::node_gate::NodeGateSpec;
 use meshgate_api::{MutationPolicy, MutationPolicySpec, NamespacedMutationPolicy, NodeGate};
-use meshgate_controller::watch;
 use meshgate_core::resources::ContainerLimits;
 use meshgate_core::select::Meta;
+use meshgate_kube::watch;
 
 use crate::context_maps::ContextMaps;
 
@@ -276,49 +276,8 @@ impl Sources {
                 synced: AtomicBool::new(false),
             },
         }));
-        // A LimitRange event rebuilds the namespace's limits; the events of a list are
-        // published once, when it completes.
-        let (publish, lr_cache) = (sources.clone(), lr_store.clone());
-        let lr_stream = reflector::reflector(
-            lr_writer,
-            watcher(
-                Api::<LimitRange>::all(client.clone()),
-                watcher::Config::default(),
-            ),
-        )
-        .default_backoff()
-        .for_each(move |event| {
-            match event {
-                Ok(
-                    watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone,
-                ) => publish.0.index.publish_limits(&lr_cache),
-                Ok(_) => {}
-                Err(e) => watch::log("LimitRanges (webhook cache)", &e),
-            }
-            async {}
-        });
-        let index = sources.clone();
-        let ns_stream = watcher(
-            Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .for_each(move |event| {
-            match event {
-                Ok(event) => {
-                    index
-                        .0
-                        .index
-                        .metas
-                        .apply(event, |ns: PartialObjectMeta<Namespace>| {
-                            let name = ns.metadata.name.clone().unwrap_or_default();
-                            (name, Arc::new(meta_of(ns.metadata)))
-                        });
-                }
-                Err(e) => watch::log("namespaces (webhook cache)", &e),
-            }
-            async {}
-        });
+        let lr_stream = limit_ranges(&sources, &client, lr_writer, lr_store.clone());
+        let ns_stream = namespaces(&sources, &client);
         let pol_stream = reflector::reflector(
             pol_writer,
             watcher(
@@ -335,20 +294,7 @@ impl Sources {
             ),
         )
         .default_backoff();
-        let gate_stream = reflector::reflector(
-            gate_writer,
-            watcher(
-                Api::<NodeGate>::all(client.clone()),
-                watcher::Config::default(),
-            ),
-        )
-        .default_backoff()
-        .for_each(|event| {
-            if let Err(e) = event {
-                watch::log("NodeGates (webhook cache)", &e);
-            }
-            async {}
-        });
+        let gate_stream = node_gates(&client, gate_writer);
         let (publish, pol_cache, npol_cache) =
             (sources.clone(), pol_store.clone(), npol_store.clone());
         let pol_stream = pol_stream.for_each(move |event| {
@@ -523,6 +469,82 @@ impl Sources {
             Origin::Cluster { gates, .. } => gates.state().iter().map(|g| g.spec.clone()).collect(),
         }
     }
+}
+
+/// The LimitRanges' watch: an event rebuilds the namespace's limits; the events of a list are
+/// published once, when it completes.
+fn limit_ranges(
+    sources: &Sources,
+    client: &kube::Client,
+    writer: reflector::store::Writer<LimitRange>,
+    cache: reflector::Store<LimitRange>,
+) -> impl Future<Output = ()> + Send + use<> {
+    let publish = sources.clone();
+    reflector::reflector(
+        writer,
+        watcher(
+            Api::<LimitRange>::all(client.clone()),
+            watcher::Config::default(),
+        ),
+    )
+    .default_backoff()
+    .for_each(move |event| {
+        match event {
+            Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_) | watcher::Event::InitDone) => {
+                publish.0.index.publish_limits(&cache)
+            }
+            Ok(_) => {}
+            Err(e) => watch::log("LimitRanges (webhook cache)", &e),
+        }
+        async {}
+    })
+}
+
+/// The namespaces' watch (their metadata only), into the index.
+fn namespaces(sources: &Sources, client: &kube::Client) -> impl Future<Output = ()> + Send + use<> {
+    let index = sources.clone();
+    watcher(
+        Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .for_each(move |event| {
+        match event {
+            Ok(event) => {
+                index
+                    .0
+                    .index
+                    .metas
+                    .apply(event, |ns: PartialObjectMeta<Namespace>| {
+                        let name = ns.metadata.name.clone().unwrap_or_default();
+                        (name, Arc::new(meta_of(ns.metadata)))
+                    });
+            }
+            Err(e) => watch::log("namespaces (webhook cache)", &e),
+        }
+        async {}
+    })
+}
+
+/// The NodeGates' watch, into `writer`'s store.
+fn node_gates(
+    client: &kube::Client,
+    writer: reflector::store::Writer<NodeGate>,
+) -> impl Future<Output = ()> + Send + use<> {
+    reflector::reflector(
+        writer,
+        watcher(
+            Api::<NodeGate>::all(client.clone()),
+            watcher::Config::default(),
+        ),
+    )
+    .default_backoff()
+    .for_each(|event| {
+        if let Err(e) = event {
+            watch::log("NodeGates (webhook cache)", &e);
+        }
+        async {}
+    })
 }
 
 #[cfg(test)]
