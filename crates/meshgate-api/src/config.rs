@@ -43,7 +43,7 @@ impl Profile {
     }
 
     /// The readiness check that fits the mesh's capture mode (see [`crate::mesh`]).
-    pub fn default_checks(self) -> Vec<GateCheck> {
+    fn default_checks(self) -> Vec<GateCheck> {
         vec![self.record().check()]
     }
 

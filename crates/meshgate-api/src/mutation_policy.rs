@@ -70,7 +70,7 @@ pub enum MutationTarget {
 
 impl MutationTarget {
     /// Whether this is the default, `Pod`.
-    pub fn is_pod(&self) -> bool {
+    fn is_pod(&self) -> bool {
         *self == MutationTarget::Pod
     }
 }

@@ -8,3 +8,4 @@
 
 pub mod native_gate;
 pub mod registration;
+pub mod scope;

@@ -92,7 +92,7 @@ impl Routes {
     }
 
     /// `selector` (the policy's) without the routed namespaces.
-    pub fn policy_selector(&self, selector: LabelSelector) -> LabelSelector {
+    fn policy_selector(&self, selector: LabelSelector) -> LabelSelector {
         match self {
             Routes::All => selector.with(NAME_LABEL, SelectorOperator::DoesNotExist, &[]),
             Routes::Namespaces(names) if names.is_empty() => selector,
@@ -108,7 +108,7 @@ fn strs(names: &[String]) -> Vec<&str> {
 }
 
 /// Whether a profile's clauses can go native (module documentation).
-pub fn native_profile(profile: Profile) -> bool {
+fn native_profile(profile: Profile) -> bool {
     matches!(profile, Profile::IstioAmbient)
 }
 
@@ -509,18 +509,17 @@ pub fn policy(
         opted_out("object.metadata")
     );
 
-    let namespace_selector =
-        routes.policy_selector(crate::admission::registration::with_exclusions(
-            LabelSelector::default(),
-            &config.excluded_namespaces,
-        ));
+    let namespace_selector = routes.policy_selector(crate::admission::scope::with_exclusions(
+        LabelSelector::default(),
+        &config.excluded_namespaces,
+    ));
     let object_selector = meshgate_api::LabelSelector::default().with(
         names::OPT_OUT,
         SelectorOperator::NotIn,
         &["false"],
     );
     let labels = json!({names::MANAGED_BY: "meshgate"});
-    let failure = crate::admission::registration::failure_policy(config.failure_policy);
+    let failure = crate::admission::scope::failure_policy(config.failure_policy);
     let policy = json!({
         "apiVersion": api.api_version(),
         "kind": "MutatingAdmissionPolicy",

@@ -9,7 +9,7 @@
 //! `meshgate.dev/inject: "false"`, and the Node rule fails open (`Ignore`) so nodes — on which the
 //! webhook itself must run — always register.
 
-use meshgate_api::config::{FailurePolicy, GateConfig};
+use meshgate_api::config::GateConfig;
 use meshgate_api::node_gate::NodeGateSpec;
 use meshgate_api::{LabelSelector, SelectorOperator, names};
 use serde_json::{Value, json};
@@ -83,25 +83,6 @@ fn client_config(r: &Registration<'_>, path: &str) -> Value {
         config["caBundle"] = json!(k8s_openapi::ByteString(r.ca_bundle_pem.as_bytes().to_vec()));
     }
     config
-}
-
-pub(crate) fn with_exclusions(mut ns: LabelSelector, excluded: &[String]) -> LabelSelector {
-    if !excluded.is_empty() {
-        let values: Vec<&str> = excluded.iter().map(String::as_str).collect();
-        ns = ns.with(
-            "kubernetes.io/metadata.name",
-            SelectorOperator::NotIn,
-            &values,
-        );
-    }
-    ns
-}
-
-pub(crate) fn failure_policy(p: FailurePolicy) -> &'static str {
-    match p {
-        FailurePolicy::Ignore => "Ignore",
-        FailurePolicy::Fail => "Fail",
-    }
 }
 
 /// The name of the policies webhook in the configuration.
@@ -183,7 +164,7 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
                 "rules": pod_rule,
                 "namespaceSelector": gate_namespace_selector(c, &clause, r.native_gate.filter(|_| native.contains(&clause.name))),
                 "objectSelector": object.to_k8s(),
-                "failurePolicy": failure_policy(c.failure_policy),
+                "failurePolicy": crate::admission::scope::failure_policy(c.failure_policy),
                 "timeoutSeconds": c.timeout_seconds,
                 "reinvocationPolicy": "IfNeeded",
                 "sideEffects": "None",
@@ -198,7 +179,7 @@ pub fn webhook_configuration(r: &Registration<'_>) -> Value {
             "admissionReviewVersions": ["v1"],
             "clientConfig": client_config(r, paths::POLICIES),
             "rules": policy_rules(&[]),
-            "namespaceSelector": with_exclusions(LabelSelector::default(), &c.excluded_namespaces).to_k8s(),
+            "namespaceSelector": crate::admission::scope::with_exclusions(LabelSelector::default(), &c.excluded_namespaces).to_k8s(),
             "objectSelector": LabelSelector::default().with(names::OPT_OUT, SelectorOperator::NotIn, &["false"]).to_k8s(),
             // Policies are conveniences; a webhook outage must not block deployments.
             "failurePolicy": "Ignore",
@@ -238,7 +219,10 @@ fn gate_namespace_selector(
     clause: &meshgate_api::config::SelectorClause,
     routes: Option<&crate::admission::native_gate::Routes>,
 ) -> Value {
-    let selector = with_exclusions(clause.namespace_selector.clone(), &c.excluded_namespaces);
+    let selector = crate::admission::scope::with_exclusions(
+        clause.namespace_selector.clone(),
+        &c.excluded_namespaces,
+    );
     let selector = match routes {
         Some(routes) => routes.webhook_selector(selector),
         None => selector,

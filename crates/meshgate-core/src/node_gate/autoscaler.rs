@@ -43,7 +43,7 @@ impl Autoscaler {
 
     /// The key prefix it treats as a startup taint with no configuration (the first of
     /// [`Autoscaler::startup_prefixes`]).
-    pub fn startup_prefix(self) -> &'static str {
+    fn startup_prefix(self) -> &'static str {
         self.startup_prefixes()[0]
     }
 
@@ -61,7 +61,7 @@ impl Autoscaler {
     /// Whether it treats a taint with this key as a startup taint: by its prefixes, or because
     /// it is configured to (`found`: a NodePool's `startupTaints`, the Cluster Autoscaler's
     /// `--startup-taint`/`--ignore-taint` keys and `--startup-taint-prefix` prefixes).
-    pub fn knows_startup_taint(self, key: &str, found: &Found) -> bool {
+    fn knows_startup_taint(self, key: &str, found: &Found) -> bool {
         self.startup_prefixes().iter().any(|p| key.starts_with(p))
             || found.startup_keys.iter().any(|k| k == key)
             || found

@@ -336,7 +336,7 @@ pub struct NodeDecision {
 pub const OWNED_TAINTS: &str = "meshgate.dev/owned-taints";
 
 /// Keys recorded in the node's ownership annotation.
-pub fn recorded_owned(annotations: &BTreeMap<String, String>) -> Vec<&str> {
+fn recorded_owned(annotations: &BTreeMap<String, String>) -> Vec<&str> {
     annotations
         .get(OWNED_TAINTS)
         .map(|v| {
@@ -390,7 +390,7 @@ pub fn ready_since_key(gate: &str) -> String {
 
 /// Whether `gate` has released the node once: the gate's own mark, or, on a node marked before
 /// marks were per gate (the node's mark and no gate's), that one.
-pub fn bootstrapped(gate: &str, annotations: &BTreeMap<String, String>) -> bool {
+fn bootstrapped(gate: &str, annotations: &BTreeMap<String, String>) -> bool {
     annotations.contains_key(&ready_since_key(gate))
         || (annotations.contains_key(meshgate_api::names::NODE_READY_SINCE)
             && !annotations
@@ -776,7 +776,7 @@ const DAEMONSET_TOLERATED: &[&str] = &[
 /// gate's own taint key, which must not keep the agent off the node it gates; so is meshgate's
 /// earlier default key, which a node tainted before an upgrade carries until the gate's own key
 /// replaces it ([`superseded_taints`]).
-pub fn daemonset_targets(
+fn daemonset_targets(
     template: &PodTemplateSpec,
     node_name: &str,
     labels: &BTreeMap<String, String>,

@@ -316,13 +316,13 @@ impl PodSummary {
     }
 
     /// Whether the pod is a mesh pod for the started-early rule.
-    pub fn is_mesh_pod(&self) -> bool {
+    fn is_mesh_pod(&self) -> bool {
         self.has_gate || self.selected
     }
 
     /// When the pod's app containers could first have run: the gate's pass when it passed,
     /// else the pod's start.
-    pub fn effective_start(&self) -> Option<i64> {
+    fn effective_start(&self) -> Option<i64> {
         self.gate_passed_at.or(self.started)
     }
 
@@ -349,7 +349,7 @@ impl PodSummary {
 }
 
 /// Parses the node annotation `meshgate.dev/agents-ready-since` (RFC 3339) to Unix seconds.
-pub fn parse_ready_since(value: &str) -> Option<i64> {
+fn parse_ready_since(value: &str) -> Option<i64> {
     value
         .trim()
         .parse::<k8s_openapi::jiff::Timestamp>()
@@ -498,7 +498,7 @@ impl Limiter {
     }
 
     /// Whether pod `uid` was acted on less than a window before `now`.
-    pub fn within_window(&self, uid: &str, now: Duration) -> bool {
+    fn within_window(&self, uid: &str, now: Duration) -> bool {
         self.acted
             .get(uid)
             .is_some_and(|at| now.saturating_sub(*at) < self.window)

@@ -32,14 +32,6 @@ impl JsonPatch {
         ]);
     }
 
-    pub fn move_to(&mut self, from: impl Into<String>, path: impl Into<String>) {
-        self.push([
-            ("op", Value::from("move")),
-            ("from", Value::String(from.into())),
-            ("path", Value::String(path.into())),
-        ]);
-    }
-
     /// One operation, its fields moved in: `json!` would copy the value (through `to_value`),
     /// and a value is often a whole container.
     fn push<const N: usize>(&mut self, fields: [(&str, Value); N]) {

@@ -18,7 +18,8 @@ impl Quantity {
     pub const ZERO: Quantity = Quantity(0);
 
     /// From whole milli-units (`Quantity::milli(100)` is `100m`).
-    pub fn milli(m: i64) -> Self {
+    #[cfg(test)]
+    fn milli(m: i64) -> Self {
         Quantity(i128::from(m) * 1_000_000)
     }
 

@@ -23,18 +23,6 @@ pub fn clause_matches(clause: &SelectorClause, namespace: &Meta, pod: &Meta) -> 
             .any(|(k, v)| pod.annotations.get(k) == Some(v))
 }
 
-/// The name of the first clause that selects the pod, if any.
-pub fn selecting_clause<'c>(
-    clauses: &'c [SelectorClause],
-    namespace: &Meta,
-    pod: &Meta,
-) -> Option<&'c str> {
-    clauses
-        .iter()
-        .find(|c| clause_matches(c, namespace, pod))
-        .map(|c| c.name.as_str())
-}
-
 /// Whether the webhook needs a namespace's annotations (some clause reads them).
 pub fn needs_namespace_annotations(config: &GateConfig) -> bool {
     config

@@ -4,7 +4,7 @@
 //! The engine stays pure: it asks a [`ClusterData`] for a ConfigMap or a path, and the caller
 //! answers from what it holds. The webhook answers ConfigMaps from a watch cache of exactly the
 //! ConfigMaps the policies name (`meshgate-webhook`'s `sources`) and paths with a GET as its
-//! ServiceAccount (`meshgate_controller::api_reader`); `render` answers both from the objects
+//! ServiceAccount (`meshgate_kube::api_reader`); `render` answers both from the objects
 //! given with its input ([`GivenObjects`]), and callers without a cluster with [`NoCluster`].
 //!
 //! Kyverno's loader (`pkg/engine/context/loaders/configmap.go`) makes a `configMap` entry's value
@@ -289,62 +289,6 @@ pub fn config_map_value(config_map: &Value) -> Value {
     Value::Object(out)
 }
 
-/// Reads a `configMap` or `apiCall` entry through `cluster`; `vars` substitute an `apiCall`'s
-/// path and `jmesPath`.
-pub(crate) fn load(
-    entry: &ContextEntry,
-    cluster: &dyn ClusterData,
-    vars: &super::variables::Vars,
-) -> Result<Value, String> {
-    if let Some(call) = &entry.api_call {
-        return api_call(call, cluster, vars);
-    }
-    let Some(cm) = &entry.config_map else {
-        return Err("not a configMap or apiCall entry".to_owned());
-    };
-    let namespace = if cm.namespace.is_empty() {
-        DEFAULT_NAMESPACE
-    } else {
-        &cm.namespace
-    };
-    match cluster.config_map(namespace, &cm.name)? {
-        Some(object) => Ok(config_map_value(&object)),
-        None => Err(format!("ConfigMap {namespace}/{} not found", cm.name)),
-    }
-}
-
-fn api_call(
-    call: &meshgate_api::mutation_policy::ContextApiCall,
-    cluster: &dyn ClusterData,
-    vars: &super::variables::Vars,
-) -> Result<Value, String> {
-    let text = |v: Value, field: &str| match v {
-        Value::String(s) => Ok(s),
-        other => Err(format!("apiCall.{field} must be text, not {other}")),
-    };
-    let path = text(vars.substitute_str(&call.url_path)?, "urlPath")?;
-    let parsed = api_path(&path).map_err(|e| format!("apiCall.urlPath: {e}"))?;
-    if let Some(own) = &call.confined_to {
-        let under_own = parsed.namespace.as_deref() == Some(own.as_str());
-        if !under_own {
-            return Err(format!(
-                "apiCall.urlPath: {path:?}: a NamespacedMutationPolicy reads only under its own namespace ({own})"
-            ));
-        }
-    }
-    let data = match cluster.get(&path) {
-        Ok(data) => data,
-        Err(e) => return call.default.clone().ok_or(e),
-    };
-    match &call.jmes_path {
-        Some(p) if !p.is_empty() => {
-            let p = text(vars.substitute_str(p)?, "jmesPath")?;
-            super::variables::query(&p, &data)
-        }
-        _ => Ok(data),
-    }
-}
-
 /// The ConfigMaps (`(namespace, name)`) a policy's `configMap` entries read, at any depth.
 pub fn config_maps_named(spec: &MutationPolicySpec) -> BTreeSet<(String, String)> {
     let mut out = BTreeSet::new();
@@ -396,16 +340,4 @@ pub(crate) fn entries_mut(spec: &mut MutationPolicySpec) -> Vec<&mut ContextEntr
         walk(m, &mut out);
     }
     out
-}
-
-/// Whether a policy has an `apiCall` entry (at any depth).
-pub fn reads_api(spec: &MutationPolicySpec) -> bool {
-    fn walk(m: &Mutation) -> bool {
-        m.context
-            .iter()
-            .chain(m.foreach.iter().flat_map(|f| f.context.iter()))
-            .any(|e| e.api_call.is_some())
-            || m.mutations.iter().any(walk)
-    }
-    spec.mutations.iter().any(walk)
 }

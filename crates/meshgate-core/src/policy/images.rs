@@ -78,7 +78,7 @@ pub fn images(object: &Value) -> Result<Map<String, Value>, String> {
 }
 
 /// One image reference, as Kyverno's `GetImageInfo` (distribution's reference grammar).
-pub fn image_info(image: &str) -> Result<Map<String, Value>, String> {
+fn image_info(image: &str) -> Result<Map<String, Value>, String> {
     let full = with_default_registry(image);
     let (rest, digest) = match full.split_once('@') {
         Some((r, d)) => (r, Some(d)),

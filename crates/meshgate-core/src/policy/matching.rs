@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use meshgate_api::mutation_policy::{
     MatchResources, MutationPolicySpec, MutationTarget, Operation,
 };
+use meshgate_api::names;
 use serde_json::Value;
 
 use super::pattern::wildcard_match;
@@ -293,7 +294,20 @@ pub fn template_opted_out(object: &Value) -> bool {
     }
     pod_template_path(t.kind)
         .and_then(|path| path.iter().try_fold(object, |v, s| v.get(*s)))
-        .is_some_and(super::opted_out)
+        .is_some_and(opted_out)
+}
+
+/// Whether the object opts out of meshgate (`meshgate.dev/inject: "false"` label or
+/// annotation).
+pub fn opted_out(object: &Value) -> bool {
+    ["labels", "annotations"].iter().any(|field| {
+        object
+            .get("metadata")
+            .and_then(|m| m.get(*field))
+            .and_then(|m| m.get(names::OPT_OUT))
+            .and_then(Value::as_str)
+            == Some("false")
+    })
 }
 
 /// Where `spec`'s mutations land on `object` in this request, when it applies: `match` holds

@@ -154,7 +154,6 @@ pub mod context;
 mod images;
 pub mod json6902;
 pub mod kyverno;
-pub mod kyverno_cel;
 mod matching;
 pub mod native;
 mod pattern;
@@ -166,14 +165,13 @@ pub mod variables;
 use meshgate_api::mutation_policy::{
     ForEachOrder, MetadataMutation, Mutation, MutationPolicySpec, OnConflict,
 };
-use meshgate_api::names;
 use serde_json::{Map, Value};
 
 use crate::object::patch::JsonPatch;
 
 pub use matching::{
-    MatchContext, ObjectType, SUPPORTED_KINDS, WORKLOAD_KINDS, object_labels, parse_kind,
-    pod_template_path, policy_matches, policy_target, template_opted_out,
+    MatchContext, ObjectType, SUPPORTED_KINDS, WORKLOAD_KINDS, object_labels, opted_out,
+    parse_kind, pod_template_path, policy_matches, policy_target, template_opted_out,
 };
 pub use pattern::wildcard_match;
 pub use render::{RenderError, RenderedDoc, document_namespace, render};
@@ -372,7 +370,7 @@ pub struct Request<'a> {
 /// Applies the mutations of one policy, in order, to its `target` (a Pod, a pod template, or
 /// the object), without any matching. Returns whether `target` changed; on error `target` is
 /// left as it was.
-pub fn apply_mutations(
+fn apply_mutations(
     policy: &str,
     spec: &MutationPolicySpec,
     target: &mut Value,
@@ -758,19 +756,6 @@ fn apply_json_patch(
     })?;
     *target = work;
     Ok(())
-}
-
-/// Whether the object opts out of meshgate (`meshgate.dev/inject: "false"` label or
-/// annotation).
-pub fn opted_out(object: &Value) -> bool {
-    ["labels", "annotations"].iter().any(|field| {
-        object
-            .get("metadata")
-            .and_then(|m| m.get(*field))
-            .and_then(|m| m.get(names::OPT_OUT))
-            .and_then(Value::as_str)
-            == Some("false")
-    })
 }
 
 fn value_at_mut<'v>(value: &'v mut Value, path: &[&str]) -> Option<&'v mut Value> {

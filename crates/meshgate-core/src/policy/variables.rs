@@ -56,7 +56,7 @@ use jmespath::{Rcvar, Runtime, Variable};
 use meshgate_api::mutation_policy::{ConditionOperator, Conditions, ContextEntry, PreCondition};
 use serde_json::{Map, Value};
 
-use super::context::ClusterData;
+use super::context::{self, ClusterData};
 use super::pattern::wildcard_match;
 
 /// The variable roots meshgate provides (besides the mutation's context entries).
@@ -96,7 +96,8 @@ impl Vars {
     }
 
     /// These variables with `element` and `elementIndex`.
-    pub fn with_element(&self, element: &Value, index: usize) -> Self {
+    #[cfg(test)]
+    fn with_element(&self, element: &Value, index: usize) -> Self {
         self.with_element_at(element, index, 0)
     }
 
@@ -146,7 +147,7 @@ impl Vars {
         for entry in entries {
             let value = match &entry.variable {
                 Some(_) => out.context_value(entry),
-                None => super::context::load(entry, cluster, &out),
+                None => load(entry, cluster, &out),
             };
             match value {
                 Ok(v) => out.set(&entry.name, v),
@@ -870,6 +871,58 @@ fn runtime() -> &'static Runtime {
         );
         rt
     })
+}
+
+/// Reads a `configMap` or `apiCall` entry through `cluster`; `vars` substitute an `apiCall`'s
+/// path and `jmesPath`.
+fn load(entry: &ContextEntry, cluster: &dyn ClusterData, vars: &Vars) -> Result<Value, String> {
+    if let Some(call) = &entry.api_call {
+        return api_call(call, cluster, vars);
+    }
+    let Some(cm) = &entry.config_map else {
+        return Err("not a configMap or apiCall entry".to_owned());
+    };
+    let namespace = if cm.namespace.is_empty() {
+        context::DEFAULT_NAMESPACE
+    } else {
+        &cm.namespace
+    };
+    match cluster.config_map(namespace, &cm.name)? {
+        Some(object) => Ok(context::config_map_value(&object)),
+        None => Err(format!("ConfigMap {namespace}/{} not found", cm.name)),
+    }
+}
+
+fn api_call(
+    call: &meshgate_api::mutation_policy::ContextApiCall,
+    cluster: &dyn ClusterData,
+    vars: &Vars,
+) -> Result<Value, String> {
+    let text = |v: Value, field: &str| match v {
+        Value::String(s) => Ok(s),
+        other => Err(format!("apiCall.{field} must be text, not {other}")),
+    };
+    let path = text(vars.substitute_str(&call.url_path)?, "urlPath")?;
+    let parsed = context::api_path(&path).map_err(|e| format!("apiCall.urlPath: {e}"))?;
+    if let Some(own) = &call.confined_to {
+        let under_own = parsed.namespace.as_deref() == Some(own.as_str());
+        if !under_own {
+            return Err(format!(
+                "apiCall.urlPath: {path:?}: a NamespacedMutationPolicy reads only under its own namespace ({own})"
+            ));
+        }
+    }
+    let data = match cluster.get(&path) {
+        Ok(data) => data,
+        Err(e) => return call.default.clone().ok_or(e),
+    };
+    match &call.jmes_path {
+        Some(p) if !p.is_empty() => {
+            let p = text(vars.substitute_str(p)?, "jmesPath")?;
+            query(&p, &data)
+        }
+        _ => Ok(data),
+    }
 }
 
 #[cfg(test)]

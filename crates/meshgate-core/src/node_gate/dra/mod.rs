@@ -55,7 +55,7 @@ pub fn device_class(gate: &str, resource: &str) -> Value {
 }
 
 /// The CEL selector of a gate's devices.
-pub fn device_selector(gate: &str) -> String {
+fn device_selector(gate: &str) -> String {
     format!(
         "device.driver == '{driver}' && device.attributes['{driver}'].{GATE_ATTRIBUTE} == '{gate}'",
         driver = names::DRA_DRIVER
@@ -79,7 +79,7 @@ pub fn slice_name(gate: &str, node: &str) -> String {
 }
 
 /// The pool of the gate's devices on a node (unique per driver: the gate and the node).
-pub fn pool_name(gate: &str, node: &str) -> String {
+fn pool_name(gate: &str, node: &str) -> String {
     format!("{node}/{gate}")
 }
 

@@ -44,7 +44,7 @@ pub fn is_cni_config_name(name: &str) -> bool {
 /// name order, that is a CNI configuration and loads, with its content as a configuration list
 /// (a single-plugin `.conf`/`.json` becomes `{"name", "cniVersion", "plugins": [it]}`).
 /// `None`: no file loads, and the runtime has no pod network.
-pub fn active_cni_config(files: &[(String, String)]) -> Option<(String, Value)> {
+fn active_cni_config(files: &[(String, String)]) -> Option<(String, Value)> {
     let mut candidates: Vec<&(String, String)> = files
         .iter()
         .filter(|(name, _)| is_cni_config_name(name))
@@ -83,7 +83,7 @@ fn plugin_type(plugin: &Value) -> Option<&str> {
 }
 
 /// The plugin `type`s of a configuration list, in the order the runtime calls them.
-pub fn chained_types(config: &Value) -> Vec<String> {
+fn chained_types(config: &Value) -> Vec<String> {
     config["plugins"]
         .as_array()
         .map(|plugins| {

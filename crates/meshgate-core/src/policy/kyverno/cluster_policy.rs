@@ -103,45 +103,15 @@ use meshgate_api::mutation_policy::{
 };
 use serde_json::Value;
 
+use super::outcome::{KyvernoError, KyvernoImport, malformed};
 use crate::policy::{SUPPORTED_KINDS, WORKLOAD_KINDS, validate, wildcard_match};
 
 /// The policy annotation that selects Kyverno's auto-generated pod-controller rules.
 pub const AUTOGEN_ANNOTATION: &str = "pod-policies.kyverno.io/autogen-controllers";
 
-/// The result of [`import`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct KyvernoImport {
-    /// One `(name, spec)` per converted mutate rule, in rule order.
-    pub policies: Vec<(String, MutationPolicySpec)>,
-    /// What of the mutate rules was not converted, or converted with a difference, and why:
-    /// with any, the imported policies do less than, or other than, the Kyverno policy.
-    pub notes: Vec<String>,
-    /// Validate, generate and verifyImages rules, which are not mutations: not imported.
-    pub ignored: Vec<String>,
-}
-
-/// Why a Kyverno policy cannot be imported at all.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum KyvernoError {
-    /// Not a `kyverno.io/v1` or `kyverno.io/v2beta1` `ClusterPolicy` / `Policy`, nor a
-    /// `policies.kyverno.io` `MutatingPolicy`.
-    #[error(
-        "not a Kyverno policy: apiVersion {api_version:?}, kind {kind:?} (expected kyverno.io/v1 or kyverno.io/v2beta1 ClusterPolicy or Policy, or a policies.kyverno.io MutatingPolicy)"
-    )]
-    NotAPolicy { api_version: String, kind: String },
-    /// A field every Kyverno policy has is missing or of the wrong type.
-    #[error("{path}: {message}")]
-    Malformed { path: String, message: String },
-    /// No rule could be converted; `notes` say why.
-    #[error("nothing in Kyverno policy {policy} can be converted: {}", notes.join("; "))]
-    NothingConvertible { policy: String, notes: Vec<String> },
-}
-
-/// Converts the mutate rules of a Kyverno policy. See the module documentation.
-pub fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
-    if super::kyverno_cel::is_mutating_policy(doc) {
-        return super::kyverno_cel::import(doc);
-    }
+/// Converts the mutate rules of a Kyverno `ClusterPolicy` or `Policy`. See the module
+/// documentation.
+pub(super) fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
     let str_at = |p: &str| doc.pointer(p).and_then(Value::as_str).unwrap_or_default();
     let (api_version, kind) = (str_at("/apiVersion"), str_at("/kind"));
     if !matches!(api_version, "kyverno.io/v1" | "kyverno.io/v2beta1")
@@ -254,13 +224,6 @@ pub fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
         notes,
         ignored,
     })
-}
-
-fn malformed(path: &str, message: &str) -> KyvernoError {
-    KyvernoError::Malformed {
-        path: path.to_owned(),
-        message: message.to_owned(),
-    }
 }
 
 struct RuleContext<'a> {
@@ -628,7 +591,7 @@ fn convert_rule(
     // A namespaced Policy's configMap entries read its own namespace when they name none
     // (Kyverno's loader); a ClusterPolicy's must name one (Kyverno's policy validation).
     if let Some(ns) = ctx.namespace {
-        for cm in super::context::entries_mut(&mut spec)
+        for cm in crate::policy::context::entries_mut(&mut spec)
             .into_iter()
             .filter_map(|e| e.config_map.as_mut())
         {

@@ -28,7 +28,7 @@ use meshgate_api::mutation_policy::{
 };
 use serde_json::Value;
 
-use super::kyverno::{KyvernoError, KyvernoImport};
+use super::outcome::{KyvernoError, KyvernoImport};
 
 /// `(group, resource, kind as a MutationPolicy names it)`.
 const KINDS: &[(&str, &str, &str)] = &[
@@ -47,7 +47,7 @@ const KINDS: &[(&str, &str, &str)] = &[
 ];
 
 /// Whether `doc` is a Kyverno `MutatingPolicy`.
-pub fn is_mutating_policy(doc: &Value) -> bool {
+pub(super) fn is_mutating_policy(doc: &Value) -> bool {
     doc["apiVersion"]
         .as_str()
         .is_some_and(|a| a.starts_with("policies.kyverno.io/"))
@@ -55,7 +55,7 @@ pub fn is_mutating_policy(doc: &Value) -> bool {
 }
 
 /// Converts a `MutatingPolicy` (see the module documentation).
-pub fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
+pub(super) fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
     let name = doc["metadata"]["name"].as_str().unwrap_or_default();
     if name.is_empty() {
         return Err(KyvernoError::Malformed {
@@ -126,7 +126,7 @@ pub fn import(doc: &Value) -> Result<KyvernoImport, KyvernoError> {
         warning: None,
         existing: Default::default(),
     };
-    if let Err(errors) = super::validate(&spec) {
+    if let Err(errors) = crate::policy::validate(&spec) {
         return Err(KyvernoError::NothingConvertible {
             policy: name.to_owned(),
             notes: errors,
@@ -240,7 +240,7 @@ fn mutation(m: &Value, at: &str) -> Result<Mutation, String> {
     let Some(expression) = m[field]["expression"].as_str() else {
         return Err(format!("{at}.{field}.expression: required"));
     };
-    let value = super::admission::constant(expression).map_err(|e| {
+    let value = crate::policy::admission::constant(expression).map_err(|e| {
         format!(
             "{at}.{field}.expression: not converted: only an expression that reads nothing of the request converts (a MutationPolicy has no CEL; `meshgate render` applies it as written): {e}"
         )
