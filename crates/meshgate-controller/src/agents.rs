@@ -100,7 +100,7 @@ impl AgentIndex {
     }
 
     /// Inserts or updates a pod; returns the nodes whose agents changed.
-    pub fn upsert(&self, pod: &Pod) -> Vec<String> {
+    fn upsert(&self, pod: &Pod) -> Vec<String> {
         self.upsert_summary(key_of(pod), summarize(pod))
     }
 
@@ -287,7 +287,7 @@ async fn watch_pods(
                 let pods = std::mem::take(&mut relist);
                 send_all(&trigger, index.replace_namespace(&namespace, pods));
             }
-            Err(e) => crate::watch::log(&format!("agent pods in {namespace}"), &e),
+            Err(e) => meshgate_kube::watch::log(&format!("agent pods in {namespace}"), &e),
         }
     }
 }
@@ -327,7 +327,7 @@ async fn watch_daemonsets(
             }
             Ok(_) => false,
             Err(e) => {
-                crate::watch::log(&format!("agent DaemonSets in {namespace}"), &e);
+                meshgate_kube::watch::log(&format!("agent DaemonSets in {namespace}"), &e);
                 false
             }
         };

@@ -83,7 +83,7 @@ pub struct CertOutcome {
 pub const TRUST_DELAY: Duration = Duration::from_secs(10);
 
 /// Whether a certificate valid until `not_after` must be renewed at `now`.
-pub fn needs_renewal(not_after: i64, now: i64, renew_before: Duration) -> bool {
+fn needs_renewal(not_after: i64, now: i64, renew_before: Duration) -> bool {
     not_after - now < i64::try_from(renew_before.as_secs()).unwrap_or(i64::MAX)
 }
 
@@ -172,52 +172,9 @@ pub async fn reconcile_once(
     {
         bundle.push_str(&old);
     }
-    // Whether every API server already trusts the current CA (no configuration: nobody to wait
-    // for).
-    let mut trusted = true;
-    let mwcs: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-    if let Some(mwc) = mwcs.get_opt(&s.webhook_configuration).await? {
-        let hooks = mwc.webhooks.unwrap_or_default();
-        trusted = hooks.iter().all(|h| {
-            h.client_config
-                .ca_bundle
-                .as_ref()
-                .and_then(|b| std::str::from_utf8(&b.0).ok())
-                .is_some_and(|b| b.contains(ca_pem.as_str()))
-        });
-        let stale: Vec<usize> = hooks
-            .iter()
-            .enumerate()
-            .filter(|(_, h)| {
-                h.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice())
-                    != Some(bundle.as_bytes())
-            })
-            .map(|(i, _)| i)
-            .collect();
-        if !stale.is_empty() {
-            // A JSON patch per stale entry, guarded by the entry's name (the list may change).
-            let mut ops = Vec::new();
-            for i in stale {
-                ops.push(json!({"op": "test", "path": format!("/webhooks/{i}/name"), "value": hooks[i].name}));
-                ops.push(
-                    json!({"op": "replace", "path": format!("/webhooks/{i}/clientConfig/caBundle"),
-                                "value": ByteString(bundle.clone().into_bytes())}),
-                );
-            }
-            let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))
-                .map_err(|e| CertError::Pki(meshgate_pki::PkiError::Parse(e.to_string())))?;
-            // Under the controller's own field manager: `install`'s server-side apply (manager
-            // `meshgate`, no caBundle in its manifests) never takes the bundle away.
-            let pp = PatchParams {
-                field_manager: Some(CA_BUNDLE_MANAGER.to_owned()),
-                ..PatchParams::default()
-            };
-            mwcs.patch(&s.webhook_configuration, &pp, &Patch::<()>::Json(patch))
-                .await?;
-            tracing::info!(configuration = %s.webhook_configuration, "caBundle updated");
-            out.bundle_updated = true;
-        }
-    }
+    // Whether every API server already trusts the current CA.
+    let trusted;
+    (trusted, out.bundle_updated) = update_bundle(client, s, &ca_pem, &bundle).await?;
 
     // The serving certificate: renewed when close to expiry or issued by another CA.
     let tls = secrets.get_opt(&s.tls_secret).await?;
@@ -265,6 +222,63 @@ pub async fn reconcile_once(
     }
 
     Ok(out)
+}
+
+/// Writes `bundle` into every webhook of the configuration whose caBundle differs. Returns
+/// whether every webhook already trusted `ca_pem` before, and whether anything was written.
+async fn update_bundle(
+    client: &kube::Client,
+    s: &CertSettings,
+    ca_pem: &str,
+    bundle: &str,
+) -> Result<(bool, bool), CertError> {
+    // No configuration: nobody to wait for.
+    let mut trusted = true;
+    let mut updated = false;
+    let mwcs: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+    if let Some(mwc) = mwcs.get_opt(&s.webhook_configuration).await? {
+        let hooks = mwc.webhooks.unwrap_or_default();
+        trusted = hooks.iter().all(|h| {
+            h.client_config
+                .ca_bundle
+                .as_ref()
+                .and_then(|b| std::str::from_utf8(&b.0).ok())
+                .is_some_and(|b| b.contains(ca_pem))
+        });
+        let stale: Vec<usize> = hooks
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| {
+                h.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice())
+                    != Some(bundle.as_bytes())
+            })
+            .map(|(i, _)| i)
+            .collect();
+        if !stale.is_empty() {
+            // A JSON patch per stale entry, guarded by the entry's name (the list may change).
+            let mut ops = Vec::new();
+            for i in stale {
+                ops.push(json!({"op": "test", "path": format!("/webhooks/{i}/name"), "value": hooks[i].name}));
+                ops.push(
+                    json!({"op": "replace", "path": format!("/webhooks/{i}/clientConfig/caBundle"),
+                                "value": ByteString(bundle.as_bytes().to_vec())}),
+                );
+            }
+            let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))
+                .map_err(|e| CertError::Pki(meshgate_pki::PkiError::Parse(e.to_string())))?;
+            // Under the controller's own field manager: `install`'s server-side apply (manager
+            // `meshgate`, no caBundle in its manifests) never takes the bundle away.
+            let pp = PatchParams {
+                field_manager: Some(CA_BUNDLE_MANAGER.to_owned()),
+                ..PatchParams::default()
+            };
+            mwcs.patch(&s.webhook_configuration, &pp, &Patch::<()>::Json(patch))
+                .await?;
+            tracing::info!(configuration = %s.webhook_configuration, "caBundle updated");
+            updated = true;
+        }
+    }
+    Ok((trusted, updated))
 }
 
 /// Runs [`reconcile_once`] while this replica leads: on becoming leader, every `interval`, 5 s

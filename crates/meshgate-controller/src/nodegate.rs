@@ -197,48 +197,7 @@ pub async fn run(
     let agents = AgentIndex::default();
 
     // Gates: keep the store, watch the namespaces their agents live in, resync all nodes.
-    let gate_stream = {
-        let agents = agents.clone();
-        let client = client.clone();
-        let trigger = trigger_tx.clone();
-        let gate_store = gates.clone();
-        let mut seen: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
-        reflector::reflector(
-            gate_writer,
-            watcher(
-                Api::<NodeGate>::all(client.clone()),
-                watcher::Config::default(),
-            ),
-        )
-        .default_backoff()
-        .touched_objects()
-        .for_each(move |g| {
-            if let Err(e) = &g {
-                crate::watch::log("NodeGates", e);
-            }
-            if let Ok(gate) = g {
-                for a in &gate.spec.agents {
-                    agents.ensure_watch(&client, &a.namespace, &trigger);
-                }
-                // Every node is reconciled again when a gate's spec changes (a new generation)
-                // or the gate is gone or going; the gate's own status writes trigger nothing.
-                let uid = gate.metadata.uid.clone().unwrap_or_default();
-                let generation = gate.metadata.generation.unwrap_or_default();
-                let deleted = gate_store.get(&ObjectRef::from_obj(&gate)).is_none()
-                    || gate.metadata.deletion_timestamp.is_some();
-                let changed = seen.get(&uid) != Some(&generation);
-                if deleted {
-                    seen.remove(&uid);
-                } else {
-                    seen.insert(uid, generation);
-                }
-                if deleted || changed {
-                    let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
-                }
-            }
-            futures::future::ready(())
-        })
-    };
+    let gate_stream = gate_watch(&client, gate_writer, &gates, &agents, &trigger_tx);
 
     let events = Events::new(client.clone());
     // Nodes are read as `GateNode`s and cached slimmed to what the gates read (`GateNode::slim`).
@@ -255,34 +214,7 @@ pub async fn run(
     .applied_objects();
     // DRA gates: the slices meshgate wrote, where the API server serves them. A slice that
     // changes or goes (the kubelet deletes its node's slices when it starts) reconciles its node.
-    let served = crate::dra::served(&client).await;
-    let (slice_store, slice_stream) = if served {
-        let (store, writer) = reflector::store::<k8s_openapi::api::resource::v1::ResourceSlice>();
-        let trigger = trigger_tx.clone();
-        let stream = reflector::reflector(
-            writer,
-            watcher(
-                Api::all(client.clone()),
-                watcher::Config::default().labels(&crate::dra::managed_selector()),
-            )
-            .default_backoff(),
-        )
-        .touched_objects()
-        .for_each(move |s| {
-            if let Ok(slice) = s
-                && let Some(node) = slice.spec.node_name.as_deref()
-            {
-                let _ = trigger.send(ObjectRef::new(node));
-            }
-            futures::future::ready(())
-        });
-        (Some(store), futures::future::Either::Left(stream))
-    } else {
-        (
-            None,
-            futures::future::Either::Right(futures::future::pending::<()>()),
-        )
-    };
+    let (slice_store, slice_stream) = slice_watch(&client, &trigger_tx).await;
     let controller = Controller::for_stream(node_stream, nodes.clone()).with_config(
         kube::runtime::controller::Config::default().concurrency(settings.concurrency.max(1)),
     );
@@ -304,56 +236,11 @@ pub async fn run(
         failures: Mutex::new(std::collections::HashMap::new()),
     });
 
-    // No decision before every cache has its first list: nodes, gates, then the agents' pods
-    // and DaemonSets of every namespace a gate names.
-    let sync = {
-        let ctx = ctx.clone();
-        let trigger = trigger_tx.clone();
-        let client = client.clone();
-        async move {
-            let _ = ctx.nodes.wait_until_ready().await;
-            let _ = ctx.gates.wait_until_ready().await;
-            ctx.dra.wait_until_ready().await;
-            if ctx.dra.served() {
-                ctx.agents
-                    .ensure_watch(&client, &ctx.settings.node_plugin.namespace, &trigger);
-            }
-            for gate in ctx.gates.state() {
-                for a in &gate.spec.agents {
-                    ctx.agents.ensure_watch(&client, &a.namespace, &trigger);
-                }
-            }
-            while !ctx.agents.synced() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            ctx.restart_initial();
-            ctx.synced.store(true, Ordering::Release);
-            ctx.metrics.synced.set(1);
-            tracing::info!(
-                "caches synced: nodes, node gates, agent pods and DaemonSets, resource slices"
-            );
-            let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
-            futures::future::pending::<()>().await;
-        }
-    };
+    // No decision before every cache has its first list.
+    let sync = sync_caches(ctx.clone(), trigger_tx.clone(), client.clone());
 
     // Leadership gained: every node is reconciled again.
-    let mut leader_rx = leader.clone();
-    let resync_trigger = trigger_tx.clone();
-    let leader_ctx = ctx.clone();
-    let leadership = async move {
-        loop {
-            let is_leader = leader_rx.update();
-            leader_ctx.metrics.leader.set(i64::from(is_leader));
-            if is_leader {
-                leader_ctx.restart_initial();
-                let _ = resync_trigger.send(ObjectRef::new(RESYNC_ALL));
-            }
-            if leader_rx.changed().await.is_err() {
-                break;
-            }
-        }
-    };
+    let leadership = follow_leadership(leader.clone(), ctx.clone(), trigger_tx.clone());
 
     let fan_out_nodes = nodes.clone();
     let triggers =
@@ -378,7 +265,7 @@ pub async fn run(
         .for_each(|r| {
             match r {
                 Err(kube::runtime::controller::Error::QueueError(e)) => {
-                    crate::watch::log("nodes", &e);
+                    meshgate_kube::watch::log("nodes", &e);
                 }
                 Err(e) => tracing::debug!(error = %e, "reconcile failed"),
                 Ok(_) => {}
@@ -394,6 +281,146 @@ pub async fn run(
         _ = slice_stream => {},
     }
     agents.stop();
+}
+
+/// The slices meshgate wrote, where the API server serves DRA: their store, and a watch that
+/// reconciles a slice's node when the slice changes or goes (the kubelet deletes its node's
+/// slices when it starts).
+async fn slice_watch(
+    client: &kube::Client,
+    trigger: &mpsc::UnboundedSender<ObjectRef<GateNode>>,
+) -> (
+    Option<Store<k8s_openapi::api::resource::v1::ResourceSlice>>,
+    impl Future<Output = ()> + Send + use<>,
+) {
+    let served = crate::dra::served(client).await;
+    if served {
+        let (store, writer) = reflector::store::<k8s_openapi::api::resource::v1::ResourceSlice>();
+        let trigger = trigger.clone();
+        let stream = reflector::reflector(
+            writer,
+            watcher(
+                Api::all(client.clone()),
+                watcher::Config::default().labels(&crate::dra::managed_selector()),
+            )
+            .default_backoff(),
+        )
+        .touched_objects()
+        .for_each(move |s| {
+            if let Ok(slice) = s
+                && let Some(node) = slice.spec.node_name.as_deref()
+            {
+                let _ = trigger.send(ObjectRef::new(node));
+            }
+            futures::future::ready(())
+        });
+        (Some(store), futures::future::Either::Left(stream))
+    } else {
+        (
+            None,
+            futures::future::Either::Right(futures::future::pending::<()>()),
+        )
+    }
+}
+
+/// The NodeGates' watch: keeps `gates`' store, watches the namespaces their agents live in,
+/// and reconciles every node again when a gate's spec changes or a gate goes.
+fn gate_watch(
+    client: &kube::Client,
+    gate_writer: reflector::store::Writer<NodeGate>,
+    gates: &Store<NodeGate>,
+    agents: &AgentIndex,
+    trigger: &mpsc::UnboundedSender<ObjectRef<GateNode>>,
+) -> impl Future<Output = ()> + Send + use<> {
+    let agents = agents.clone();
+    let client = client.clone();
+    let trigger = trigger.clone();
+    let gate_store = gates.clone();
+    let mut seen: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
+    reflector::reflector(
+        gate_writer,
+        watcher(
+            Api::<NodeGate>::all(client.clone()),
+            watcher::Config::default(),
+        ),
+    )
+    .default_backoff()
+    .touched_objects()
+    .for_each(move |g| {
+        if let Err(e) = &g {
+            meshgate_kube::watch::log("NodeGates", e);
+        }
+        if let Ok(gate) = g {
+            for a in &gate.spec.agents {
+                agents.ensure_watch(&client, &a.namespace, &trigger);
+            }
+            // Every node is reconciled again when a gate's spec changes (a new generation)
+            // or the gate is gone or going; the gate's own status writes trigger nothing.
+            let uid = gate.metadata.uid.clone().unwrap_or_default();
+            let generation = gate.metadata.generation.unwrap_or_default();
+            let deleted = gate_store.get(&ObjectRef::from_obj(&gate)).is_none()
+                || gate.metadata.deletion_timestamp.is_some();
+            let changed = seen.get(&uid) != Some(&generation);
+            if deleted {
+                seen.remove(&uid);
+            } else {
+                seen.insert(uid, generation);
+            }
+            if deleted || changed {
+                let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
+            }
+        }
+        futures::future::ready(())
+    })
+}
+
+/// Marks the caches synced once each has its first list: nodes, gates, then the agents' pods
+/// and DaemonSets of every namespace a gate names; then reconciles every node. Never ends.
+async fn sync_caches(
+    ctx: Arc<Ctx>,
+    trigger: mpsc::UnboundedSender<ObjectRef<GateNode>>,
+    client: kube::Client,
+) {
+    let _ = ctx.nodes.wait_until_ready().await;
+    let _ = ctx.gates.wait_until_ready().await;
+    ctx.dra.wait_until_ready().await;
+    if ctx.dra.served() {
+        ctx.agents
+            .ensure_watch(&client, &ctx.settings.node_plugin.namespace, &trigger);
+    }
+    for gate in ctx.gates.state() {
+        for a in &gate.spec.agents {
+            ctx.agents.ensure_watch(&client, &a.namespace, &trigger);
+        }
+    }
+    while !ctx.agents.synced() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ctx.restart_initial();
+    ctx.synced.store(true, Ordering::Release);
+    ctx.metrics.synced.set(1);
+    tracing::info!("caches synced: nodes, node gates, agent pods and DaemonSets, resource slices");
+    let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
+    futures::future::pending::<()>().await;
+}
+
+/// Follows leadership into the gauge; each time it is gained, every node is reconciled again.
+async fn follow_leadership(
+    mut leader_rx: Leader,
+    leader_ctx: Arc<Ctx>,
+    resync_trigger: mpsc::UnboundedSender<ObjectRef<GateNode>>,
+) {
+    loop {
+        let is_leader = leader_rx.update();
+        leader_ctx.metrics.leader.set(i64::from(is_leader));
+        if is_leader {
+            leader_ctx.restart_initial();
+            let _ = resync_trigger.send(ObjectRef::new(RESYNC_ALL));
+        }
+        if leader_rx.changed().await.is_err() {
+            break;
+        }
+    }
 }
 
 /// Retries a failed node with capped exponential backoff; warns once per streak of failures.
@@ -731,6 +758,70 @@ async fn apply(
     states: &[AgentState],
     d: &NodeDecision,
 ) -> Result<GateNode, Error> {
+    if let Some(since) = d.mark_ready_since {
+        node = mark_ready(ctx, api, gate, node, since).await?;
+    }
+    node = apply_taint(ctx, api, gate, node, taints, d).await?;
+    node = apply_resource(ctx, api, gate, node, d).await?;
+    if d.state != NodeState::Ignored {
+        node = publish_condition(ctx, api, gate, node, states, d).await?;
+    }
+    Ok(node)
+}
+
+/// Marks when the node's agents became ready (the gate's own mark, and the node's if it has
+/// none).
+async fn mark_ready(
+    ctx: &Ctx,
+    api: &Api<GateNode>,
+    gate: &NodeGate,
+    mut node: GateNode,
+    since: i64,
+) -> Result<GateNode, Error> {
+    let name = node.name_any();
+    let pp = PatchParams::default();
+    let write_err = |source| Error::Write {
+        node: name.clone(),
+        source,
+    };
+    let ts = k8s_openapi::jiff::Timestamp::from_second(since)
+        .unwrap_or_default()
+        .to_string();
+    // The gate's own mark, and the node's (the first gate's time) if it has none.
+    let mut marks = serde_json::Map::new();
+    marks.insert(
+        meshgate_core::nodegate::ready_since_key(&gate.name_any()),
+        ts.clone().into(),
+    );
+    if !node
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(names::NODE_READY_SINCE))
+    {
+        marks.insert(names::NODE_READY_SINCE.to_owned(), ts.into());
+    }
+    let patch = serde_json::json!({"metadata": {"annotations": marks}});
+    node = api
+        .patch(&name, &pp, &Patch::Merge(&patch))
+        .await
+        .map_err(|e| {
+            count(ctx, true, "mark-ready");
+            write_err(e)
+        })?;
+    count(ctx, false, "mark-ready");
+    Ok(node)
+}
+
+/// Adds or removes the gate's taint as decided, with its Event.
+async fn apply_taint(
+    ctx: &Ctx,
+    api: &Api<GateNode>,
+    gate: &NodeGate,
+    mut node: GateNode,
+    taints: &[k8s_openapi::api::core::v1::Taint],
+    d: &NodeDecision,
+) -> Result<GateNode, Error> {
     let name = node.name_any();
     let spec = &gate.spec;
     let pp = PatchParams::default();
@@ -738,35 +829,6 @@ async fn apply(
         node: name.clone(),
         source,
     };
-
-    if let Some(since) = d.mark_ready_since {
-        let ts = k8s_openapi::jiff::Timestamp::from_second(since)
-            .unwrap_or_default()
-            .to_string();
-        // The gate's own mark, and the node's (the first gate's time) if it has none.
-        let mut marks = serde_json::Map::new();
-        marks.insert(
-            meshgate_core::nodegate::ready_since_key(&gate.name_any()),
-            ts.clone().into(),
-        );
-        if !node
-            .metadata
-            .annotations
-            .as_ref()
-            .is_some_and(|a| a.contains_key(names::NODE_READY_SINCE))
-        {
-            marks.insert(names::NODE_READY_SINCE.to_owned(), ts.into());
-        }
-        let patch = serde_json::json!({"metadata": {"annotations": marks}});
-        node = api
-            .patch(&name, &pp, &Patch::Merge(&patch))
-            .await
-            .map_err(|e| {
-                count(ctx, true, "mark-ready");
-                write_err(e)
-            })?;
-        count(ctx, false, "mark-ready");
-    }
     if let Some(want) = d.taint
         && has_taint(spec, taints) != want
     {
@@ -827,6 +889,25 @@ async fn apply(
         };
         event(ctx, &node.object_ref(&()), EventType::Normal, reason, note).await;
     }
+    Ok(node)
+}
+
+/// Offers or withdraws the gate's resource as decided (through DRA, or in the node status),
+/// with its Event; the other provider's offer goes.
+async fn apply_resource(
+    ctx: &Ctx,
+    api: &Api<GateNode>,
+    gate: &NodeGate,
+    mut node: GateNode,
+    d: &NodeDecision,
+) -> Result<GateNode, Error> {
+    let name = node.name_any();
+    let spec = &gate.spec;
+    let pp = PatchParams::default();
+    let write_err = |source| Error::Write {
+        node: name.clone(),
+        source,
+    };
     let dra = ctx.dra.provider(gate) == Ok(ResourceProvider::Dra);
     if let Some(res) = &spec.resource {
         // The other provider's offer goes: a node that advertises the name natively is served
@@ -896,9 +977,6 @@ async fn apply(
             )
         };
         event(ctx, &node.object_ref(&()), EventType::Normal, reason, note).await;
-    }
-    if d.state != NodeState::Ignored {
-        node = publish_condition(ctx, api, gate, node, states, d).await?;
     }
     Ok(node)
 }
@@ -1208,6 +1286,99 @@ fn gate_status(
         )];
         return status;
     }
+    let Tally {
+        by_state,
+        given_up,
+        retainted,
+        want_retaint,
+    } = tally(ctx, gate, all_nodes, &mut status);
+    if !gate.spec.dry_run {
+        let budget = gate.spec.retaint_budget(status.nodes as usize);
+        status.retaint_deferred = want_retaint.min(
+            u32::try_from((retainted + want_retaint as usize).saturating_sub(budget))
+                .unwrap_or(u32::MAX),
+        );
+    }
+    for labels in seen_states.iter() {
+        if labels.gate == gate_name {
+            ctx.metrics.nodes.get_or_create(labels).set(0);
+        }
+    }
+    for (state, n) in by_state {
+        let labels = GateStateLabels {
+            gate: gate_name.clone(),
+            state: state.as_str(),
+        };
+        ctx.metrics.nodes.get_or_create(&labels).set(n);
+        seen_states.insert(labels);
+    }
+    let mut conditions = Vec::new();
+    let all_ready = status.ready_nodes == status.nodes;
+    conditions.push(condition(
+        &old,
+        "Ready",
+        all_ready,
+        if all_ready {
+            "AllNodesReady"
+        } else {
+            "NodesWaiting"
+        },
+        format!(
+            "{} of {} nodes ready, {} held by taint {}",
+            status.ready_nodes, status.nodes, status.held_nodes, gate.spec.taint.key
+        ),
+        generation,
+    ));
+    conditions.push(degraded(ctx, gate, &old, &given_up, generation));
+    if status.retaint_deferred > 0 {
+        conditions.push(condition(
+            &old,
+            "RetaintBudgetExhausted",
+            true,
+            "MaxRetainted",
+            format!(
+                "{} nodes re-tainted (maxRetainted {}); {} more would be: not tainted, reported",
+                retainted, gate.spec.max_retainted, status.retaint_deferred
+            ),
+            generation,
+        ));
+    }
+    conditions.extend(resource_provider(ctx, gate, &old, generation));
+    if gate.spec.dry_run {
+        conditions.push(condition(
+            &old,
+            "DryRun",
+            true,
+            "DryRun",
+            format!(
+                "writes nothing to nodes; would taint {} and release {} now",
+                status.would_taint, status.would_untaint
+            ),
+            generation,
+        ));
+    }
+    status.conditions = conditions;
+    status
+}
+
+/// What a gate's nodes add up to.
+struct Tally {
+    by_state: BTreeMap<NodeState, i64>,
+    /// Per agent (index), the nodes where it was given up on.
+    given_up: BTreeMap<usize, u32>,
+    /// Nodes the gate re-tainted.
+    retainted: usize,
+    /// Nodes it would re-taint now.
+    want_retaint: u32,
+}
+
+/// The gate's decision on each node it selects, counted into `status` and a [`Tally`].
+fn tally(
+    ctx: &Ctx,
+    gate: &NodeGate,
+    all_nodes: &[Arc<GateNode>],
+    status: &mut NodeGateStatus,
+) -> Tally {
     let mut by_state: BTreeMap<NodeState, i64> = BTreeMap::new();
     let mut given_up: BTreeMap<usize, u32> = BTreeMap::new();
     let now = crate::now();
@@ -1252,44 +1423,22 @@ fn gate_status(
         }
         *by_state.entry(d.state).or_default() += 1;
     }
-    if !gate.spec.dry_run {
-        let budget = gate.spec.retaint_budget(status.nodes as usize);
-        status.retaint_deferred = want_retaint.min(
-            u32::try_from((retainted + want_retaint as usize).saturating_sub(budget))
-                .unwrap_or(u32::MAX),
-        );
+    Tally {
+        by_state,
+        given_up,
+        retainted,
+        want_retaint,
     }
-    for labels in seen_states.iter() {
-        if labels.gate == gate_name {
-            ctx.metrics.nodes.get_or_create(labels).set(0);
-        }
-    }
-    for (state, n) in by_state {
-        let labels = GateStateLabels {
-            gate: gate_name.clone(),
-            state: state.as_str(),
-        };
-        ctx.metrics.nodes.get_or_create(&labels).set(n);
-        seen_states.insert(labels);
-    }
-    let mut conditions = Vec::new();
-    let all_ready = status.ready_nodes == status.nodes;
-    conditions.push(condition(
-        &old,
-        "Ready",
-        all_ready,
-        if all_ready {
-            "AllNodesReady"
-        } else {
-            "NodesWaiting"
-        },
-        format!(
-            "{} of {} nodes ready, {} held by taint {}",
-            status.ready_nodes, status.nodes, status.held_nodes, gate.spec.taint.key
-        ),
-        generation,
-    ));
-    // Degraded: an agent's DaemonSet is missing, or agents missing past the timeout.
+}
+
+/// `Degraded`: an agent's DaemonSet is missing, or agents missing past the timeout.
+fn degraded(
+    ctx: &Ctx,
+    gate: &NodeGate,
+    old: &NodeGateStatus,
+    given_up: &BTreeMap<usize, u32>,
+    generation: Option<i64>,
+) -> Condition {
     let mut why = Vec::new();
     for (i, a) in gate.spec.agents.iter().enumerate() {
         if ctx.agents.daemonset_absent(a) {
@@ -1312,8 +1461,8 @@ fn gate_status(
         }
     }
     let degraded = !why.is_empty();
-    conditions.push(condition(
-        &old,
+    condition(
+        old,
         "Degraded",
         degraded,
         if degraded {
@@ -1327,67 +1476,47 @@ fn gate_status(
             "every agent's DaemonSet exists and has pods".into()
         },
         generation,
-    ));
-    if status.retaint_deferred > 0 {
-        conditions.push(condition(
-            &old,
-            "RetaintBudgetExhausted",
-            true,
-            "MaxRetainted",
-            format!(
-                "{} nodes re-tainted (maxRetainted {}); {} more would be: not tainted, reported",
-                retainted, gate.spec.max_retainted, status.retaint_deferred
-            ),
-            generation,
-        ));
-    }
-    if let Some(res) = gate
+    )
+}
+
+/// `ResourceProvider`, for a gate whose resource is offered through DRA: whether DRA works on
+/// this cluster, or the node status carries the resource instead.
+fn resource_provider(
+    ctx: &Ctx,
+    gate: &NodeGate,
+    old: &NodeGateStatus,
+    generation: Option<i64>,
+) -> Option<Condition> {
+    let res = gate
         .spec
         .resource
         .as_ref()
-        .filter(|r| r.provider == ResourceProvider::Dra)
-    {
-        let (ok, reason, message) = match ctx.dra.provider(gate) {
-            Ok(_) => (
-                true,
-                "DRA",
-                format!(
-                    "{} is offered through DRA: DeviceClass {} and a ResourceSlice per ready node; the node plugin confirms the mesh before each pod's sandbox",
-                    res.name,
-                    meshgate_core::dra::device_class_name(&gate_name)
-                ),
-            ),
-            Err(why) => (
-                false,
-                "NodeStatusFallback",
-                format!(
-                    "{} is advertised in the node status instead: {why}",
-                    res.name
-                ),
-            ),
-        };
-        conditions.push(condition(
-            &old,
-            "ResourceProvider",
-            ok,
-            reason,
-            message,
-            generation,
-        ));
-    }
-    if gate.spec.dry_run {
-        conditions.push(condition(
-            &old,
-            "DryRun",
+        .filter(|r| r.provider == ResourceProvider::Dra)?;
+    let (ok, reason, message) = match ctx.dra.provider(gate) {
+        Ok(_) => (
             true,
-            "DryRun",
+            "DRA",
             format!(
-                "writes nothing to nodes; would taint {} and release {} now",
-                status.would_taint, status.would_untaint
+                "{} is offered through DRA: DeviceClass {} and a ResourceSlice per ready node; the node plugin confirms the mesh before each pod's sandbox",
+                res.name,
+                meshgate_core::dra::device_class_name(&gate.name_any())
             ),
-            generation,
-        ));
-    }
-    status.conditions = conditions;
-    status
+        ),
+        Err(why) => (
+            false,
+            "NodeStatusFallback",
+            format!(
+                "{} is advertised in the node status instead: {why}",
+                res.name
+            ),
+        ),
+    };
+    Some(condition(
+        old,
+        "ResourceProvider",
+        ok,
+        reason,
+        message,
+        generation,
+    ))
 }

@@ -276,7 +276,21 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
         return Ok(Action::await_change());
     }
 
-    let Some(pass) = backfill(&ctx, &name, spec).await? else {
+    backfill_and_report(&ctx, &policy, &old, generation, [valid, native]).await
+}
+
+/// The backfill of existing workloads, then the policy's status (`Ready` with its counts) and
+/// an Event; nothing once leadership is lost.
+async fn backfill_and_report(
+    ctx: &Ctx,
+    policy: &MutationPolicy,
+    old: &MutationPolicyStatus,
+    generation: i64,
+    [valid, native]: [Condition; 2],
+) -> Result<Action, Error> {
+    let name = policy.name_any();
+    let spec = &policy.spec;
+    let Some(pass) = backfill(ctx, &name, spec).await? else {
         tracing::info!(policy = %name, "leadership lost during the pass; the new leader repeats it");
         return Ok(Action::await_change());
     };
@@ -285,7 +299,7 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
     let counts = pass.counts();
     let ready = if report.failed == 0 {
         let reason = if report.dry_run { "DryRun" } else { "Applied" };
-        condition(&old, generation, "Ready", true, reason, &counts)
+        condition(old, generation, "Ready", true, reason, &counts)
     } else {
         let quoted: Vec<&str> = pass
             .failures
@@ -294,13 +308,13 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
             .map(String::as_str)
             .collect();
         let message = format!("{counts}; failures: {}", quoted.join("; "));
-        condition(&old, generation, "Ready", false, "SomeFailed", &message)
+        condition(old, generation, "Ready", false, "SomeFailed", &message)
     };
     if !ctx.is_leader() {
         return Ok(Action::await_change());
     }
     write_status(
-        &ctx,
+        ctx,
         &name,
         spec,
         generation,
@@ -319,8 +333,8 @@ async fn reconcile(policy: Arc<MutationPolicy>, ctx: Arc<Ctx>) -> Result<Action,
         EventType::Warning
     };
     event(
-        &ctx,
-        &policy,
+        ctx,
+        policy,
         type_,
         reason,
         format!("policy {name}: {counts}"),
@@ -434,20 +448,31 @@ async fn serve_natively(
         }
     };
     if ctx.is_leader() {
-        for api in [&bindings, &maps] {
-            match api.delete(&native_name, &DeleteParams::default()).await {
-                Ok(_) => tracing::info!(policy = %name, "native policy removed: {}", state.message),
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
-                Err(source) => {
-                    return Err(Error::Native {
-                        policy: name.clone(),
-                        source,
-                    });
-                }
+        remove_native(&name, &native_name, [&bindings, &maps], &state.message).await?;
+    }
+    Ok(state)
+}
+
+/// Deletes a policy's MutatingAdmissionPolicy binding and policy (`apis`) where they exist.
+async fn remove_native(
+    name: &str,
+    native_name: &str,
+    apis: [&Api<DynamicObject>; 2],
+    why: &str,
+) -> Result<(), Error> {
+    for api in apis {
+        match api.delete(native_name, &DeleteParams::default()).await {
+            Ok(_) => tracing::info!(policy = %name, "native policy removed: {why}"),
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(source) => {
+                return Err(Error::Native {
+                    policy: name.to_owned(),
+                    source,
+                });
             }
         }
     }
-    Ok(state)
+    Ok(())
 }
 
 /// The field manager of compiled MutatingAdmissionPolicies.
@@ -737,7 +762,7 @@ async fn backfill(ctx: &Ctx, name: &str, spec: &MutationPolicySpec) -> Result<Op
     let mut limiter = Limiter::new(spec.existing.rate_per_second);
     let config_maps = read_config_maps(&ctx.client, spec).await;
     // `apiCall` entries GET as the controller, once per path per pass.
-    let reads = crate::api_reader::ApiReads::new(&ctx.client, &config_maps);
+    let reads = meshgate_kube::api_reader::ApiReads::new(&ctx.client, &config_maps);
     let input = PlanInput {
         policy: name,
         spec,

@@ -190,7 +190,7 @@ pub async fn run(
                 Some(Ok(Seen::Changed)) => {}
                 Some(Ok(Seen::Other)) => continue,
                 Some(Err(e)) => {
-                    crate::watch::log("MutationPolicies (webhook rules)", &e);
+                    meshgate_kube::watch::log("MutationPolicies (webhook rules)", &e);
                     continue;
                 }
                 None => return,

@@ -264,30 +264,7 @@ pub async fn run(
         "repair loop starting"
     );
 
-    let mut pod_config = watcher::Config::default().fields(NOT_FINISHED);
-    if let Some(selector) = &settings.selector {
-        pod_config = pod_config.labels(selector);
-    }
-    // Each pod is summarized as it arrives and dropped.
-    let selected = settings.selector.is_some();
-    let pods = watcher(Api::<Pod>::all(client.clone()), pod_config)
-        .default_backoff()
-        .map(move |e| {
-            Input::Pod(e.map(|e| summarize_event(e, |p| PodSummary::from_pod(&p, selected))))
-        })
-        .boxed();
-    let nodes: BoxStream<'static, Input> = if settings.detect_started_early {
-        watcher(
-            Api::<PartialObjectMeta<Node>>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .map(|e| Input::Node(e.map(|e| summarize_event(e, node_summary))))
-        .boxed()
-    } else {
-        futures::stream::pending().boxed()
-    };
-    let mut inputs = futures::stream::select(pods, nodes);
+    let mut inputs = inputs(&client, &settings);
 
     let events = Events::new(client.clone());
     let origin = Instant::now();
@@ -359,6 +336,35 @@ pub async fn run(
     tracing::info!("repair loop stopped");
 }
 
+/// The pods the loop watches (summarized as they arrive), and with `detect_started_early` the
+/// nodes, as one stream.
+fn inputs(client: &kube::Client, settings: &RepairSettings) -> BoxStream<'static, Input> {
+    let mut pod_config = watcher::Config::default().fields(NOT_FINISHED);
+    if let Some(selector) = &settings.selector {
+        pod_config = pod_config.labels(selector);
+    }
+    // Each pod is summarized as it arrives and dropped.
+    let selected = settings.selector.is_some();
+    let pods = watcher(Api::<Pod>::all(client.clone()), pod_config)
+        .default_backoff()
+        .map(move |e| {
+            Input::Pod(e.map(|e| summarize_event(e, |p| PodSummary::from_pod(&p, selected))))
+        })
+        .boxed();
+    let nodes: BoxStream<'static, Input> = if settings.detect_started_early {
+        watcher(
+            Api::<PartialObjectMeta<Node>>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .map(|e| Input::Node(e.map(|e| summarize_event(e, node_summary))))
+        .boxed()
+    } else {
+        futures::stream::pending().boxed()
+    };
+    futures::stream::select(pods, nodes).boxed()
+}
+
 enum Input {
     Pod(Result<watcher::Event<PodSummary>, watcher::Error>),
     Node(Result<watcher::Event<NodeSummary>, watcher::Error>),
@@ -424,9 +430,9 @@ impl State {
         match input {
             Input::Pod(Ok(event)) => self.pod_event(event),
             Input::Node(Ok(event)) => self.node_event(event),
-            Input::Pod(Err(e)) => crate::watch::log("pods (repair loop)", &e),
+            Input::Pod(Err(e)) => meshgate_kube::watch::log("pods (repair loop)", &e),
             Input::Node(Err(e)) => {
-                crate::watch::log("nodes (repair loop)", &e);
+                meshgate_kube::watch::log("nodes (repair loop)", &e);
             }
         }
         self.metrics
@@ -568,6 +574,39 @@ impl State {
 
     /// Judges the pod at the head of the queue and acts on it. Returns how long to wait before
     /// the next one (rate limit, error backoff).
+    /// Counts and logs a pod that needs a repair, once per reason; with repair off, a timed-out
+    /// gate is told on the pod.
+    async fn note_detection(
+        &mut self,
+        uid: &str,
+        pod: &PodSummary,
+        decision: &Decision,
+        ready: Option<i64>,
+    ) {
+        if let Some(reason) = decision.detected()
+            && self.detected.get(uid) != Some(&reason)
+        {
+            self.detected.insert(uid.to_owned(), reason);
+            self.metrics
+                .detections
+                .get_or_create(&ReasonLabels {
+                    reason: reason.as_str(),
+                })
+                .inc();
+            tracing::info!(namespace = %pod.namespace, pod = %pod.name, reason = reason.as_str(),
+                "repair: pod needs a repair");
+            if !self.settings.enabled && reason == Reason::GateTimedOut {
+                // Repair is off: say so on the pod, once.
+                let note = format!(
+                    "{}; repair is off (meshgate controller --repair), so the pod stays until someone recreates it",
+                    explain(pod, reason, ready)
+                );
+                self.event(pod, EventType::Warning, "GateTimedOut", note)
+                    .await;
+            }
+        }
+    }
+
     async fn process_next(&mut self) -> Option<Duration> {
         let uid = self.queue.pop_front()?;
         self.queued.remove(&uid);
@@ -581,28 +620,7 @@ impl State {
             None
         };
         let decision = decide(&pod, ready, self.settings.action);
-        if let Some(reason) = decision.detected()
-            && self.detected.get(&uid) != Some(&reason)
-        {
-            self.detected.insert(uid.clone(), reason);
-            self.metrics
-                .detections
-                .get_or_create(&ReasonLabels {
-                    reason: reason.as_str(),
-                })
-                .inc();
-            tracing::info!(namespace = %pod.namespace, pod = %pod.name, reason = reason.as_str(),
-                "repair: pod needs a repair");
-            if !self.settings.enabled && reason == Reason::GateTimedOut {
-                // Repair is off: say so on the pod, once.
-                let note = format!(
-                    "{}; repair is off (meshgate controller --repair), so the pod stays until someone recreates it",
-                    explain(&pod, reason, ready)
-                );
-                self.event(&pod, EventType::Warning, "GateTimedOut", note)
-                    .await;
-            }
-        }
+        self.note_detection(&uid, &pod, &decision, ready).await;
         // Watching for waiting gates only: repair changes nothing.
         if !self.settings.enabled {
             return None;

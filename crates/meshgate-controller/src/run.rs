@@ -87,23 +87,13 @@ pub async fn run_controller(
             let _ = axum::serve(listener, app).await;
         });
     }
-    let mut policy_settings = crate::policies::Settings::default();
-    if let Some(excluded) = s.excluded_namespaces {
-        policy_settings.excluded_namespaces = excluded;
-    }
-    policy_settings.backfill = !s.no_workload_backfill;
-    if s.native_policies {
-        policy_settings.native = crate::discovery::policy_api(&client).await;
-        match policy_settings.native {
-            Some(api) => tracing::info!(
-                api = api.api_version(),
-                "native policies: expressible MutationPolicies become MutatingAdmissionPolicies"
-            ),
-            None => tracing::warn!(
-                "native policies: the API server serves no MutatingAdmissionPolicy API; every policy stays on the webhook"
-            ),
-        }
-    }
+    let policy_settings = policy_settings(
+        &client,
+        s.excluded_namespaces,
+        !s.no_workload_backfill,
+        s.native_policies,
+    )
+    .await;
     // Every controller stops on the same signal.
     let shutdown = futures::FutureExt::shared(shutdown);
     if let Some(certs) = s.certs {
@@ -172,6 +162,34 @@ pub async fn run_controller(
         ),
     );
     Ok(())
+}
+
+/// The policy controller's settings; with native policies, the admission policy API the API
+/// server serves (none: every policy stays on the webhook).
+async fn policy_settings(
+    client: &kube::Client,
+    excluded_namespaces: Option<Vec<String>>,
+    backfill: bool,
+    native_policies: bool,
+) -> crate::policies::Settings {
+    let mut policy_settings = crate::policies::Settings::default();
+    if let Some(excluded) = excluded_namespaces {
+        policy_settings.excluded_namespaces = excluded;
+    }
+    policy_settings.backfill = backfill;
+    if native_policies {
+        policy_settings.native = crate::discovery::policy_api(client).await;
+        match policy_settings.native {
+            Some(api) => tracing::info!(
+                api = api.api_version(),
+                "native policies: expressible MutationPolicies become MutatingAdmissionPolicies"
+            ),
+            None => tracing::warn!(
+                "native policies: the API server serves no MutatingAdmissionPolicy API; every policy stays on the webhook"
+            ),
+        }
+    }
+    policy_settings
 }
 
 fn axum_router(metrics: crate::Metrics) -> axum::Router {

@@ -79,10 +79,12 @@ where
     I: IntoIterator<Item = OsString>,
 {
     let mut args = args.into_iter();
-    let mut checks = Vec::new();
-    let mut timeout = None;
-    let mut interval = None;
-    let mut redirect_targets = RedirectTargets::NONE;
+    let mut flags = Flags {
+        checks: Vec::new(),
+        timeout: None,
+        interval: None,
+        redirect_targets: RedirectTargets::NONE,
+    };
 
     while let Some(arg) = args.next() {
         let arg = arg.into_string().map_err(|a| {
@@ -126,9 +128,25 @@ where
         if value.is_empty() {
             return Err(usage(format!("{flag} needs a value ({})", what(flag))));
         }
+        flags.set(flag, value)?;
+    }
+    flags.finish()
+}
+
+/// The flags read so far.
+struct Flags {
+    checks: Vec<Check>,
+    timeout: Option<Duration>,
+    interval: Option<Duration>,
+    redirect_targets: RedirectTargets,
+}
+
+impl Flags {
+    /// Takes one flag's (non-empty) value.
+    fn set(&mut self, flag: &str, value: OsString) -> Result<(), UsageError> {
         match flag {
-            "--file" => checks.push(Check::File(value.into())),
-            "--unix-socket" => checks.push(Check::UnixSocket(value.into())),
+            "--file" => self.checks.push(Check::File(value.into())),
+            "--unix-socket" => self.checks.push(Check::UnixSocket(value.into())),
             _ => {
                 let value = value.into_string().map_err(|v| {
                     usage(format!(
@@ -140,58 +158,75 @@ where
                     |why: String| usage(format!("invalid value '{value}' for {flag}: {why}"));
                 match flag {
                     "--tcp-listening" => {
-                        checks.push(Check::TcpListening(parse_port(&value).map_err(invalid)?));
+                        self.checks
+                            .push(Check::TcpListening(parse_port(&value).map_err(invalid)?));
                     }
-                    "--redirect-check" => checks.push(Check::RedirectCheck {
+                    "--redirect-check" => self.checks.push(Check::RedirectCheck {
                         port: parse_port(&value).map_err(invalid)?,
                         targets: DEFAULT_TARGETS,
                     }),
                     "--redirect-target" => {
                         let target = parse_target(&value).map_err(invalid)?;
-                        redirect_targets
+                        self.redirect_targets
                             .add(target)
                             .map_err(|why| usage(format!("{flag} '{value}': {why}")))?;
                     }
-                    "--http" => checks.push(Check::Http(parse_url(&value).map_err(invalid)?)),
+                    "--http" => self
+                        .checks
+                        .push(Check::Http(parse_url(&value).map_err(invalid)?)),
                     "--timeout" => {
-                        set_once(&mut timeout, parse_duration(&value).map_err(invalid)?, flag)?;
+                        set_once(
+                            &mut self.timeout,
+                            parse_duration(&value).map_err(invalid)?,
+                            flag,
+                        )?;
                     }
                     _ => {
                         let d = parse_duration(&value).map_err(invalid)?;
                         if d.is_zero() {
                             return Err(invalid("must be more than zero".to_string()));
                         }
-                        set_once(&mut interval, d, flag)?;
+                        set_once(&mut self.interval, d, flag)?;
                     }
                 }
             }
         }
+        Ok(())
     }
 
-    if checks.is_empty() {
-        return Err(usage(
-            "nothing to wait for: give at least one of --tcp-listening, --redirect-check, \
-             --unix-socket, --file, --http",
-        ));
-    }
-    // Given targets replace both defaults.
-    if redirect_targets != RedirectTargets::NONE {
-        let mut used = false;
-        for check in &mut checks {
-            if let Check::RedirectCheck { targets, .. } = check {
-                *targets = redirect_targets;
-                used = true;
+    /// The command the flags make.
+    fn finish(self) -> Result<Command, UsageError> {
+        let Self {
+            mut checks,
+            timeout,
+            interval,
+            redirect_targets,
+        } = self;
+        if checks.is_empty() {
+            return Err(usage(
+                "nothing to wait for: give at least one of --tcp-listening, --redirect-check, \
+                 --unix-socket, --file, --http",
+            ));
+        }
+        // Given targets replace both defaults.
+        if redirect_targets != RedirectTargets::NONE {
+            let mut used = false;
+            for check in &mut checks {
+                if let Check::RedirectCheck { targets, .. } = check {
+                    *targets = redirect_targets;
+                    used = true;
+                }
+            }
+            if !used {
+                return Err(usage("--redirect-target needs --redirect-check"));
             }
         }
-        if !used {
-            return Err(usage("--redirect-target needs --redirect-check"));
-        }
+        Ok(Command::Wait(Config {
+            checks,
+            timeout: timeout.unwrap_or(DEFAULT_TIMEOUT),
+            interval: interval.unwrap_or(DEFAULT_INTERVAL),
+        }))
     }
-    Ok(Command::Wait(Config {
-        checks,
-        timeout: timeout.unwrap_or(DEFAULT_TIMEOUT),
-        interval: interval.unwrap_or(DEFAULT_INTERVAL),
-    }))
 }
 
 /// What kind of value a flag takes, for messages.
@@ -437,140 +472,134 @@ mod tests {
         assert!(err.0.contains("not valid UTF-8"), "{err}");
     }
 
+    /// Command lines `parse_args` refuses, and what its message says.
+    const BAD_USAGE: &[(&[&str], &str)] = &[
+        (&[], "nothing to wait for"),
+        (&["--timeout", "1s"], "nothing to wait for"),
+        (&["--bogus"], "unknown option '--bogus'"),
+        (&["-x"], "unknown option '-x'"),
+        (&["--bogus=1"], "unknown option '--bogus'"),
+        (&["stray"], "unexpected argument 'stray'"),
+        (&["--file", "/x", "stray"], "unexpected argument 'stray'"),
+        (&["--help=yes"], "--help takes no value"),
+        (
+            &["--tcp-listening"],
+            "--tcp-listening needs a value (a port number)",
+        ),
+        (
+            &["--tcp-listening", "--file", "/x"],
+            "--tcp-listening needs a value",
+        ),
+        (&["--tcp-listening="], "--tcp-listening needs a value"),
+        (
+            &["--tcp-listening", "0"],
+            "invalid value '0' for --tcp-listening",
+        ),
+        (
+            &["--tcp-listening", "65536"],
+            "invalid value '65536' for --tcp-listening",
+        ),
+        (
+            &["--tcp-listening", "http"],
+            "expected a port number from 1 to 65535",
+        ),
+        (&["--tcp-listening", "+80"], "invalid value '+80'"),
+        (
+            &["--tcp-listening", "-1"],
+            "invalid value '-1' for --tcp-listening",
+        ),
+        (
+            &["--redirect-check", "x"],
+            "invalid value 'x' for --redirect-check",
+        ),
+        (&["--redirect-check"], "--redirect-check needs a value"),
+        (&["--file"], "--file needs a value (a path)"),
+        (&["--file", ""], "--file needs a value"),
+        (&["--unix-socket"], "--unix-socket needs a value (a path)"),
+        (&["--http"], "--http needs a value"),
+        (
+            &["--http", "http://localhost/"],
+            "invalid value 'http://localhost/' for --http: host 'localhost' is not an IP address",
+        ),
+        (&["--http", "https://1.2.3.4/"], "https is not supported"),
+        (
+            &["--file=/x", "--timeout"],
+            "--timeout needs a value (a duration",
+        ),
+        (
+            &["--file=/x", "--timeout", "soon"],
+            "invalid value 'soon' for --timeout",
+        ),
+        (
+            &["--file=/x", "--timeout", "1s", "--timeout=2s"],
+            "--timeout given more than once",
+        ),
+        (
+            &["--file=/x", "--interval", "0"],
+            "invalid value '0' for --interval: must be more than zero",
+        ),
+        (
+            &["--file=/x", "--interval", "1d"],
+            "invalid value '1d' for --interval: unknown unit",
+        ),
+        (
+            &["--file=/x", "--interval=1s", "--interval=2s"],
+            "--interval given more than once",
+        ),
+        (
+            &["--file=/x", "--redirect-target", "192.0.2.1:80"],
+            "--redirect-target needs --redirect-check",
+        ),
+        (
+            &["--redirect-check=1", "--redirect-target", "example.com:80"],
+            "invalid value 'example.com:80' for --redirect-target: expected IP:PORT",
+        ),
+        (
+            &["--redirect-check=1", "--redirect-target", "192.0.2.1"],
+            "expected IP:PORT",
+        ),
+        (
+            &["--redirect-check=1", "--redirect-target", "192.0.2.1:0"],
+            "port must be from 1",
+        ),
+        (
+            &[
+                "--redirect-check=1",
+                "--redirect-target=1.1.1.1:1",
+                "--redirect-target=1.1.1.1:2",
+            ],
+            "--redirect-target '1.1.1.1:2': a second IPv4 target (1.1.1.1:1 and \
+             1.1.1.1:2): at most one IPv4 and one IPv6 target",
+        ),
+        (
+            &[
+                "--redirect-check=1",
+                "--redirect-target=[::1]:1",
+                "--redirect-target=1.1.1.1:2",
+                "--redirect-target=[2001:db8::1]:80",
+            ],
+            "a second IPv6 target ([::1]:1 and [2001:db8::1]:80)",
+        ),
+        (
+            &[
+                "--redirect-check=1",
+                "--redirect-target=[::ffff:192.0.2.1]:80",
+            ],
+            "IPv4-mapped IPv6 address: give the IPv4 form",
+        ),
+        (
+            &["--redirect-check=1", "--redirect-target=[2001:db8::1]"],
+            "expected IP:PORT",
+        ),
+        (
+            &["--redirect-check=1", "--redirect-target=2001:db8::1:80"],
+            "expected IP:PORT",
+        ),
+    ];
+
     #[test]
     fn bad_usage() {
-        for (args, expect) in [
-            (&[][..], "nothing to wait for"),
-            (&["--timeout", "1s"][..], "nothing to wait for"),
-            (&["--bogus"][..], "unknown option '--bogus'"),
-            (&["-x"][..], "unknown option '-x'"),
-            (&["--bogus=1"][..], "unknown option '--bogus'"),
-            (&["stray"][..], "unexpected argument 'stray'"),
-            (
-                &["--file", "/x", "stray"][..],
-                "unexpected argument 'stray'",
-            ),
-            (&["--help=yes"][..], "--help takes no value"),
-            (
-                &["--tcp-listening"][..],
-                "--tcp-listening needs a value (a port number)",
-            ),
-            (
-                &["--tcp-listening", "--file", "/x"][..],
-                "--tcp-listening needs a value",
-            ),
-            (&["--tcp-listening="][..], "--tcp-listening needs a value"),
-            (
-                &["--tcp-listening", "0"][..],
-                "invalid value '0' for --tcp-listening",
-            ),
-            (
-                &["--tcp-listening", "65536"][..],
-                "invalid value '65536' for --tcp-listening",
-            ),
-            (
-                &["--tcp-listening", "http"][..],
-                "expected a port number from 1 to 65535",
-            ),
-            (&["--tcp-listening", "+80"][..], "invalid value '+80'"),
-            (
-                &["--tcp-listening", "-1"][..],
-                "invalid value '-1' for --tcp-listening",
-            ),
-            (
-                &["--redirect-check", "x"][..],
-                "invalid value 'x' for --redirect-check",
-            ),
-            (&["--redirect-check"][..], "--redirect-check needs a value"),
-            (&["--file"][..], "--file needs a value (a path)"),
-            (&["--file", ""][..], "--file needs a value"),
-            (
-                &["--unix-socket"][..],
-                "--unix-socket needs a value (a path)",
-            ),
-            (&["--http"][..], "--http needs a value"),
-            (
-                &["--http", "http://localhost/"][..],
-                "invalid value 'http://localhost/' for --http: host 'localhost' is not an IP address",
-            ),
-            (
-                &["--http", "https://1.2.3.4/"][..],
-                "https is not supported",
-            ),
-            (
-                &["--file=/x", "--timeout"][..],
-                "--timeout needs a value (a duration",
-            ),
-            (
-                &["--file=/x", "--timeout", "soon"][..],
-                "invalid value 'soon' for --timeout",
-            ),
-            (
-                &["--file=/x", "--timeout", "1s", "--timeout=2s"][..],
-                "--timeout given more than once",
-            ),
-            (
-                &["--file=/x", "--interval", "0"][..],
-                "invalid value '0' for --interval: must be more than zero",
-            ),
-            (
-                &["--file=/x", "--interval", "1d"][..],
-                "invalid value '1d' for --interval: unknown unit",
-            ),
-            (
-                &["--file=/x", "--interval=1s", "--interval=2s"][..],
-                "--interval given more than once",
-            ),
-            (
-                &["--file=/x", "--redirect-target", "192.0.2.1:80"][..],
-                "--redirect-target needs --redirect-check",
-            ),
-            (
-                &["--redirect-check=1", "--redirect-target", "example.com:80"][..],
-                "invalid value 'example.com:80' for --redirect-target: expected IP:PORT",
-            ),
-            (
-                &["--redirect-check=1", "--redirect-target", "192.0.2.1"][..],
-                "expected IP:PORT",
-            ),
-            (
-                &["--redirect-check=1", "--redirect-target", "192.0.2.1:0"][..],
-                "port must be from 1",
-            ),
-            (
-                &[
-                    "--redirect-check=1",
-                    "--redirect-target=1.1.1.1:1",
-                    "--redirect-target=1.1.1.1:2",
-                ][..],
-                "--redirect-target '1.1.1.1:2': a second IPv4 target (1.1.1.1:1 and \
-                 1.1.1.1:2): at most one IPv4 and one IPv6 target",
-            ),
-            (
-                &[
-                    "--redirect-check=1",
-                    "--redirect-target=[::1]:1",
-                    "--redirect-target=1.1.1.1:2",
-                    "--redirect-target=[2001:db8::1]:80",
-                ][..],
-                "a second IPv6 target ([::1]:1 and [2001:db8::1]:80)",
-            ),
-            (
-                &[
-                    "--redirect-check=1",
-                    "--redirect-target=[::ffff:192.0.2.1]:80",
-                ][..],
-                "IPv4-mapped IPv6 address: give the IPv4 form",
-            ),
-            (
-                &["--redirect-check=1", "--redirect-target=[2001:db8::1]"][..],
-                "expected IP:PORT",
-            ),
-            (
-                &["--redirect-check=1", "--redirect-target=2001:db8::1:80"][..],
-                "expected IP:PORT",
-            ),
-        ] {
+        for (args, expect) in BAD_USAGE {
             let err = error(args);
             assert!(
                 err.contains(expect),

@@ -55,8 +55,7 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
     let reads;
     let cluster: &dyn meshgate_core::policy::context::ClusterData = match app.sources.api_client() {
         Some(client) => {
-            reads =
-                meshgate_controller::api_reader::ApiReads::new(client, app.sources.cluster_data());
+            reads = meshgate_kube::api_reader::ApiReads::new(client, app.sources.cluster_data());
             &reads
         }
         None => app.sources.cluster_data(),
@@ -69,25 +68,7 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
     };
     let applied = policy::apply(policies.iter().map(|(n, s)| (n.as_str(), s)), &object, &ctx);
     let mut warnings = namespace_warnings;
-    for e in &applied.failed {
-        tracing::error!(
-            uid = %req.uid,
-            kind = %req.kind,
-            namespace = %req.namespace,
-            name = object_name(&object),
-            error = %e,
-            "policy failed; object admitted without it"
-        );
-        if !req.dry_run {
-            app.metrics
-                .policy_failures
-                .get_or_create(&crate::metrics::PolicyLabels {
-                    policy: e.policy().to_owned(),
-                })
-                .inc();
-        }
-        warnings.push(format!("meshgate: {e}; admitted without this policy"));
-    }
+    warnings.extend(report_failures(app, &req, &object, &applied.failed));
     match applied {
         applied if applied.changed() => {
             if !req.dry_run {
@@ -123,4 +104,34 @@ pub(crate) async fn handle(app: &App, req: Request<'_>) -> Result<Handled, (u16,
             outcome: "policy-error",
         }),
     }
+}
+
+/// Each policy that failed on the object: logged, counted (not for a dry run), and a warning.
+fn report_failures(
+    app: &App,
+    req: &Request<'_>,
+    object: &serde_json::Value,
+    failed: &[policy::PolicyError],
+) -> Vec<String> {
+    let mut warnings = Vec::new();
+    for e in failed {
+        tracing::error!(
+            uid = %req.uid,
+            kind = %req.kind,
+            namespace = %req.namespace,
+            name = object_name(object),
+            error = %e,
+            "policy failed; object admitted without it"
+        );
+        if !req.dry_run {
+            app.metrics
+                .policy_failures
+                .get_or_create(&crate::metrics::PolicyLabels {
+                    policy: e.policy().to_owned(),
+                })
+                .inc();
+        }
+        warnings.push(format!("meshgate: {e}; admitted without this policy"));
+    }
+    warnings
 }

@@ -62,7 +62,32 @@ fn fail(name: &str, message: impl Into<String>, hint: impl Into<String>) -> Chec
 
 /// Runs every check against the install in `namespace`.
 pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<Check>> {
-    let mut out = Vec::new();
+    let mut out = vec![api_server_check(client).await?, crds_check(client).await?];
+    out.extend(webhook_checks(client, namespace).await?);
+    out.extend(component_checks(client, namespace).await?);
+    // Agents and gates.
+    let gates = Api::<NodeGate>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default();
+    for gate in &gates {
+        out.extend(gate_checks(client, gate).await?);
+    }
+    for gate in gates.iter().filter(|g| g.spec.taint_on_create) {
+        out.push(registration_check(client, gate).await);
+    }
+    // Which layer offers each gate's resource on this cluster, as its controller found it.
+    for gate in gates.iter().filter(|g| g.spec.resource.is_some()) {
+        out.push(layers_check(gate, namespace));
+    }
+    out.extend(autoscaler_checks(client, namespace, &gates).await);
+    out.push(rbac_check(client, namespace).await?);
+    Ok(out)
+}
+
+/// The API server's version, and whether it serves the admission policy API.
+async fn api_server_check(client: &kube::Client) -> anyhow::Result<Check> {
     let version = client.apiserver_version().await?;
     let paths = match crate::discovery::policy_api(client).await {
         Some(api) => format!(
@@ -72,12 +97,14 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
         None => "no MutatingAdmissionPolicy API: node taint and policies go through the webhook"
             .to_owned(),
     };
-    out.push(pass(
+    Ok(pass(
         "api-server",
         format!("Kubernetes {}; {paths}", version.git_version),
-    ));
+    ))
+}
 
-    // CRDs.
+/// meshgate's CRDs, established.
+async fn crds_check(client: &kube::Client) -> anyhow::Result<Check> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let mut missing = Vec::new();
     for name in [
@@ -96,7 +123,7 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
             missing.push(name);
         }
     }
-    out.push(if missing.is_empty() {
+    Ok(if missing.is_empty() {
         pass("crds", "3 CRDs established")
     } else {
         fail(
@@ -104,9 +131,12 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
             format!("missing or not established: {}", missing.join(", ")),
             "run `meshgate install --profile <profile> --apply` (it applies the CRDs)",
         )
-    });
+    })
+}
 
-    // The webhook configuration and its certificate.
+/// The webhook configuration (each webhook with a caBundle) and the serving certificate.
+async fn webhook_checks(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<Check>> {
+    let mut out = Vec::new();
     let mwcs: Api<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration> =
         Api::all(client.clone());
     let mwc = mwcs.get_opt("meshgate").await?;
@@ -196,7 +226,12 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
         }
     });
 
-    // Components.
+    Ok(out)
+}
+
+/// The webhook's and the controller's Deployments, each with an available replica.
+async fn component_checks(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<Check>> {
+    let mut out = Vec::new();
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
     for component in ["meshgate-webhook", "meshgate-controller"] {
         let available = deployments
@@ -216,143 +251,142 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
         });
     }
 
-    // Agents and gates.
-    let gates = Api::<NodeGate>::all(client.clone())
-        .list(&ListParams::default())
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default();
-    for gate in &gates {
-        let gname = gate.metadata.name.clone().unwrap_or_default();
-        for agent in &gate.spec.agents {
-            let found = match &agent.daemon_set {
-                Some(ds) => Api::<DaemonSet>::namespaced(client.clone(), &agent.namespace)
-                    .get_opt(ds)
-                    .await?
-                    .is_some(),
-                None => {
-                    let selector = agent
-                        .selector
-                        .match_labels
-                        .iter()
-                        .map(|(k, v)| format!("{k}={v}"))
-                        .collect::<Vec<_>>()
-                        .join(",");
-                    !Api::<Pod>::namespaced(client.clone(), &agent.namespace)
-                        .list_metadata(&ListParams::default().labels(&selector).limit(1))
-                        .await?
-                        .items
-                        .is_empty()
-                }
-            };
-            let what = match &agent.daemon_set {
-                Some(ds) => format!("DaemonSet {}/{ds}", agent.namespace),
-                None => format!("pods of agent {} in {}", agent.name, agent.namespace),
-            };
-            out.push(if found {
-                pass("agents", format!("gate {gname}: {what} present"))
-            } else {
-                fail(
-                    "agents",
-                    format!("gate {gname}: {what} missing"),
-                    format!(
-                        "install the mesh's agent, or fix the gate's spec.agents (`kubectl get nodegate {gname} -o yaml`); until it appears, new nodes wait at most missingAgentTimeoutSeconds"
-                    ),
-                )
-            });
-        }
-        let taint = k8s_openapi::api::core::v1::Taint {
-            key: gate.spec.taint.key.clone(),
-            effect: gate.spec.taint.effect.as_str().to_owned(),
-            ..Default::default()
-        };
-        for needs in gate.spec.agents.iter().filter_map(|a| {
-            meshgate_api::mesh::agent_record(&a.namespace, a.daemon_set.as_deref()?)?.needs
-        }) {
-            let Some(deployment) = Api::<Deployment>::namespaced(client.clone(), needs.namespace)
-                .get_opt(needs.deployment)
+    Ok(out)
+}
+
+/// A gate's agents present, the mesh control plane they need tolerating its taint, and the
+/// gate not Degraded.
+async fn gate_checks(client: &kube::Client, gate: &NodeGate) -> anyhow::Result<Vec<Check>> {
+    let mut out = Vec::new();
+    let gname = gate.metadata.name.clone().unwrap_or_default();
+    for agent in &gate.spec.agents {
+        let found = match &agent.daemon_set {
+            Some(ds) => Api::<DaemonSet>::namespaced(client.clone(), &agent.namespace)
+                .get_opt(ds)
                 .await?
-            else {
-                continue;
-            };
-            let tolerated = deployment
-                .spec
-                .and_then(|s| s.template.spec)
-                .and_then(|s| s.tolerations)
-                .unwrap_or_default()
-                .iter()
-                .any(|t| meshgate_core::nodegate::tolerates(t, &taint));
-            let what = format!("{}/{}", needs.namespace, needs.deployment);
-            out.push(if tolerated {
-                pass(
-                    "control-plane",
-                    format!("gate {gname}: {what} tolerates {}", taint.key),
-                )
-            } else {
-                fail(
-                    "control-plane",
-                    format!(
-                        "gate {gname} waits for an agent that needs {what}, which does not tolerate the gate's taint {}: on nodes that only this taint keeps {what} from, the agent never becomes Ready and the taint never lifts",
-                        taint.key
-                    ),
-                    format!(
-                        "give {what} the toleration {{key: {}, operator: Exists, effect: {}}} ({} in the mesh's chart)",
-                        taint.key, taint.effect, needs.tolerations_value
-                    ),
-                )
-            });
-        }
-        let degraded = gate
-            .status
-            .as_ref()
-            .map(|s| s.conditions.clone())
-            .unwrap_or_default()
-            .into_iter()
-            .find(|c| c.type_ == "Degraded" && c.status == "True");
-        out.push(match degraded {
-            None => pass("gates", format!("gate {gname}: not degraded")),
-            Some(c) => fail(
-                "gates",
-                format!("gate {gname}: Degraded ({}): {}", c.reason, c.message),
-                format!("kubectl describe nodegate {gname}"),
-            ),
-        });
-    }
-
-    for gate in gates.iter().filter(|g| g.spec.taint_on_create) {
-        out.push(registration_check(client, gate).await);
-    }
-    // Which layer offers each gate's resource on this cluster, as its controller found it.
-    for gate in gates.iter().filter(|g| g.spec.resource.is_some()) {
-        let gname = gate.metadata.name.clone().unwrap_or_default();
-        let provider = gate
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "ResourceProvider"));
-        let dra = gate
-            .spec
-            .resource
-            .as_ref()
-            .is_some_and(|r| r.provider == meshgate_api::node_gate::ResourceProvider::Dra);
-        out.push(match (provider, dra) {
-            (Some(c), _) => pass("layers", format!("gate {gname}: {}", c.message)),
-            (None, false) => pass(
-                "layers",
-                format!("gate {gname}: the resource is advertised in ready nodes' status"),
-            ),
-            (None, true) => fail(
-                "layers",
+                .is_some(),
+            None => {
+                let selector = agent
+                    .selector
+                    .match_labels
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",");
+                !Api::<Pod>::namespaced(client.clone(), &agent.namespace)
+                    .list_metadata(&ListParams::default().labels(&selector).limit(1))
+                    .await?
+                    .items
+                    .is_empty()
+            }
+        };
+        let what = match &agent.daemon_set {
+            Some(ds) => format!("DaemonSet {}/{ds}", agent.namespace),
+            None => format!("pods of agent {} in {}", agent.name, agent.namespace),
+        };
+        out.push(if found {
+            pass("agents", format!("gate {gname}: {what} present"))
+        } else {
+            fail(
+                "agents",
+                format!("gate {gname}: {what} missing"),
                 format!(
-                    "gate {gname}: its controller has not reported whether DRA works on this cluster (no ResourceProvider condition)"
+                    "install the mesh's agent, or fix the gate's spec.agents (`kubectl get nodegate {gname} -o yaml`); until it appears, new nodes wait at most missingAgentTimeoutSeconds"
                 ),
-                format!("the controller runs? `kubectl -n {namespace} get deployment meshgate-controller`"),
-            ),
+            )
         });
     }
+    let taint = k8s_openapi::api::core::v1::Taint {
+        key: gate.spec.taint.key.clone(),
+        effect: gate.spec.taint.effect.as_str().to_owned(),
+        ..Default::default()
+    };
+    for needs in gate.spec.agents.iter().filter_map(|a| {
+        meshgate_api::mesh::agent_record(&a.namespace, a.daemon_set.as_deref()?)?.needs
+    }) {
+        let Some(deployment) = Api::<Deployment>::namespaced(client.clone(), needs.namespace)
+            .get_opt(needs.deployment)
+            .await?
+        else {
+            continue;
+        };
+        let tolerated = deployment
+            .spec
+            .and_then(|s| s.template.spec)
+            .and_then(|s| s.tolerations)
+            .unwrap_or_default()
+            .iter()
+            .any(|t| meshgate_core::nodegate::tolerates(t, &taint));
+        let what = format!("{}/{}", needs.namespace, needs.deployment);
+        out.push(if tolerated {
+            pass(
+                "control-plane",
+                format!("gate {gname}: {what} tolerates {}", taint.key),
+            )
+        } else {
+            fail(
+                "control-plane",
+                format!(
+                    "gate {gname} waits for an agent that needs {what}, which does not tolerate the gate's taint {}: on nodes that only this taint keeps {what} from, the agent never becomes Ready and the taint never lifts",
+                    taint.key
+                ),
+                format!(
+                    "give {what} the toleration {{key: {}, operator: Exists, effect: {}}} ({} in the mesh's chart)",
+                    taint.key, taint.effect, needs.tolerations_value
+                ),
+            )
+        });
+    }
+    let degraded = gate
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == "Degraded" && c.status == "True");
+    out.push(match degraded {
+        None => pass("gates", format!("gate {gname}: not degraded")),
+        Some(c) => fail(
+            "gates",
+            format!("gate {gname}: Degraded ({}): {}", c.reason, c.message),
+            format!("kubectl describe nodegate {gname}"),
+        ),
+    });
+    Ok(out)
+}
 
-    out.extend(autoscaler_checks(client, namespace, &gates).await);
+/// Which layer offers a gate's resource on this cluster, as its controller found it.
+fn layers_check(gate: &NodeGate, namespace: &str) -> Check {
+    let gname = gate.metadata.name.clone().unwrap_or_default();
+    let provider = gate
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "ResourceProvider"));
+    let dra = gate
+        .spec
+        .resource
+        .as_ref()
+        .is_some_and(|r| r.provider == meshgate_api::node_gate::ResourceProvider::Dra);
+    match (provider, dra) {
+        (Some(c), _) => pass("layers", format!("gate {gname}: {}", c.message)),
+        (None, false) => pass(
+            "layers",
+            format!("gate {gname}: the resource is advertised in ready nodes' status"),
+        ),
+        (None, true) => fail(
+            "layers",
+            format!(
+                "gate {gname}: its controller has not reported whether DRA works on this cluster (no ResourceProvider condition)"
+            ),
+            format!(
+                "the controller runs? `kubectl -n {namespace} get deployment meshgate-controller`"
+            ),
+        ),
+    }
+}
 
-    // RBAC of the components.
+/// What the components' paths need of RBAC, asked of the API server.
+async fn rbac_check(client: &kube::Client, namespace: &str) -> anyhow::Result<Check> {
     let reviews: Api<SubjectAccessReview> = Api::all(client.clone());
     let wants: [(&str, &str, &str, &str, &str); 6] = [
         ("meshgate-controller", "patch", "", "nodes", ""),
@@ -397,7 +431,7 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
             denied.push(format!("{sa} may not {verb} {what}"));
         }
     }
-    out.push(if denied.is_empty() {
+    Ok(if denied.is_empty() {
         pass("rbac", "the components may do what their paths need")
     } else {
         fail(
@@ -405,8 +439,7 @@ pub async fn run(client: &kube::Client, namespace: &str) -> anyhow::Result<Vec<C
             denied.join("; "),
             "re-run `meshgate install --profile <profile> --apply` (it renders each component's RBAC)",
         )
-    });
-    Ok(out)
+    })
 }
 
 /// Whether a node registering now gets the gate's taint: a Node (with the labels of the gate's

@@ -369,8 +369,98 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     let client = cp.client().await?;
     story.detail(&format!("API server {} (Kubernetes v1.36)", cp.server));
 
+    // What `meshgate install --profile istio-ambient` renders by default (one place owns the
+    // defaults: its strategy and taint key).
+    let strategy = crate::install::Strategy::default();
+    let taint_key = meshgate_api::names::STARTUP_TAINT_KEY;
+    let installed = install_step(
+        &mut story,
+        &cp,
+        &client,
+        real_node.is_ok(),
+        strategy,
+        taint_key,
+    )
+    .await?;
+    gate_step(&mut story, &client, istio.is_some(), strategy, taint_key).await?;
+
+    let mut node_story = if autoscaled::available() {
+        autoscaled::launch(&mut story, &cp, &client, taint_key).await?
+    } else {
+        simulated_node(&mut story, &client, taint_key).await?
+    };
+
+    let kubeflow = kubeflow_step(&mut story, &client).await?;
+
+    if let Some(autoscaler) = node_story.autoscaler.take() {
+        autoscaled::scale_down(&mut story, &client, autoscaler, &node_story.node).await?;
+    }
+
+    let real = real_node_step(
+        &mut story,
+        &cp,
+        &client,
+        &real_node,
+        istio.as_ref(),
+        taint_key,
+    )
+    .await;
+
+    summary(&mut story, &client, &node_story, &kubeflow, real.as_ref()).await?;
+
+    if options.keep {
+        println!();
+        println!("The control plane and meshgate keep running. Try:");
+        println!(
+            "  kubectl --kubeconfig {} get nodegates,mutationpolicies,nodes,pods -A",
+            cp.kubeconfig_path.display()
+        );
+        println!(
+            "  meshgate status --kubeconfig {}",
+            cp.kubeconfig_path.display()
+        );
+        println!("Stop with Ctrl-C (or SIGTERM): everything is torn down.");
+        crate::run::shutdown_signal().await;
+    }
+    let _ = installed.stop.send(());
+    let _ = installed.controller.await;
+    installed.webhook.shutdown(Duration::from_secs(5)).await?;
+    drop(cp);
+    println!("Done: the control plane and meshgate are stopped; nothing is left running.");
+    let logged = std::fs::metadata(&log).is_ok_and(|m| m.len() > 0);
+    if built || (logged && std::env::var_os("MESHGATE_BUILD_LOG").is_some()) {
+        println!("The builds' output: {}", log.display());
+    }
+    Ok(())
+}
+
+/// meshgate running in the demo: stopped at its end.
+struct Installed {
+    webhook: meshgate_webhook::Server,
+    controller: tokio::task::JoinHandle<Result<(), meshgate_controller::run::RunError>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+}
+
+/// What the Kubeflow step saw on the stored notebook pod.
+struct Kubeflow {
+    /// The uid its `fetch-model` init container runs as.
+    user: String,
+    /// Its `traffic.sidecar.istio.io/excludeOutboundIPRanges`.
+    excluded: String,
+}
+
+/// meshgate as `install` renders it by default: the CRDs, the webhook (its serving
+/// certificate from a CA made now) and its registration, the controller.
+async fn install_step(
+    story: &mut Story,
+    cp: &meshgate_testenv::ControlPlane,
+    client: &kube::Client,
+    real_node: bool,
+    strategy: crate::install::Strategy,
+    taint_key: &str,
+) -> anyhow::Result<Installed> {
     story.say("Installing meshgate: CRDs, webhook (TLS, CA generated now), controller");
-    crate::install::apply(&client, &crate::install::crd_documents()?, false, |_| {}).await?;
+    crate::install::apply(client, &crate::install::crd_documents()?, false, |_| {}).await?;
     let ca = meshgate_pki::Ca::new("meshgate-demo-ca", Duration::from_secs(24 * 3600))?;
     let serving = ca.issue_server(&["127.0.0.1"], Duration::from_secs(24 * 3600))?;
     let (cert, key) = (cp.dir().join("webhook.crt"), cp.dir().join("webhook.key"));
@@ -378,8 +468,6 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
     std::fs::write(&key, &serving.key_pem)?;
     // What `meshgate install --profile istio-ambient` renders by default (one place owns the
     // defaults: its strategy and taint key), with Istio's sidecar mode too for the kubeflow step.
-    let strategy = crate::install::Strategy::default();
-    let taint_key = meshgate_api::names::STARTUP_TAINT_KEY;
     let mut config = crate::install::gate_config_for(
         "istio-ambient",
         DEMO_NAMESPACE,
@@ -388,7 +476,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         taint_key,
     )?;
     config.profiles.push(Profile::IstioSidecar);
-    if real_node.is_ok() {
+    if real_node {
         config.init_gate.image = meshgate_testenv::image::GATE_IMAGE.into();
         config.init_gate.image_pull_policy = "Never".into();
         config.init_gate.command = "/meshgate-wait".into();
@@ -463,6 +551,22 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         webhook.addr.port()
     ));
 
+    Ok(Installed {
+        webhook,
+        controller,
+        stop: stop_tx,
+    })
+}
+
+/// The NodeGate `install` renders for the profile, waiting for the demo's agents, and the
+/// admission policy that taints new nodes at registration; returns once the policy applies.
+async fn gate_step(
+    story: &mut Story,
+    client: &kube::Client,
+    istio: bool,
+    strategy: crate::install::Strategy,
+    taint_key: &str,
+) -> anyhow::Result<()> {
     story.say("A NodeGate: nodes wait for the CNI agent and the node proxy in mesh-system");
     for ns in ["mesh-system", "shop", "kubeflow-user"] {
         let mut labels = json!({});
@@ -477,7 +581,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
             .create(&PostParams::default(), &obj)
             .await?;
-        if istio.is_some() {
+        if istio {
             // A control plane that serves pods admits a pod only with its service account,
             // which the node's controller manager creates once it runs: the demo's pods come
             // before it.
@@ -499,11 +603,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         .await?;
     // The admission policy that taints new nodes at registration (the API server evaluates it in
     // process: no webhook call), as `meshgate install --node-taint auto` picks it here.
-    let api = crate::discovery::policy_api(&client)
+    let api = crate::discovery::policy_api(client)
         .await
         .ok_or_else(|| anyhow::anyhow!("the API server serves no MutatingAdmissionPolicy"))?;
     for doc in meshgate_core::registration::node_taint_policy("mesh-agents", &gate.spec, api) {
-        crate::install::apply(&client, &[doc], false, |_| {}).await?;
+        crate::install::apply(client, &[doc], false, |_| {}).await?;
     }
     // It takes effect asynchronously: dry-run a node until it comes back tainted.
     let probe_nodes: Api<Node> = Api::all(client.clone());
@@ -539,12 +643,12 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         api.api_version()
     ));
 
-    let mut node_story = if autoscaled::available() {
-        autoscaled::launch(&mut story, &cp, &client, taint_key).await?
-    } else {
-        simulated_node(&mut story, &client, taint_key).await?
-    };
+    Ok(())
+}
 
+/// A policy for an init container that needs the network, applied to a Kubeflow-style
+/// notebook: what the stored pod says (the init container's uid, the excluded ranges).
+async fn kubeflow_step(story: &mut Story, client: &kube::Client) -> anyhow::Result<Kubeflow> {
     story.say("Kubeflow-style namespace: an application init container that needs the network");
     for doc in crate::render::parse_documents("deploy/policies/kubeflow.yaml", KUBEFLOW_POLICY)? {
         let policy: MutationPolicy = serde_json::from_value(doc)?;
@@ -622,20 +726,28 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         "kubeflow-user/notebook: init container fetch-model runs as uid {user} (the proxy's, whose traffic is not redirected); excludeOutboundIPRanges {excluded}; gate verdict {verdict:?}"
     ));
 
-    if let Some(autoscaler) = node_story.autoscaler.take() {
-        autoscaled::scale_down(&mut story, &client, autoscaler, &node_story.node).await?;
-    }
+    Ok(Kubeflow { user, excluded })
+}
 
-    let real = match &real_node {
+/// The real node, where this host can run one: its report, or why it did not complete.
+async fn real_node_step(
+    story: &mut Story,
+    cp: &meshgate_testenv::ControlPlane,
+    client: &kube::Client,
+    real_node: &Result<(), String>,
+    istio: Option<&real_node::CachedIstio>,
+    taint_key: &str,
+) -> Option<real_node::RealNodeReport> {
+    match real_node {
         Ok(_) => {
-            story.say(match &istio {
+            story.say(match istio {
                 Some(i) => format!(
                     "A real node joins: containerd, runc, a CNI bridge and a kubelet on this machine, with the real Istio {} in ambient mode",
                     i.istio.version
                 ),
                 None => "A real node joins: containerd, runc, a CNI bridge and a kubelet on this machine".to_owned(),
             }.as_str());
-            match real_node::story(&story, &cp, &client, istio.as_ref(), taint_key).await {
+            match real_node::story(story, cp, client, istio, taint_key).await {
                 Ok(r) => Some(r),
                 Err(e) => {
                     story.detail(&format!("the real node did not complete: {e:#}"));
@@ -648,10 +760,19 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
             story.detail(e);
             None
         }
-    };
+    }
+}
 
+/// What the demo observed, from the cluster's status and each step's report.
+async fn summary(
+    story: &mut Story,
+    client: &kube::Client,
+    node_story: &NodeStory,
+    kubeflow: &Kubeflow,
+    real: Option<&real_node::RealNodeReport>,
+) -> anyhow::Result<()> {
     story.say("Summary");
-    let status = crate::status::collect(&client).await?;
+    let status = crate::status::collect(client).await?;
     print!("{}", crate::status::table(&status));
     println!();
     let NodeStory {
@@ -659,7 +780,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         launched,
         untaint_ms,
         ..
-    } = &node_story;
+    } = node_story;
     if let Some(launched) = launched {
         println!("  {node}: {launched};");
     }
@@ -670,10 +791,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         "  shop/web waited Pending, then was bound to {node} without an init container: the taint held it, nothing was added to the pod;"
     );
     println!(
-        "  kubeflow-user/notebook: its init container fetch-model runs as uid {user}, nothing else of the pod left the mesh (excludeOutboundIPRanges {excluded})."
+        "  kubeflow-user/notebook: its init container fetch-model runs as uid {}, nothing else of the pod left the mesh (excludeOutboundIPRanges {}).",
+        kubeflow.user, kubeflow.excluded
     );
 
-    match &real {
+    match real {
         Some(r) => {
             println!(
                 "  real node {} ran {}: tainted at registration {:?}; the taint lifted {} ms after it registered, once its CNI agent and node proxy were Ready;",
@@ -694,28 +816,5 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<()> {
         }
     }
 
-    if options.keep {
-        println!();
-        println!("The control plane and meshgate keep running. Try:");
-        println!(
-            "  kubectl --kubeconfig {} get nodegates,mutationpolicies,nodes,pods -A",
-            cp.kubeconfig_path.display()
-        );
-        println!(
-            "  meshgate status --kubeconfig {}",
-            cp.kubeconfig_path.display()
-        );
-        println!("Stop with Ctrl-C (or SIGTERM): everything is torn down.");
-        crate::run::shutdown_signal().await;
-    }
-    let _ = stop_tx.send(());
-    let _ = controller.await;
-    webhook.shutdown(Duration::from_secs(5)).await?;
-    drop(cp);
-    println!("Done: the control plane and meshgate are stopped; nothing is left running.");
-    let logged = std::fs::metadata(&log).is_ok_and(|m| m.len() > 0);
-    if built || (logged && std::env::var_os("MESHGATE_BUILD_LOG").is_some()) {
-        println!("The builds' output: {}", log.display());
-    }
     Ok(())
 }

@@ -547,16 +547,105 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     for c in ["webhook", "controller"] {
         out.push(json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(&format!("meshgate-{c}"), Some(ns), c)}));
     }
-    // Exactly what the code paths use (`cargo test -p meshgate --test install_rbac` fails on a
-    // permission no path exercises and on a path without its permission): watches list and
-    // watch; `get` only where an object is read by name.
-    let webhook_rules = json!([
+    let webhook_rules = webhook_rules();
+    let controller_rules = controller_rules(o, &config)?;
+    for (c, rules) in [("webhook", webhook_rules), ("controller", controller_rules)] {
+        let name = format!("meshgate-{c}");
+        out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": meta(&name, None, c), "rules": rules}));
+        out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": meta(&name, None, c),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]}));
+    }
+    // The ConfigMaps policies read in context entries, by name: the webhook watches each one
+    // alone (a field selector on its name, which RBAC authorizes against `resourceNames`), the
+    // controller's backfill reads it.
+    for entry in &o.context_config_maps {
+        out.extend(context_config_map_rbac(ns, entry)?);
+    }
+    // The resources policies' apiCall entries GET, cluster-wide.
+    out.extend(context_api_read_rbac(ns, &o.context_api_reads)?);
+    // The other kinds the backfill mutates.
+    if !o.existing_kinds.is_empty() && !o.policies.workload_backfill {
+        anyhow::bail!(
+            "--existing-kind needs the backfill (--workload-backfill=false turns it off)"
+        );
+    }
+    out.extend(existing_kind_rbac(ns, &o.existing_kinds)?);
+    out.extend(tenant_and_lease_rbac(ns));
+
+    // Configuration. The certificates are the controller's (see the module documentation).
+    out.push(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("meshgate-config", Some(ns), "webhook"),
+        "data": {"config.yaml": meshgate_api::yaml::to_string(&config)?}}));
+
+    // meshgate must run on nodes its own gate holds, or nothing lifts the taint, and on nodes
+    // the mesh's own readiness taints (`MeshProfile::mesh_taints`), or meshgate and the mesh
+    // wait on each other: istiod tolerates only Istio's taint, its untaint controller needs
+    // istiod, and istiod meshgate's taint lifted.
+    let mut tolerations: Vec<Value> = taint_keys(&o.taint_key)
+        .iter()
+        .map(|key| json!({"key": key, "operator": "Exists"}))
+        .collect();
+    tolerations.extend(
+        mesh_profile(&o.profile)?
+            .record()
+            .mesh_taints
+            .iter()
+            .map(|key| json!({"key": key, "operator": "Exists"})),
+    );
+    let at = Placement {
+        ns,
+        image: &o.image,
+        tolerations: Value::Array(tolerations),
+    };
+
+    out.extend(webhook_documents(o, &at));
+    // The controller.
+    out.push(deployment(
+        &at,
+        "controller",
+        controller_args(o, &config),
+        json!([{"name": "health", "containerPort": 8080}]),
+        if let PodGate::Native(_) = o.pod_gate {
+            json!([{"name": "config", "mountPath": "/etc/meshgate/config", "readOnly": true}])
+        } else {
+            json!([])
+        },
+        if let PodGate::Native(_) = o.pod_gate {
+            json!([{"name": "config", "configMap": {"name": "meshgate-config"}}])
+        } else {
+            json!([])
+        },
+    ));
+    if o.strategy == Strategy::Dra {
+        out.push(json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta("meshgate-node", Some(ns), "node"),
+            "automountServiceAccountToken": false}));
+        out.push(node_plugin(
+            ns,
+            &o.image,
+            mesh_profile(&o.profile)?.record(),
+            &o.node_paths,
+        ));
+    }
+    out.extend(registration_documents(o, &config)?);
+    Ok(out)
+}
+
+/// The webhook's ClusterRole rules. Exactly what the code paths use (`cargo test -p meshgate
+/// --test install_rbac` fails on a permission no path exercises and on a path without its
+/// permission): watches list and watch; `get` only where an object is read by name.
+fn webhook_rules() -> Value {
+    json!([
         {"apiGroups": [""], "resources": ["namespaces", "limitranges"], "verbs": ["list", "watch"]},
         // A namespace not in the watch cache yet (created a moment ago) is read once.
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]},
         {"apiGroups": ["meshgate.dev"], "resources": ["mutationpolicies", "namespacedmutationpolicies", "nodegates"], "verbs": ["list", "watch"]},
-    ]);
-    let controller_rules = json!([
+    ])
+}
+
+/// The controller's ClusterRole rules: what its paths use, and each option's own (see
+/// [`webhook_rules`]).
+fn controller_rules(o: &InstallOptions, config: &GateConfig) -> anyhow::Result<Value> {
+    let mut controller_rules = json!([
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch", "patch"]},
         {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
@@ -574,7 +663,6 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         // --manage-crds: meshgate's CRDs at the controller's schema (by name: no other CRD).
         {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "resourceNames": ["nodegates.meshgate.dev", "mutationpolicies.meshgate.dev", "namespacedmutationpolicies.meshgate.dev"], "verbs": ["get", "patch"]},
     ]);
-    let mut controller_rules = controller_rules;
     if let Some(rules) = controller_rules.as_array_mut() {
         if o.policies.workload_backfill {
             // The backfill of existing workloads' pod templates (DaemonSets included).
@@ -589,7 +677,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
         } else if let PodGate::Native(api) = o.pod_gate {
             // The native gate's own policy and binding (install creates them; the controller
             // keeps their routes), by name.
-            let names: Vec<String> = meshgate_core::native_gate::policy(&config, api, &Routes::All)
+            let names: Vec<String> = meshgate_core::native_gate::policy(config, api, &Routes::All)
                 .map_err(|e| anyhow::anyhow!("native gate: {e}"))?
                 .iter()
                 .filter_map(|d| d["metadata"]["name"].as_str().map(str::to_owned))
@@ -635,28 +723,13 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
             }
         }
     }
-    for (c, rules) in [("webhook", webhook_rules), ("controller", controller_rules)] {
-        let name = format!("meshgate-{c}");
-        out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": meta(&name, None, c), "rules": rules}));
-        out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": meta(&name, None, c),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]}));
-    }
-    // The ConfigMaps policies read in context entries, by name: the webhook watches each one
-    // alone (a field selector on its name, which RBAC authorizes against `resourceNames`), the
-    // controller's backfill reads it.
-    for entry in &o.context_config_maps {
-        out.extend(context_config_map_rbac(ns, entry)?);
-    }
-    // The resources policies' apiCall entries GET, cluster-wide.
-    out.extend(context_api_read_rbac(ns, &o.context_api_reads)?);
-    // The other kinds the backfill mutates.
-    if !o.existing_kinds.is_empty() && !o.policies.workload_backfill {
-        anyhow::bail!(
-            "--existing-kind needs the backfill (--workload-backfill=false turns it off)"
-        );
-    }
-    out.extend(existing_kind_rbac(ns, &o.existing_kinds)?);
+    Ok(controller_rules)
+}
+
+/// The ClusterRoles tenants are aggregated into, and the controller's Role in its namespace
+/// (its Lease, its certificates' Secrets).
+fn tenant_and_lease_rbac(ns: &str) -> Vec<Value> {
+    let mut out = Vec::new();
     // Tenants: a namespace's admins and editors may manage the NamespacedMutationPolicies of
     // their namespace (aggregated into the built-in `admin` and `edit` roles), viewers read
     // them. Cluster-wide MutationPolicies are not aggregated anywhere: creating one is as strong
@@ -685,38 +758,62 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     out.push(json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta("meshgate-controller-lease", Some(ns), "controller"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "meshgate-controller-lease"},
         "subjects": [{"kind": "ServiceAccount", "name": "meshgate-controller", "namespace": ns}]}));
+    out
+}
 
-    // Configuration. The certificates are the controller's (see the module documentation).
-    out.push(json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("meshgate-config", Some(ns), "webhook"),
-        "data": {"config.yaml": meshgate_api::yaml::to_string(&config)?}}));
+/// The controller's command line for the options.
+fn controller_args(o: &InstallOptions, config: &GateConfig) -> Value {
+    let ns = o.namespace.as_str();
+    let mut args = vec![
+        "controller".to_owned(),
+        "--lease-namespace".to_owned(),
+        ns.to_owned(),
+        "--manage-certs".to_owned(),
+        "--manage-crds".to_owned(),
+        "--policy-webhook-configuration".to_owned(),
+        "meshgate".to_owned(),
+    ];
+    if o.policies.native {
+        args.push("--native-policies".into());
+    }
+    args.extend([
+        "--gate-wait-threshold".to_owned(),
+        "120s".to_owned(),
+        "--excluded-namespaces".to_owned(),
+        config.excluded_namespaces.join(","),
+    ]);
+    if !o.policies.workload_backfill {
+        args.push("--workload-backfill=false".into());
+    }
+    if let PodGate::Native(_) = o.pod_gate {
+        args.push("--native-gate-config".into());
+        args.push("/etc/meshgate/config/config.yaml".into());
+    }
+    if let Some(action) = o.repair {
+        args.push("--repair".into());
+        args.push("--repair-action".into());
+        args.push(
+            match action {
+                RepairAction::Label => "label",
+                RepairAction::Delete => "delete",
+            }
+            .into(),
+        );
+    }
+    args.push(LOG_JSON.into());
+    json!(args)
+}
 
-    // meshgate must run on nodes its own gate holds, or nothing lifts the taint, and on nodes
-    // the mesh's own readiness taints (`MeshProfile::mesh_taints`), or meshgate and the mesh
-    // wait on each other: istiod tolerates only Istio's taint, its untaint controller needs
-    // istiod, and istiod meshgate's taint lifted.
-    let mut tolerations: Vec<Value> = taint_keys(&o.taint_key)
-        .iter()
-        .map(|key| json!({"key": key, "operator": "Exists"}))
-        .collect();
-    tolerations.extend(
-        mesh_profile(&o.profile)?
-            .record()
-            .mesh_taints
-            .iter()
-            .map(|key| json!({"key": key, "operator": "Exists"})),
-    );
-    let at = Placement {
-        ns,
-        image: &o.image,
-        tolerations: Value::Array(tolerations),
-    };
-
-    // The webhook.
+/// The webhook's Service, Deployment, PodDisruptionBudget and, with `--webhook-ingress-from`,
+/// NetworkPolicy.
+fn webhook_documents(o: &InstallOptions, at: &Placement<'_>) -> Vec<Value> {
+    let ns = at.ns;
+    let mut out = Vec::new();
     let selector =
         json!({"app.kubernetes.io/name": "meshgate", "app.kubernetes.io/component": "webhook"});
     out.push(json!({"apiVersion": "v1", "kind": "Service", "metadata": meta("meshgate-webhook", Some(ns), "webhook"),
         "spec": {"selector": selector, "ports": [{"name": "https", "port": 443, "targetPort": "https"}]}}));
-    out.push(deployment(&at, "webhook",
+    out.push(deployment(at, "webhook",
         json!(["webhook", "--config", "/etc/meshgate/config/config.yaml", "--cert", "/etc/meshgate/tls/tls.crt", "--key", "/etc/meshgate/tls/tls.key",
                "--max-in-flight", meshgate_webhook::server::DEFAULT_MAX_IN_FLIGHT.to_string(), LOG_JSON]),
         json!([{"name": "https", "containerPort": 8443}, {"name": "health", "containerPort": 8080}]),
@@ -737,76 +834,17 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     }
     out.push(json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta("meshgate-webhook", Some(ns), "webhook"),
         "spec": {"minAvailable": 1, "selector": {"matchLabels": selector}}}));
-    // The controller.
-    out.push(deployment(
-        &at,
-        "controller",
-        {
-            let mut args = vec![
-                "controller".to_owned(),
-                "--lease-namespace".to_owned(),
-                ns.to_owned(),
-                "--manage-certs".to_owned(),
-                "--manage-crds".to_owned(),
-                "--policy-webhook-configuration".to_owned(),
-                "meshgate".to_owned(),
-            ];
-            if o.policies.native {
-                args.push("--native-policies".into());
-            }
-            args.extend([
-                "--gate-wait-threshold".to_owned(),
-                "120s".to_owned(),
-                "--excluded-namespaces".to_owned(),
-                config.excluded_namespaces.join(","),
-            ]);
-            if !o.policies.workload_backfill {
-                args.push("--workload-backfill=false".into());
-            }
-            if let PodGate::Native(_) = o.pod_gate {
-                args.push("--native-gate-config".into());
-                args.push("/etc/meshgate/config/config.yaml".into());
-            }
-            if let Some(action) = o.repair {
-                args.push("--repair".into());
-                args.push("--repair-action".into());
-                args.push(
-                    match action {
-                        RepairAction::Label => "label",
-                        RepairAction::Delete => "delete",
-                    }
-                    .into(),
-                );
-            }
-            args.push(LOG_JSON.into());
-            json!(args)
-        },
-        json!([{"name": "health", "containerPort": 8080}]),
-        if let PodGate::Native(_) = o.pod_gate {
-            json!([{"name": "config", "mountPath": "/etc/meshgate/config", "readOnly": true}])
-        } else {
-            json!([])
-        },
-        if let PodGate::Native(_) = o.pod_gate {
-            json!([{"name": "config", "configMap": {"name": "meshgate-config"}}])
-        } else {
-            json!([])
-        },
-    ));
-    if o.strategy == Strategy::Dra {
-        out.push(json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta("meshgate-node", Some(ns), "node"),
-            "automountServiceAccountToken": false}));
-        out.push(node_plugin(
-            ns,
-            &o.image,
-            mesh_profile(&o.profile)?.record(),
-            &o.node_paths,
-        ));
-    }
-    // Registration.
+    out
+}
+
+/// The webhook's registration, the profile's NodeGate and policies, and the admission policies
+/// the API server runs for meshgate (the node taint, the native gate).
+fn registration_documents(o: &InstallOptions, config: &GateConfig) -> anyhow::Result<Vec<Value>> {
+    let ns = o.namespace.as_str();
+    let mut out = Vec::new();
     let mut mwc = webhook_configuration(&Registration {
         name: "meshgate",
-        config: &config,
+        config,
         target: WebhookTarget::Service {
             namespace: ns.into(),
             name: "meshgate-webhook".into(),
@@ -834,7 +872,7 @@ pub fn render(o: &InstallOptions) -> anyhow::Result<Vec<Value>> {
     if let PodGate::Native(api) = o.pod_gate {
         // Every pod on the webhook until the controller has listed the LimitRanges.
         out.extend(
-            meshgate_core::native_gate::policy(&config, api, &Routes::All)
+            meshgate_core::native_gate::policy(config, api, &Routes::All)
                 .map_err(|e| anyhow::anyhow!("native gate: {e}"))?,
         );
     }

@@ -1,5 +1,8 @@
 //! The `meshgate` command: components, offline tools, install and demo.
 
+// A shell's functions stay short (clippy.toml: too-many-lines-threshold).
+#![deny(clippy::too_many_lines)]
+
 pub mod autoscaler;
 pub mod chart;
 pub mod check;

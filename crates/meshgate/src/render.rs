@@ -173,97 +173,19 @@ pub fn render(
     builtin: Policies,
     patches: bool,
 ) -> anyhow::Result<(String, Report)> {
-    let (mut policies, mut report) = builtin;
-    let mut admission_policies: Vec<(String, Value)> = Vec::new();
-    for p in policy_files {
-        let (ps, r) = read_policies(p)?;
-        policies.extend(ps);
-        report.extend(r);
-        for doc in read_documents(p)? {
-            if meshgate_core::policy::admission::is_admission_policy(&doc) {
-                let name = doc
-                    .pointer("/metadata/name")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_owned();
-                report.origins.insert(name.clone(), p.display().to_string());
-                admission_policies.push((name, doc));
-            }
-        }
-    }
+    let (policies, mut report, admission_policies) = load_policies(policy_files, builtin)?;
     let mut inputs = Vec::new();
     for m in manifests {
         inputs.push((m, read_documents(m)?));
     }
-    // Namespaces and LimitRanges named anywhere in the input.
-    let mut namespaces: BTreeMap<String, Meta> = BTreeMap::new();
-    let mut limits: BTreeMap<String, Vec<ContainerLimits>> = BTreeMap::new();
-    for doc in inputs.iter().flat_map(|(_, docs)| docs) {
-        let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
-        let name = doc.pointer("/metadata/name").and_then(Value::as_str);
-        match (kind, name) {
-            ("Namespace", Some(name)) => {
-                namespaces.insert(name.to_owned(), Meta::of(doc));
-            }
-            ("LimitRange", _) => {
-                if let Ok(lr) =
-                    serde_json::from_value::<k8s_openapi::api::core::v1::LimitRange>(doc.clone())
-                {
-                    let ns = lr
-                        .metadata
-                        .namespace
-                        .clone()
-                        .unwrap_or_else(|| "default".into());
-                    limits
-                        .entry(ns)
-                        .or_default()
-                        .extend(ContainerLimits::of(&lr));
-                }
-            }
-            _ => {}
-        }
-    }
-    for (ns, labels) in ns_labels {
-        namespaces
-            .entry(ns.clone())
-            .or_default()
-            .labels
-            .extend(labels.clone());
-    }
+    let (namespaces, limits) = namespaces_and_limits(&inputs, ns_labels);
     let planner = gate.map(meshgate_core::gate::Planner::new);
     let mut out = Vec::new();
     for (m, docs) in inputs {
         let originals = docs.clone();
         // MutatingAdmissionPolicies first: the API server runs them before mutating webhooks.
         let mut docs = docs;
-        if !admission_policies.is_empty() {
-            for (index, doc) in docs.iter_mut().enumerate() {
-                if !doc.is_object() {
-                    continue;
-                }
-                let (namespace, labels) = meshgate_core::policy::document_namespace(doc, &|ns| {
-                    namespaces
-                        .get(ns)
-                        .map(|m| m.labels.clone())
-                        .unwrap_or_default()
-                });
-                let request = meshgate_core::policy::admission::AdmissionRequest {
-                    operation: "CREATE",
-                    namespace: &namespace,
-                    namespace_labels: &labels,
-                };
-                let admitted =
-                    meshgate_core::policy::admission::apply(&admission_policies, doc, &request)
-                        .map_err(|e| anyhow::anyhow!("{}: document {index}: {e}", m.display()))?;
-                for e in &admitted.ignored {
-                    report.partial.push(format!(
-                        "{}: document {index}: {e} (skipped: failurePolicy Ignore)",
-                        m.display()
-                    ));
-                }
-                *doc = admitted.object;
-            }
-        }
+        apply_admission_policies(m, &mut docs, &admission_policies, &namespaces, &mut report)?;
         let rendered = meshgate_core::policy::render(docs, &policies, &|ns| {
             namespaces
                 .get(ns)
@@ -347,6 +269,124 @@ pub fn import_kyverno(path: &Path) -> anyhow::Result<(String, Report)> {
         }
     }
     Ok((to_yaml_stream(&out)?, report))
+}
+
+/// MutatingAdmissionPolicies by name.
+type AdmissionPolicies = Vec<(String, Value)>;
+
+/// The MutationPolicies read (by name), what was reported, and the MutatingAdmissionPolicies.
+type Loaded = (Vec<(String, MutationPolicySpec)>, Report, AdmissionPolicies);
+
+/// The policy files' MutationPolicies after `builtin`, and their MutatingAdmissionPolicies.
+fn load_policies(policy_files: &[std::path::PathBuf], builtin: Policies) -> anyhow::Result<Loaded> {
+    let (mut policies, mut report) = builtin;
+    let mut admission_policies: Vec<(String, Value)> = Vec::new();
+    for p in policy_files {
+        let (ps, r) = read_policies(p)?;
+        policies.extend(ps);
+        report.extend(r);
+        for doc in read_documents(p)? {
+            if meshgate_core::policy::admission::is_admission_policy(&doc) {
+                let name = doc
+                    .pointer("/metadata/name")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned();
+                report.origins.insert(name.clone(), p.display().to_string());
+                admission_policies.push((name, doc));
+            }
+        }
+    }
+    Ok((policies, report, admission_policies))
+}
+
+/// Namespaces by name, and their LimitRanges' container limits.
+type Namespaces = (
+    BTreeMap<String, Meta>,
+    BTreeMap<String, Vec<ContainerLimits>>,
+);
+
+/// The namespaces (with `ns_labels` added) and the LimitRanges named anywhere in the input.
+fn namespaces_and_limits(
+    inputs: &[(&std::path::PathBuf, Vec<Value>)],
+    ns_labels: &BTreeMap<String, BTreeMap<String, String>>,
+) -> Namespaces {
+    let mut namespaces: BTreeMap<String, Meta> = BTreeMap::new();
+    let mut limits: BTreeMap<String, Vec<ContainerLimits>> = BTreeMap::new();
+    for doc in inputs.iter().flat_map(|(_, docs)| docs) {
+        let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default();
+        let name = doc.pointer("/metadata/name").and_then(Value::as_str);
+        match (kind, name) {
+            ("Namespace", Some(name)) => {
+                namespaces.insert(name.to_owned(), Meta::of(doc));
+            }
+            ("LimitRange", _) => {
+                if let Ok(lr) =
+                    serde_json::from_value::<k8s_openapi::api::core::v1::LimitRange>(doc.clone())
+                {
+                    let ns = lr
+                        .metadata
+                        .namespace
+                        .clone()
+                        .unwrap_or_else(|| "default".into());
+                    limits
+                        .entry(ns)
+                        .or_default()
+                        .extend(ContainerLimits::of(&lr));
+                }
+            }
+            _ => {}
+        }
+    }
+    for (ns, labels) in ns_labels {
+        namespaces
+            .entry(ns.clone())
+            .or_default()
+            .labels
+            .extend(labels.clone());
+    }
+    (namespaces, limits)
+}
+
+/// MutatingAdmissionPolicies over `docs` (the API server runs them before mutating webhooks);
+/// a policy skipped by its `failurePolicy: Ignore` is reported.
+fn apply_admission_policies(
+    m: &std::path::Path,
+    docs: &mut [Value],
+    admission_policies: &[(String, Value)],
+    namespaces: &BTreeMap<String, Meta>,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    if admission_policies.is_empty() {
+        return Ok(());
+    }
+
+    for (index, doc) in docs.iter_mut().enumerate() {
+        if !doc.is_object() {
+            continue;
+        }
+        let (namespace, labels) = meshgate_core::policy::document_namespace(doc, &|ns| {
+            namespaces
+                .get(ns)
+                .map(|m| m.labels.clone())
+                .unwrap_or_default()
+        });
+        let request = meshgate_core::policy::admission::AdmissionRequest {
+            operation: "CREATE",
+            namespace: &namespace,
+            namespace_labels: &labels,
+        };
+        let admitted = meshgate_core::policy::admission::apply(admission_policies, doc, &request)
+            .map_err(|e| anyhow::anyhow!("{}: document {index}: {e}", m.display()))?;
+        for e in &admitted.ignored {
+            report.partial.push(format!(
+                "{}: document {index}: {e} (skipped: failurePolicy Ignore)",
+                m.display()
+            ));
+        }
+        *doc = admitted.object;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

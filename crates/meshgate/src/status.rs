@@ -278,31 +278,7 @@ pub async fn node_rows(
     nodes: &[GateNode],
     now: i64,
 ) -> anyhow::Result<Vec<NodeRow>> {
-    // DRA gates' slices, as the controller reads them; where none can be listed (DRA not
-    // served), gates are decided as the controller then does: on the node status.
-    let dra = gates.iter().any(|g| {
-        g.spec
-            .resource
-            .as_ref()
-            .is_some_and(|r| r.provider == meshgate_api::node_gate::ResourceProvider::Dra)
-    });
-    let slices: Option<std::collections::BTreeSet<String>> = if dra {
-        Api::<k8s_openapi::api::resource::v1::ResourceSlice>::all(client.clone())
-            .list(
-                &ListParams::default()
-                    .labels(&format!("{}=meshgate", meshgate_api::names::MANAGED_BY)),
-            )
-            .await
-            .ok()
-            .map(|l| {
-                l.items
-                    .into_iter()
-                    .filter_map(|s| s.metadata.name)
-                    .collect()
-            })
-    } else {
-        None
-    };
+    let slices = dra_slices(client, gates).await;
     let offer = |g: &NodeGate, node: &str| match (&slices, &g.spec.resource) {
         (Some(names), Some(r)) if r.provider == meshgate_api::node_gate::ResourceProvider::Dra => {
             meshgate_core::nodegate::Offer::Dra {
@@ -314,31 +290,7 @@ pub async fn node_rows(
         }
         _ => meshgate_core::nodegate::Offer::NodeStatus,
     };
-    let mut pods_by_node: BTreeMap<String, Vec<AgentPod>> = BTreeMap::new();
-    let mut daemonsets: BTreeMap<(String, String), DaemonSet> = BTreeMap::new();
-    let mut listed = std::collections::BTreeSet::new();
-    for g in gates {
-        for a in &g.spec.agents {
-            if !listed.insert(a.namespace.clone()) {
-                continue;
-            }
-            for pod in Api::<Pod>::namespaced(client.clone(), &a.namespace)
-                .list(&ListParams::default())
-                .await?
-            {
-                if let Some((node, summary)) = AgentPod::of(&pod) {
-                    pods_by_node.entry(node).or_default().push(summary);
-                }
-            }
-            for ds in Api::<DaemonSet>::namespaced(client.clone(), &a.namespace)
-                .list(&ListParams::default())
-                .await?
-            {
-                let name = ds.metadata.name.clone().unwrap_or_default();
-                daemonsets.insert((a.namespace.clone(), name), ds);
-            }
-        }
-    }
+    let (pods_by_node, daemonsets) = agents_listed(client, gates).await?;
     let mut rows = Vec::new();
     let empty = BTreeMap::new();
     for g in gates {
@@ -557,3 +509,75 @@ pub fn pod_text(r: &PodReport) -> String {
     }
     out
 }
+
+/// The names of meshgate's ResourceSlices when a gate offers its resource through DRA; `None`
+/// where none can be listed (DRA not served) or no gate uses DRA.
+async fn dra_slices(
+    client: &kube::Client,
+    gates: &[NodeGate],
+) -> Option<std::collections::BTreeSet<String>> {
+    // DRA gates' slices, as the controller reads them; where none can be listed (DRA not
+    // served), gates are decided as the controller then does: on the node status.
+    let dra = gates.iter().any(|g| {
+        g.spec
+            .resource
+            .as_ref()
+            .is_some_and(|r| r.provider == meshgate_api::node_gate::ResourceProvider::Dra)
+    });
+    if dra {
+        Api::<k8s_openapi::api::resource::v1::ResourceSlice>::all(client.clone())
+            .list(
+                &ListParams::default()
+                    .labels(&format!("{}=meshgate", meshgate_api::names::MANAGED_BY)),
+            )
+            .await
+            .ok()
+            .map(|l| {
+                l.items
+                    .into_iter()
+                    .filter_map(|s| s.metadata.name)
+                    .collect()
+            })
+    } else {
+        None
+    }
+}
+
+/// The agent pods (by node) and DaemonSets (by namespace and name) of every gate's agents'
+/// namespaces.
+async fn agents_listed(
+    client: &kube::Client,
+    gates: &[NodeGate],
+) -> anyhow::Result<(AgentPods, DaemonSets)> {
+    let mut pods_by_node: BTreeMap<String, Vec<AgentPod>> = BTreeMap::new();
+    let mut daemonsets: BTreeMap<(String, String), DaemonSet> = BTreeMap::new();
+    let mut listed = std::collections::BTreeSet::new();
+    for g in gates {
+        for a in &g.spec.agents {
+            if !listed.insert(a.namespace.clone()) {
+                continue;
+            }
+            for pod in Api::<Pod>::namespaced(client.clone(), &a.namespace)
+                .list(&ListParams::default())
+                .await?
+            {
+                if let Some((node, summary)) = AgentPod::of(&pod) {
+                    pods_by_node.entry(node).or_default().push(summary);
+                }
+            }
+            for ds in Api::<DaemonSet>::namespaced(client.clone(), &a.namespace)
+                .list(&ListParams::default())
+                .await?
+            {
+                let name = ds.metadata.name.clone().unwrap_or_default();
+                daemonsets.insert((a.namespace.clone(), name), ds);
+            }
+        }
+    }
+    Ok((pods_by_node, daemonsets))
+}
+
+/// Agent pods by node.
+type AgentPods = BTreeMap<String, Vec<AgentPod>>;
+/// DaemonSets by `(namespace, name)`.
+type DaemonSets = BTreeMap<(String, String), DaemonSet>;

@@ -145,11 +145,54 @@ pub async fn uninstall(
     .await?;
     delete_admission_policies(client, &mut progress).await?;
     // 2. The components, and the controller's pods gone.
+    stop_components(client, o, &mut progress).await?;
+    // The controller writes the native gate's policy (its routes) until it is gone: whatever
+    // it wrote after step 1 goes now.
+    delete_admission_policies(client, &mut progress).await?;
+    // 3. Nodes, then the gates' finalizers.
+    // Not served (CRDs never installed, or just deleted: discovery can still list the group for
+    // a moment, whose endpoint then answers 404): no gates.
+    let gates: Vec<NodeGate> = match Api::<NodeGate>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+    {
+        Ok(list) => list.items,
+        Err(kube::Error::Api(e)) if e.code == 404 => Vec::new(),
+        Err(e) => return Err(e.into()),
+    };
+    clean_nodes(client, &gates, &mut progress).await?;
+    // DRA gates' slices, then their device classes (the controller that kept them is gone);
+    // no new pod is placed against meshgate's devices from here on.
+    for (kind, plural) in [
+        ("ResourceSlice", "resourceslices"),
+        ("DeviceClass", "deviceclasses"),
+    ] {
+        let ar = resource("resource.k8s.io", "v1", kind, plural);
+        delete_labelled(&Api::all_with(client.clone(), &ar), kind, &mut progress).await?;
+    }
+    remove_finalizers(client, &gates, &mut progress).await?;
+    // 4. The rest.
+    delete_the_rest(client, ns, &mut progress).await?;
+    // 5. CRDs.
+    if o.crds {
+        delete_crds(client, &mut progress).await?;
+    }
+    Ok(())
+}
+
+/// The webhook and controller Deployments deleted, then waits until the controller's pods are
+/// gone (a running controller would put taints back).
+async fn stop_components(
+    client: &kube::Client,
+    o: &UninstallOptions,
+    progress: &mut impl FnMut(&str),
+) -> anyhow::Result<()> {
+    let ns = o.namespace.as_str();
     let deployments = resource("apps", "v1", "Deployment", "deployments");
     delete_labelled(
         &Api::namespaced_with(client.clone(), ns, &deployments),
         "Deployment",
-        &mut progress,
+        progress,
     )
     .await?;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -169,20 +212,15 @@ pub async fn uninstall(
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    // The controller writes the native gate's policy (its routes) until it is gone: whatever
-    // it wrote after step 1 goes now.
-    delete_admission_policies(client, &mut progress).await?;
-    // 3. Nodes, then the gates' finalizers.
-    // Not served (CRDs never installed, or just deleted: discovery can still list the group for
-    // a moment, whose endpoint then answers 404): no gates.
-    let gates: Vec<NodeGate> = match Api::<NodeGate>::all(client.clone())
-        .list(&ListParams::default())
-        .await
-    {
-        Ok(list) => list.items,
-        Err(kube::Error::Api(e)) if e.code == 404 => Vec::new(),
-        Err(e) => return Err(e.into()),
-    };
+    Ok(())
+}
+
+/// On every node, the taints, annotations and gate resources meshgate owns.
+async fn clean_nodes(
+    client: &kube::Client,
+    gates: &[NodeGate],
+    progress: &mut impl FnMut(&str),
+) -> anyhow::Result<()> {
     let specs: Vec<&meshgate_api::NodeGateSpec> = gates.iter().map(|g| &g.spec).collect();
     let nodes: Api<GateNode> = Api::all(client.clone());
     let empty = BTreeMap::new();
@@ -226,17 +264,17 @@ pub async fn uninstall(
             progress(&format!("node {name}: withdrew gate resources"));
         }
     }
-    // DRA gates' slices, then their device classes (the controller that kept them is gone);
-    // no new pod is placed against meshgate's devices from here on.
-    for (kind, plural) in [
-        ("ResourceSlice", "resourceslices"),
-        ("DeviceClass", "deviceclasses"),
-    ] {
-        let ar = resource("resource.k8s.io", "v1", kind, plural);
-        delete_labelled(&Api::all_with(client.clone(), &ar), kind, &mut progress).await?;
-    }
+    Ok(())
+}
+
+/// meshgate's finalizer off every gate (no controller is left to remove it).
+async fn remove_finalizers(
+    client: &kube::Client,
+    gates: &[NodeGate],
+    progress: &mut impl FnMut(&str),
+) -> anyhow::Result<()> {
     let gate_api: Api<NodeGate> = Api::all(client.clone());
-    for gate in &gates {
+    for gate in gates {
         let finalizer = meshgate_controller::nodegate::FINALIZER;
         if gate.finalizers().iter().any(|f| f == finalizer) {
             let left: Vec<&String> = gate
@@ -256,19 +294,27 @@ pub async fn uninstall(
             progress(&format!("NodeGate {}: finalizer removed", gate.name_any()));
         }
     }
-    // 4. The rest.
+    Ok(())
+}
+
+/// The rest of what `install` created, and the namespace when `install` made it.
+async fn delete_the_rest(
+    client: &kube::Client,
+    ns: &str,
+    progress: &mut impl FnMut(&str),
+) -> anyhow::Result<()> {
     for (g, v, kind, plural) in NAMESPACED {
         let ar = resource(g, v, kind, plural);
         delete_labelled(
             &Api::namespaced_with(client.clone(), ns, &ar),
             kind,
-            &mut progress,
+            progress,
         )
         .await?;
     }
     for (g, v, kind, plural) in CLUSTER {
         let ar = resource(g, v, kind, plural);
-        delete_labelled(&Api::all_with(client.clone(), &ar), kind, &mut progress).await?;
+        delete_labelled(&Api::all_with(client.clone(), &ar), kind, progress).await?;
     }
     let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
     if let Some(n) = namespaces.get_opt(ns).await?
@@ -278,16 +324,18 @@ pub async fn uninstall(
         namespaces.delete(ns, &DeleteParams::background()).await?;
         progress(&format!("deleted Namespace {ns}"));
     }
-    // 5. CRDs.
-    if o.crds {
-        let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
-            Api::all(client.clone());
-        for crd in crds.list(&ListParams::default()).await?.items {
-            let name = crd.name_any();
-            if crd.spec.group == meshgate_api::DOMAIN && crd.meta().deletion_timestamp.is_none() {
-                crds.delete(&name, &DeleteParams::background()).await?;
-                progress(&format!("deleted CustomResourceDefinition {name}"));
-            }
+    Ok(())
+}
+
+/// meshgate's CustomResourceDefinitions (and with them every gate and policy).
+async fn delete_crds(client: &kube::Client, progress: &mut impl FnMut(&str)) -> anyhow::Result<()> {
+    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+        Api::all(client.clone());
+    for crd in crds.list(&ListParams::default()).await?.items {
+        let name = crd.name_any();
+        if crd.spec.group == meshgate_api::DOMAIN && crd.meta().deletion_timestamp.is_none() {
+            crds.delete(&name, &DeleteParams::background()).await?;
+            progress(&format!("deleted CustomResourceDefinition {name}"));
         }
     }
     Ok(())

@@ -34,77 +34,14 @@ pub async fn launch(
     client: &kube::Client,
     key: &str,
 ) -> anyhow::Result<NodeStory> {
-    story.say("Starting the real Karpenter (its KWOK provider: nodes without machines) and KWOK");
-    let autoscaler = Autoscaler::start(cp, &karpenter::Options::default()).await?;
-    story.detail(&format!(
-        "{}; NodePool {NODE_POOL} of instance types {}",
-        autoscaler.version,
-        karpenter::Options::default()
-            .instance_types
-            .iter()
-            .map(karpenter::InstanceType::name)
-            .collect::<Vec<_>>()
-            .join(", ")
-    ));
-    // The agents run on every node Karpenter launches, as the meshes' DaemonSets do, and
-    // tolerate every taint.
-    let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), "mesh-system");
-    for app in ["mesh-cni", "mesh-node-proxy"] {
-        let ds: DaemonSet = serde_json::from_value(json!({
-            "metadata": {"name": format!("{app}-autoscaled")},
-            "spec": {
-                "selector": {"matchLabels": {"app": app, AGENT_LABEL: "true"}},
-                "template": {
-                    "metadata": {"labels": {"app": app, AGENT_LABEL: "true"},
-                                 "annotations": {READY_AFTER: AGENT_DELAY}},
-                    "spec": {"nodeSelector": {"karpenter.sh/nodepool": NODE_POOL},
-                             "tolerations": [{"operator": "Exists"}],
-                             "containers": [{"name": "agent", "image": "registry.invalid/agent:1",
-                                             "resources": {"requests": {"cpu": "10m"}}}]},
-                },
-            },
-        }))?;
-        daemonsets.create(&PostParams::default(), &ds).await?;
-    }
+    let autoscaler = start(story, cp, client).await?;
 
     story.say("A mesh pod is created in namespace shop (ambient mode); no node can run it yet");
     super::create_mesh_pod(story, client, json!({"requests": {"cpu": "500m"}})).await?;
 
-    story.say("Karpenter launches a node for it");
     let claims = Api::<DynamicObject>::all_with(client.clone(), &karpenter::node_claims());
-    let (claim, instance_type, node) = poll(
-        "Karpenter to launch a node",
-        Duration::from_secs(60),
-        || {
-            let claims = claims.clone();
-            async move {
-                let list = claims.list(&ListParams::default()).await.ok()?;
-                let c = list.items.into_iter().next()?;
-                let node = c.data["status"]["nodeName"].as_str()?.to_owned();
-                let instance_type = c
-                    .metadata
-                    .labels
-                    .as_ref()?
-                    .get("node.kubernetes.io/instance-type")?
-                    .clone();
-                Some((c.metadata.name?, instance_type, node))
-            }
-        },
-    )
-    .await?;
+    let (claim, instance_type, node) = launched(story, client, &claims).await?;
     let nodes: Api<Node> = Api::all(client.clone());
-    // The node as the API server stored it at registration: its first resourceVersion's taints
-    // are what the admission policy added (nothing else writes before the kubelet fake).
-    let registered = poll("the node to register", Duration::from_secs(60), || {
-        let nodes = nodes.clone();
-        let node = node.clone();
-        async move { nodes.get_opt(&node).await.ok()? }
-    })
-    .await?;
-    let taints_at_registration = taint_keys(&registered);
-    story.detail(&format!(
-        "NodeClaim {claim} ({instance_type}) became node {node}, first seen with taints {taints_at_registration:?}"
-    ));
 
     story.say(&format!(
         "The CNI agent and the node proxy on {node} become Ready (KWOK reports them Ready {AGENT_DELAY} after they start)"
@@ -169,6 +106,93 @@ pub async fn launch(
         untaint_ms,
         autoscaler: Some(autoscaler),
     })
+}
+
+/// The real Karpenter and KWOK, and the mesh's agents as DaemonSets on every node it launches.
+async fn start(
+    story: &mut Story,
+    cp: &meshgate_testenv::ControlPlane,
+    client: &kube::Client,
+) -> anyhow::Result<Autoscaler> {
+    story.say("Starting the real Karpenter (its KWOK provider: nodes without machines) and KWOK");
+    let autoscaler = Autoscaler::start(cp, &karpenter::Options::default()).await?;
+    story.detail(&format!(
+        "{}; NodePool {NODE_POOL} of instance types {}",
+        autoscaler.version,
+        karpenter::Options::default()
+            .instance_types
+            .iter()
+            .map(karpenter::InstanceType::name)
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    // The agents run on every node Karpenter launches, as the meshes' DaemonSets do, and
+    // tolerate every taint.
+    let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), "mesh-system");
+    for app in ["mesh-cni", "mesh-node-proxy"] {
+        let ds: DaemonSet = serde_json::from_value(json!({
+            "metadata": {"name": format!("{app}-autoscaled")},
+            "spec": {
+                "selector": {"matchLabels": {"app": app, AGENT_LABEL: "true"}},
+                "template": {
+                    "metadata": {"labels": {"app": app, AGENT_LABEL: "true"},
+                                 "annotations": {READY_AFTER: AGENT_DELAY}},
+                    "spec": {"nodeSelector": {"karpenter.sh/nodepool": NODE_POOL},
+                             "tolerations": [{"operator": "Exists"}],
+                             "containers": [{"name": "agent", "image": "registry.invalid/agent:1",
+                                             "resources": {"requests": {"cpu": "10m"}}}]},
+                },
+            },
+        }))?;
+        daemonsets.create(&PostParams::default(), &ds).await?;
+    }
+
+    Ok(autoscaler)
+}
+
+/// The NodeClaim Karpenter launches for the pending pod, its instance type and its node, once
+/// the node registered (its taints at registration told).
+async fn launched(
+    story: &mut Story,
+    client: &kube::Client,
+    claims: &Api<DynamicObject>,
+) -> anyhow::Result<(String, String, String)> {
+    story.say("Karpenter launches a node for it");
+    let (claim, instance_type, node) = poll(
+        "Karpenter to launch a node",
+        Duration::from_secs(60),
+        || {
+            let claims = claims.clone();
+            async move {
+                let list = claims.list(&ListParams::default()).await.ok()?;
+                let c = list.items.into_iter().next()?;
+                let node = c.data["status"]["nodeName"].as_str()?.to_owned();
+                let instance_type = c
+                    .metadata
+                    .labels
+                    .as_ref()?
+                    .get("node.kubernetes.io/instance-type")?
+                    .clone();
+                Some((c.metadata.name?, instance_type, node))
+            }
+        },
+    )
+    .await?;
+    let nodes: Api<Node> = Api::all(client.clone());
+    // The node as the API server stored it at registration: its first resourceVersion's taints
+    // are what the admission policy added (nothing else writes before the kubelet fake).
+    let registered = poll("the node to register", Duration::from_secs(60), || {
+        let nodes = nodes.clone();
+        let node = node.clone();
+        async move { nodes.get_opt(&node).await.ok()? }
+    })
+    .await?;
+    let taints_at_registration = taint_keys(&registered);
+    story.detail(&format!(
+        "NodeClaim {claim} ({instance_type}) became node {node}, first seen with taints {taints_at_registration:?}"
+    ));
+
+    Ok((claim, instance_type, node))
 }
 
 /// The workload leaves: Karpenter's consolidation removes the empty node (nothing of
