@@ -22,6 +22,7 @@ pub mod conditions;
 pub mod crds;
 pub mod discovery;
 pub mod dra;
+pub mod drain;
 pub mod events;
 pub mod leader;
 pub mod metrics;

@@ -192,6 +192,7 @@ pub async fn run(
     settings: Settings,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
+    let shutdown = futures::FutureExt::shared(shutdown);
     let (gates, gate_writer) = reflector::store::<NodeGate>();
     let (trigger_tx, trigger_rx) = mpsc::unbounded_channel::<ObjectRef<GateNode>>();
     let agents = AgentIndex::default();
@@ -260,7 +261,7 @@ pub async fn run(
     let status_loop = status_loop(ctx.clone());
     let main = controller
         .reconcile_on(triggers)
-        .graceful_shutdown_on(shutdown)
+        .graceful_shutdown_on(shutdown.clone())
         .run(reconcile_counted, error_policy, ctx)
         .for_each(|r| {
             match r {
@@ -272,6 +273,7 @@ pub async fn run(
             }
             futures::future::ready(())
         });
+    let main = crate::drain::until_drained(main, shutdown);
     tokio::select! {
         _ = main => {},
         _ = gate_stream => {},

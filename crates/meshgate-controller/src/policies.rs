@@ -161,6 +161,7 @@ pub async fn run_with(
     settings: Settings,
     shutdown: impl Future<Output = ()> + Send + Sync + 'static,
 ) {
+    let shutdown = futures::FutureExt::shared(shutdown);
     let events = Events::new(client.clone());
     // Leadership gained: every policy is looked at again (those already observed are skipped).
     let gained = leader.gains();
@@ -170,20 +171,20 @@ pub async fn run_with(
         events,
         settings,
     });
-    Controller::new(
+    let work = Controller::new(
         Api::<MutationPolicy>::all(client),
         watcher::Config::default(),
     )
     .reconcile_all_on(gained)
-    .graceful_shutdown_on(shutdown)
+    .graceful_shutdown_on(shutdown.clone())
     .run(reconcile, error_policy, ctx)
     .for_each(|r| {
         if let Err(e) = r {
             tracing::debug!(error = %e, "policy reconcile failed");
         }
         futures::future::ready(())
-    })
-    .await;
+    });
+    crate::drain::until_drained(work, shutdown).await;
 }
 
 fn error_policy(policy: Arc<MutationPolicy>, err: &Error, _ctx: Arc<Ctx>) -> Action {
