@@ -113,6 +113,11 @@ enum Command {
         /// How long to wait for the controller's pods to stop.
         #[arg(long, default_value = "120s", value_parser = parse_duration)]
         wait: std::time::Duration,
+        /// The Helm release that installed meshgate (the chart's uninstall hook passes it):
+        /// Helm labels its objects `app.kubernetes.io/managed-by: Helm` and annotates them with
+        /// the release; with it, those are removed too.
+        #[arg(long)]
+        helm_release: Option<String>,
         /// Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster).
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
@@ -523,8 +528,20 @@ async fn run_command(command: Command) -> anyhow::Result<()> {
             namespace,
             crds,
             wait,
+            helm_release,
             kubeconfig,
-        } => uninstall(namespace, crds, wait, kubeconfig).await,
+        } => {
+            uninstall(
+                meshgate::uninstall::UninstallOptions {
+                    namespace,
+                    crds,
+                    wait,
+                    helm_release,
+                },
+                kubeconfig,
+            )
+            .await
+        }
         Command::Import {
             from:
                 ImportFrom::Kyverno {
@@ -953,17 +970,10 @@ async fn check(namespace: &str, output: &str, kubeconfig: Option<PathBuf>) -> an
 
 /// `meshgate uninstall`.
 async fn uninstall(
-    namespace: String,
-    crds: bool,
-    wait: Duration,
+    options: meshgate::uninstall::UninstallOptions,
     kubeconfig: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     let client = client_for(kubeconfig).await?;
-    let options = meshgate::uninstall::UninstallOptions {
-        namespace,
-        crds,
-        wait,
-    };
     meshgate::uninstall::uninstall(&client, &options, |line| eprintln!("{line}")).await?;
     eprintln!("meshgate is uninstalled");
     Ok(())

@@ -6,8 +6,9 @@
 //!    going away, whatever its failure policy) and the MutatingAdmissionPolicies and bindings
 //!    (the node taint at registration, native policies): from here on nothing new is gated or
 //!    tainted.
-//! 2. The controller and the webhook (their Deployments in the install namespace), and a wait
-//!    until the controller's pods are gone: a running controller would put taints back.
+//! 2. The controller and the webhook (their Deployments in the install namespace, then their
+//!    ReplicaSets and pods, without waiting for the garbage collector), and a wait until the
+//!    controller's pods are gone: a running controller would put taints back.
 //! 3. Every node: the taints meshgate owns (`meshgate_core::nodegate::uninstall_taints`: a
 //!    NodeGate's key that is in meshgate's domain or recorded as added by meshgate; a taint that
 //!    another component put on is left), its bookkeeping annotations, and the gate resources it
@@ -18,6 +19,10 @@
 //!    the ClusterRoles and ClusterRoleBindings, and the namespace itself when `install` made it.
 //! 5. With `--crds`: meshgate's CustomResourceDefinitions, and with them every NodeGate and
 //!    MutationPolicy. Without it, policies and gates stay (they are the user's).
+//!
+//! Objects are meshgate's by their label `app.kubernetes.io/managed-by: meshgate`; Helm relabels
+//! what it installs `Helm`, so for a Helm release `--helm-release` names the release whose
+//! objects (by Helm's annotations) are meshgate's too (the chart's pre-delete hook passes it).
 //!
 //! Every step tolerates what is already gone, so running it again finishes an interrupted run and
 //! then does nothing.
@@ -42,6 +47,48 @@ pub struct UninstallOptions {
     pub crds: bool,
     /// How long to wait for the controller's pods to go.
     pub wait: Duration,
+    /// The Helm release that installed meshgate (the chart's uninstall hook gives it): its
+    /// objects are meshgate's too. Helm labels what it creates `app.kubernetes.io/managed-by:
+    /// Helm`, over the chart's `meshgate`, and annotates it with the release.
+    pub helm_release: Option<String>,
+}
+
+/// Which objects are meshgate's: labelled `app.kubernetes.io/managed-by: meshgate`, or, for a
+/// Helm release, labelled `Helm` and annotated as that release's (not its hooks).
+#[derive(Clone, Copy, Debug)]
+struct Ours<'a> {
+    namespace: &'a str,
+    helm_release: Option<&'a str>,
+}
+
+impl Ours<'_> {
+    fn selector(self) -> &'static str {
+        if self.helm_release.is_some() {
+            "app.kubernetes.io/managed-by in (meshgate,Helm)"
+        } else {
+            MANAGED
+        }
+    }
+
+    fn claims(self, meta: &kube::api::ObjectMeta) -> bool {
+        let label = meta.labels.as_ref().and_then(|l| l.get(names::MANAGED_BY));
+        let annotation = |key: &str| {
+            meta.annotations
+                .as_ref()
+                .and_then(|a| a.get(key))
+                .map(String::as_str)
+        };
+        match label.map(String::as_str) {
+            Some("meshgate") => true,
+            Some("Helm") => {
+                self.helm_release.is_some()
+                    && annotation("meta.helm.sh/release-name") == self.helm_release
+                    && annotation("meta.helm.sh/release-namespace") == Some(self.namespace)
+                    && annotation("helm.sh/hook").is_none()
+            }
+            _ => false,
+        }
+    }
 }
 
 const MANAGED: &str = "app.kubernetes.io/managed-by=meshgate";
@@ -96,20 +143,24 @@ fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource
     )
 }
 
-/// Deletes every object `api` lists with meshgate's label; returns how many.
+/// Deletes every object of meshgate's (`ours`) that `api` lists; returns how many.
 async fn delete_labelled(
     api: &Api<DynamicObject>,
+    ours: Ours<'_>,
     what: &str,
     progress: &mut impl FnMut(&str),
 ) -> anyhow::Result<usize> {
-    let list = match api.list(&ListParams::default().labels(MANAGED)).await {
+    let list = match api
+        .list(&ListParams::default().labels(ours.selector()))
+        .await
+    {
         Ok(l) => l,
         // A kind the server does not serve has nothing of meshgate's.
         Err(kube::Error::Api(e)) if e.code == 404 => return Ok(0),
         Err(e) => return Err(anyhow::anyhow!("listing {what}: {e}")),
     };
     let mut n = 0;
-    for obj in list.items {
+    for obj in list.items.into_iter().filter(|o| ours.claims(&o.metadata)) {
         let name = obj.name_any();
         match api.delete(&name, &DeleteParams::background()).await {
             Ok(_) => {
@@ -130,6 +181,10 @@ pub async fn uninstall(
     mut progress: impl FnMut(&str),
 ) -> anyhow::Result<()> {
     let ns = o.namespace.as_str();
+    let ours = Ours {
+        namespace: ns,
+        helm_release: o.helm_release.as_deref(),
+    };
     // 1. Admission registrations.
     let mwc = resource(
         "admissionregistration.k8s.io",
@@ -139,16 +194,17 @@ pub async fn uninstall(
     );
     delete_labelled(
         &Api::all_with(client.clone(), &mwc),
+        ours,
         "MutatingWebhookConfiguration",
         &mut progress,
     )
     .await?;
-    delete_admission_policies(client, &mut progress).await?;
+    delete_admission_policies(client, ours, &mut progress).await?;
     // 2. The components, and the controller's pods gone.
-    stop_components(client, o, &mut progress).await?;
+    stop_components(client, o, ours, &mut progress).await?;
     // The controller writes the native gate's policy (its routes) until it is gone: whatever
     // it wrote after step 1 goes now.
-    delete_admission_policies(client, &mut progress).await?;
+    delete_admission_policies(client, ours, &mut progress).await?;
     // 3. Nodes, then the gates' finalizers.
     // Not served (CRDs never installed, or just deleted: discovery can still list the group for
     // a moment, whose endpoint then answers 404): no gates.
@@ -168,11 +224,17 @@ pub async fn uninstall(
         ("DeviceClass", "deviceclasses"),
     ] {
         let ar = resource("resource.k8s.io", "v1", kind, plural);
-        delete_labelled(&Api::all_with(client.clone(), &ar), kind, &mut progress).await?;
+        delete_labelled(
+            &Api::all_with(client.clone(), &ar),
+            ours,
+            kind,
+            &mut progress,
+        )
+        .await?;
     }
     remove_finalizers(client, &gates, &mut progress).await?;
     // 4. The rest.
-    delete_the_rest(client, ns, &mut progress).await?;
+    delete_the_rest(client, ns, ours, &mut progress).await?;
     // 5. CRDs.
     if o.crds {
         delete_crds(client, &mut progress).await?;
@@ -185,35 +247,80 @@ pub async fn uninstall(
 async fn stop_components(
     client: &kube::Client,
     o: &UninstallOptions,
+    ours: Ours<'_>,
     progress: &mut impl FnMut(&str),
 ) -> anyhow::Result<()> {
     let ns = o.namespace.as_str();
     let deployments = resource("apps", "v1", "Deployment", "deployments");
     delete_labelled(
         &Api::namespaced_with(client.clone(), ns, &deployments),
+        ours,
         "Deployment",
         progress,
     )
     .await?;
+    // Their ReplicaSets and pods too, without waiting for the garbage collector (which may be
+    // slow to act, or not run): a ReplicaSet first, so that nothing recreates a pod.
+    for (kind, plural) in [("ReplicaSet", "replicasets"), ("Pod", "pods")] {
+        let group = if kind == "Pod" { "" } else { "apps" };
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(client.clone(), ns, &resource(group, "v1", kind, plural));
+        for obj in api
+            .list_metadata(&ListParams::default().labels(COMPONENTS))
+            .await?
+            .items
+        {
+            let name = obj.name_any();
+            if obj.metadata.deletion_timestamp.is_some() {
+                continue;
+            }
+            match api.delete(&name, &DeleteParams::background()).await {
+                Ok(_) => progress(&format!("deleted {kind} {name}")),
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(anyhow::anyhow!("deleting {kind} {name}: {e}")),
+            }
+        }
+    }
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let controller_pods = ListParams::default()
         .labels("app.kubernetes.io/name=meshgate,app.kubernetes.io/component=controller");
     let deadline = tokio::time::Instant::now() + o.wait;
     loop {
-        let left = pods.list_metadata(&controller_pods).await?.items.len();
-        if left == 0 {
+        let left: Vec<String> = pods
+            .list_metadata(&controller_pods)
+            .await?
+            .items
+            .iter()
+            .map(|p| {
+                format!(
+                    "{}{}",
+                    p.name_any(),
+                    if p.metadata.deletion_timestamp.is_some() {
+                        " (terminating)"
+                    } else {
+                        ""
+                    }
+                )
+            })
+            .collect();
+        if left.is_empty() {
             break;
         }
         if tokio::time::Instant::now() >= deadline {
             anyhow::bail!(
-                "{left} controller pod(s) still running in {ns} after {:?}; nothing on the nodes was changed (run uninstall again)",
-                o.wait
+                "controller pod(s) still running in {ns} after {:?}: {}; nothing on the nodes was changed (run uninstall again)",
+                o.wait,
+                left.join(", ")
             );
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     Ok(())
 }
+
+/// The pods (and ReplicaSets) of meshgate's webhook and controller Deployments.
+const COMPONENTS: &str =
+    "app.kubernetes.io/name=meshgate,app.kubernetes.io/component in (webhook,controller)";
 
 /// On every node, the taints, annotations and gate resources meshgate owns.
 async fn clean_nodes(
@@ -301,12 +408,14 @@ async fn remove_finalizers(
 async fn delete_the_rest(
     client: &kube::Client,
     ns: &str,
+    ours: Ours<'_>,
     progress: &mut impl FnMut(&str),
 ) -> anyhow::Result<()> {
     for (g, v, kind, plural) in NAMESPACED {
         let ar = resource(g, v, kind, plural);
         delete_labelled(
             &Api::namespaced_with(client.clone(), ns, &ar),
+            ours,
             kind,
             progress,
         )
@@ -314,7 +423,7 @@ async fn delete_the_rest(
     }
     for (g, v, kind, plural) in CLUSTER {
         let ar = resource(g, v, kind, plural);
-        delete_labelled(&Api::all_with(client.clone(), &ar), kind, progress).await?;
+        delete_labelled(&Api::all_with(client.clone(), &ar), ours, kind, progress).await?;
     }
     let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
     if let Some(n) = namespaces.get_opt(ns).await?
@@ -345,6 +454,7 @@ async fn delete_crds(client: &kube::Client, progress: &mut impl FnMut(&str)) -> 
 /// policies), in every version the API server may serve.
 async fn delete_admission_policies(
     client: &kube::Client,
+    ours: Ours<'_>,
     progress: &mut impl FnMut(&str),
 ) -> anyhow::Result<()> {
     for version in ["v1", "v1beta1"] {
@@ -356,7 +466,7 @@ async fn delete_admission_policies(
             ("MutatingAdmissionPolicy", "mutatingadmissionpolicies"),
         ] {
             let ar = resource("admissionregistration.k8s.io", version, kind, plural);
-            delete_labelled(&Api::all_with(client.clone(), &ar), kind, progress).await?;
+            delete_labelled(&Api::all_with(client.clone(), &ar), ours, kind, progress).await?;
         }
     }
     Ok(())

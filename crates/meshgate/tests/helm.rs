@@ -54,7 +54,14 @@ fn run(program: &Path, args: &[&str]) -> String {
 /// The documents of a YAML stream, sorted by kind, namespace and name, without nulls and the
 /// Namespace (Helm's `--create-namespace`); the gate configuration parsed (it is compared as
 /// data).
+/// The objects of a YAML stream, sorted, without Helm hooks (see [`is_hook`]).
 fn objects(yaml: &str) -> Vec<Value> {
+    let mut docs = objects_with_hooks(yaml);
+    docs.retain(|d| !is_hook(d));
+    docs
+}
+
+fn objects_with_hooks(yaml: &str) -> Vec<Value> {
     let mut docs: Vec<Value> = meshgate_api::yaml::documents(yaml)
         .expect("YAML")
         .into_iter()
@@ -77,7 +84,20 @@ fn objects(yaml: &str) -> Vec<Value> {
     docs
 }
 
+/// What `helm template` renders but `meshgate install` has no part in: Helm hooks (the
+/// uninstall hook: `meshgate uninstall` is the CLI's own command).
+fn is_hook(doc: &Value) -> bool {
+    !doc["metadata"]["annotations"]["helm.sh/hook"].is_null()
+}
+
+/// `helm template` without its hooks.
 fn template(sets: &[String]) -> Vec<Value> {
+    let mut docs = template_all(sets);
+    docs.retain(|d| !is_hook(d));
+    docs
+}
+
+fn template_all(sets: &[String]) -> Vec<Value> {
     let chart = chart();
     let mut args = vec![
         "template",
@@ -90,7 +110,7 @@ fn template(sets: &[String]) -> Vec<Value> {
     for s in sets {
         args.extend(["--set", s.as_str()]);
     }
-    objects(&run(&helm(), &args))
+    objects_with_hooks(&run(&helm(), &args))
 }
 
 fn install(args: &[String]) -> Vec<Value> {
@@ -174,7 +194,8 @@ fn lint_passes_and_the_templates_stay_small() {
         );
         lines += text.lines().count();
     }
-    assert!(lines < 1000, "the templates have {lines} lines");
+    // About 900 lines of objects and helpers, and the uninstall hook (a Job and its RBAC).
+    assert!(lines < 1100, "the templates have {lines} lines");
     // An archive ready to push to an OCI registry.
     let out = tempfile::tempdir().expect("dir");
     let said = run(
@@ -317,6 +338,90 @@ fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
     docs.iter()
         .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
         .unwrap_or_else(|| panic!("{kind}/{name} rendered"))
+}
+
+/// The uninstall hook: Helm runs `meshgate uninstall` for the release's namespace before it
+/// deletes anything, on the controller's placement (so on nodes meshgate's taint holds), under
+/// RBAC of its own that `meshgate uninstall` does not delete (no `managed-by: meshgate` label);
+/// `uninstallHook.enabled=false` renders none of it.
+#[test]
+fn the_uninstall_hook_runs_meshgate_uninstall_before_helm_deletes() {
+    let hooks: Vec<Value> = template_all(&["uninstallHook.timeoutSeconds=45".to_owned()])
+        .into_iter()
+        .filter(is_hook)
+        .collect();
+    let kinds: Vec<String> = hooks
+        .iter()
+        .map(|d| {
+            format!(
+                "{}/{}",
+                d["kind"].as_str().unwrap_or_default(),
+                d["metadata"]["name"].as_str().unwrap_or_default()
+            )
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "ClusterRole/meshgate-uninstall",
+            "ClusterRoleBinding/meshgate-uninstall",
+            "Job/meshgate-uninstall",
+            "Role/meshgate-uninstall",
+            "RoleBinding/meshgate-uninstall",
+            "ServiceAccount/meshgate-uninstall",
+        ]
+    );
+    for d in &hooks {
+        let annotations = &d["metadata"]["annotations"];
+        assert_eq!(annotations["helm.sh/hook"], "pre-delete", "{d}");
+        assert_eq!(
+            annotations["helm.sh/hook-delete-policy"], "before-hook-creation,hook-succeeded",
+            "{d}"
+        );
+        assert!(
+            d["metadata"]["labels"][meshgate_api::names::MANAGED_BY].is_null(),
+            "meshgate uninstall would delete the hook's own {}: {d}",
+            d["kind"]
+        );
+        // The Job only after its identity and grants exist.
+        let weight: i32 = annotations["helm.sh/hook-weight"]
+            .as_str()
+            .and_then(|w| w.parse().ok())
+            .expect("a weight");
+        assert_eq!(weight < 0, d["kind"] != "Job", "{d}");
+    }
+    let job = find(&hooks, "Job", "meshgate-uninstall");
+    let pod = &job["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "meshgate-uninstall");
+    assert_eq!(pod["restartPolicy"], "Never");
+    let args = &pod["containers"][0]["args"];
+    assert_eq!(
+        args.as_array().expect("args")[..7],
+        [
+            json!("uninstall"),
+            json!("--namespace"),
+            json!(NS),
+            json!("--wait"),
+            json!("45s"),
+            json!("--helm-release"),
+            json!("meshgate")
+        ]
+    );
+    let controller = find(&template(&[]), "Deployment", "meshgate-controller").clone();
+    assert_eq!(
+        pod["tolerations"], controller["spec"]["template"]["spec"]["tolerations"],
+        "the hook runs where the controller runs, on nodes meshgate's taint holds"
+    );
+    assert_eq!(
+        pod["containers"][0]["image"],
+        controller["spec"]["template"]["spec"]["containers"][0]["image"]
+    );
+    assert!(
+        template_all(&["uninstallHook.enabled=false".to_owned()])
+            .iter()
+            .all(|d| !is_hook(d)),
+        "no hook when it is turned off"
+    );
 }
 
 #[test]

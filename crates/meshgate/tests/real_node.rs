@@ -27,6 +27,9 @@
 //!     replacement runs.
 //!   - No component's log shows a refused request; in the ambient install (a healthy run)
 //!     none logs an ERROR or WARN line.
+//! * meshgate installed with the real Helm (the chart, from meshgate's image), a node held by
+//!   its taint: `helm uninstall` runs the chart's pre-delete hook (`meshgate uninstall` in a Job
+//!   on that node) and leaves no taint, NodeGate or grant behind.
 //!
 //! Needs root, the node binaries (`MESHGATE_NODE_BIN`, from tools/node/build.sh, which the test
 //! runs when the variable is unset) and the packages of tools/node/packages.sh. Without them
@@ -2111,4 +2114,232 @@ async fn wait_slice(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Runs the real Helm against the control plane; panics with its output on failure.
+fn helm_on(cp: &meshgate_testenv::ControlPlane, args: &[&str]) -> String {
+    match helm_try(cp, args) {
+        Ok(text) => text,
+        Err(text) => panic!("helm {}: {text}", args.join(" ")),
+    }
+}
+
+/// Runs the real Helm against the control plane: its output, as an error when it failed.
+fn helm_try(cp: &meshgate_testenv::ControlPlane, args: &[&str]) -> Result<String, String> {
+    let helm = meshgate_testenv::helm().expect("helm (MESHGATE_HELM, else tools/helm/build.sh)");
+    let kubeconfig = cp.kubeconfig_path.display().to_string();
+    let out = std::process::Command::new(&helm)
+        .args(args)
+        .args(["--kubeconfig", kubeconfig.as_str()])
+        .output()
+        .expect("helm runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.success() {
+        Ok(text)
+    } else {
+        Err(text)
+    }
+}
+
+/// `helm uninstall` of a release whose gate holds a node: the chart's pre-delete hook runs
+/// `meshgate uninstall` in a Job on that node (it tolerates meshgate's taint) under the hook's
+/// own ServiceAccount and RBAC, before Helm deletes the controller. Afterwards no NodeGate is
+/// left (none stuck Terminating on its finalizer), the node carries no taint or annotation of
+/// meshgate's, and nothing of the release (hook included) is left.
+#[tokio::test]
+async fn helm_uninstall_takes_the_gate_off_the_nodes_before_it_deletes_the_controller() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+    use k8s_openapi::api::rbac::v1::ClusterRole;
+    use kube::api::ListParams;
+    use meshgate_testenv::image::MESHGATE_IMAGE;
+
+    if !can_run() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cp = serving_control_plane().await;
+    let client = cp.client().await.expect("client");
+    let chart =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/helm/meshgate");
+    let (registry, rest) = MESHGATE_IMAGE
+        .split_once('/')
+        .expect("registry/repository:tag");
+    let (repository, tag) = rest.split_once(':').expect("repository:tag");
+    let sets = [
+        format!("image.registry={registry}"),
+        format!("image.repository={repository}"),
+        format!("image.tag={tag}"),
+        "image.pullPolicy=Never".to_owned(),
+    ];
+    let mut args = vec![
+        "install",
+        "meshgate",
+        chart.to_str().expect("chart path"),
+        "--namespace",
+        "meshgate-system",
+        "--create-namespace",
+    ];
+    for s in &sets {
+        args.extend(["--set-string", s.as_str()]);
+    }
+    args.extend([
+        "--set",
+        "webhook.replicas=1",
+        "--set",
+        "controller.replicas=1",
+    ]);
+    helm_on(&cp, &args);
+    let nodes: Api<Node> = Api::all(client.clone());
+    wait_node_taint_policy(&nodes).await;
+    // kube-proxy: the hook's pod reaches the API server through the `kubernetes` Service.
+    let node = RealNode::start(
+        &cp,
+        NodeOptions {
+            proxy: true,
+            ..NodeOptions::default()
+        },
+    )
+    .await
+    .expect("the real node starts");
+    wait_meshgate_ready(&client, &node).await;
+    // No mesh agent runs: the gate holds the node.
+    let held = taint_keys(&nodes.get(node.name()).await.expect("node"));
+    assert!(
+        held.iter()
+            .any(|k| k == meshgate_api::names::STARTUP_TAINT_KEY),
+        "the node is held by meshgate's taint: {held:?}"
+    );
+
+    let started = Instant::now();
+    let said = match helm_try(
+        &cp,
+        &[
+            "uninstall",
+            "meshgate",
+            "--namespace",
+            "meshgate-system",
+            "--wait",
+            "--timeout",
+            "4m",
+        ],
+    ) {
+        Ok(said) => said,
+        Err(said) => panic!(
+            "helm uninstall: {said}\nthe hook's Job: {:?}\nReplicaSets: {:?}\npods: {}\nthe hook's log:\n{}\nkubelet:\n{}",
+            Api::<k8s_openapi::api::batch::v1::Job>::namespaced(client.clone(), "meshgate-system")
+                .get_opt("meshgate-uninstall")
+                .await
+                .ok()
+                .flatten()
+                .and_then(|j| j.status),
+            Api::<k8s_openapi::api::apps::v1::ReplicaSet>::namespaced(
+                client.clone(),
+                "meshgate-system"
+            )
+            .list_metadata(&ListParams::default())
+            .await
+            .map(|l| l
+                .items
+                .into_iter()
+                .map(|r| (
+                    r.metadata.name,
+                    r.metadata.deletion_timestamp,
+                    r.metadata.owner_references
+                ))
+                .collect::<Vec<_>>()),
+            pod_statuses(&client, "meshgate-system").await,
+            last_lines(
+                &component_logs(&client, &node, "app.kubernetes.io/component=uninstall").await,
+                200
+            ),
+            node.log_tail("kubelet", 20)
+        ),
+    };
+    let took = started.elapsed();
+
+    let gates = Api::<meshgate_api::NodeGate>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .expect("gates")
+        .items;
+    let left: Vec<String> = gates
+        .iter()
+        .map(|g| {
+            format!(
+                "{} (deleting: {})",
+                g.metadata.name.as_deref().unwrap_or_default(),
+                g.metadata.deletion_timestamp.is_some()
+            )
+        })
+        .collect();
+    assert!(
+        left.is_empty(),
+        "NodeGates left after helm uninstall: {left:?}\nhelm: {said}"
+    );
+    let after = nodes.get(node.name()).await.expect("node");
+    let taints = taint_keys(&after);
+    assert!(
+        !taints
+            .iter()
+            .any(|k| k == meshgate_api::names::STARTUP_TAINT_KEY),
+        "meshgate's taint left on the node: {taints:?}\nhelm: {said}"
+    );
+    let annotations: Vec<&String> = after
+        .metadata
+        .annotations
+        .iter()
+        .flatten()
+        .map(|(k, _)| k)
+        .filter(|k| k.starts_with("meshgate.dev/"))
+        .collect();
+    assert!(
+        annotations.is_empty(),
+        "meshgate's annotations left on the node: {annotations:?}"
+    );
+    let ours = ListParams::default().labels("app.kubernetes.io/name=meshgate");
+    let roles = Api::<ClusterRole>::all(client.clone())
+        .list_metadata(&ours)
+        .await
+        .expect("cluster roles")
+        .items;
+    assert!(
+        roles.is_empty(),
+        "ClusterRoles left: {:?}",
+        roles
+            .iter()
+            .map(|r| r.metadata.name.clone())
+            .collect::<Vec<_>>()
+    );
+    for (what, empty) in [
+        (
+            "Deployments",
+            Api::<Deployment>::namespaced(client.clone(), "meshgate-system")
+                .list_metadata(&ours)
+                .await
+                .expect("deployments")
+                .items
+                .is_empty(),
+        ),
+        (
+            "ServiceAccounts (the hook's included)",
+            Api::<ServiceAccount>::namespaced(client.clone(), "meshgate-system")
+                .list_metadata(&ours)
+                .await
+                .expect("service accounts")
+                .items
+                .is_empty(),
+        ),
+    ] {
+        assert!(empty, "{what} of meshgate's left in meshgate-system");
+    }
+    eprintln!(
+        "measured: helm uninstall with the node held by the gate took {took:.2?}; the node's taints after: {taints:?}"
+    );
+    drop(client);
+    tear_down(cp, node).await;
 }

@@ -135,3 +135,18 @@ resources:
 securityContext:
   {{- toYaml .securityContext | nindent 2 }}
 {{- end -}}
+
+{{/* The uninstall hook's metadata. Arguments: dict "root" $ "weight" "cluster" (scope). */}}
+{{- define "meshgate.uninstallHookMeta" -}}
+annotations:
+  helm.sh/hook: pre-delete
+  helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+  helm.sh/hook-weight: {{ .weight | quote }}
+labels:
+  app.kubernetes.io/component: uninstall
+  app.kubernetes.io/name: meshgate
+name: meshgate-uninstall
+{{- if not .cluster }}
+namespace: {{ .root.Release.Namespace }}
+{{- end }}
+{{- end -}}
