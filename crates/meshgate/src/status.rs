@@ -158,19 +158,33 @@ pub async fn collect(client: &kube::Client) -> anyhow::Result<Status> {
     })
 }
 
-/// Which path taints nodes at registration (see docs/design.md, "Taint at registration").
+/// Which path taints nodes at registration (see docs/design.md, "Taint at registration"): the
+/// node-taint admission policies (labelled with their gate, which Helm keeps) in the version the
+/// API server serves (`v1beta1` on 1.34 and 1.35), else the webhook's node rule.
 async fn node_taint_path(client: &kube::Client, webhooks: &[WebhookRow]) -> String {
-    use k8s_openapi::api::admissionregistration::v1::MutatingAdmissionPolicy;
-    let policies: Vec<String> = Api::<MutatingAdmissionPolicy>::all(client.clone())
-        .list(&ListParams::default().labels("app.kubernetes.io/managed-by=meshgate"))
-        .await
-        .map(|l| {
-            l.items
-                .into_iter()
-                .filter_map(|p| p.metadata.name)
-                .collect()
-        })
-        .unwrap_or_default();
+    let policies: Vec<String> = match crate::discovery::policy_api(client).await {
+        Some(api) => {
+            let (group, version) = api
+                .api_version()
+                .split_once('/')
+                .unwrap_or(("admissionregistration.k8s.io", "v1"));
+            let resource = kube::api::ApiResource::from_gvk_with_plural(
+                &kube::api::GroupVersionKind::gvk(group, version, "MutatingAdmissionPolicy"),
+                "mutatingadmissionpolicies",
+            );
+            Api::<kube::api::DynamicObject>::all_with(client.clone(), &resource)
+                .list_metadata(&ListParams::default().labels("meshgate.dev/node-gate"))
+                .await
+                .map(|l| {
+                    l.items
+                        .into_iter()
+                        .filter_map(|p| p.metadata.name)
+                        .collect()
+                })
+                .unwrap_or_default()
+        }
+        None => Vec::new(),
+    };
     if !policies.is_empty() {
         format!("admission policy ({})", policies.join(", "))
     } else if webhooks.iter().any(|w| w.webhook.starts_with("nodes.")) {

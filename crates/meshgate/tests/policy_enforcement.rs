@@ -175,6 +175,16 @@ async fn check_passes_where_the_api_server_runs_the_node_taint_policy() {
     let checks = registration_checks(&cp);
     assert_eq!(checks.len(), 1, "{checks:?}");
     assert_eq!(checks[0]["ok"], true, "{checks:?}");
+    // `meshgate status` names the policy in the version served (v1beta1 on 1.34 and 1.35).
+    let out = meshgate_on(&cp, &["status"]);
+    let status = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        status.contains(
+            "NODE TAINT AT REGISTRATION: admission policy (meshgate-node-taint-mesh-agents)"
+        ),
+        "{status}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Each minor as it comes by default: 1.34 and 1.35 serve no policy API (its beta is off), so
