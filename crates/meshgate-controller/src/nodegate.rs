@@ -771,6 +771,14 @@ async fn apply(
     Ok(node)
 }
 
+/// A failed write to node `name`.
+fn write_error(name: &str) -> impl Fn(kube::Error) -> Error + '_ {
+    move |source| Error::Write {
+        node: name.to_owned(),
+        source,
+    }
+}
+
 /// Marks when the node's agents became ready (the gate's own mark, and the node's if it has
 /// none).
 async fn mark_ready(
@@ -782,10 +790,7 @@ async fn mark_ready(
 ) -> Result<GateNode, Error> {
     let name = node.name_any();
     let pp = PatchParams::default();
-    let write_err = |source| Error::Write {
-        node: name.clone(),
-        source,
-    };
+    let write_err = write_error(&name);
     let ts = k8s_openapi::jiff::Timestamp::from_second(since)
         .unwrap_or_default()
         .to_string();
@@ -827,10 +832,7 @@ async fn apply_taint(
     let name = node.name_any();
     let spec = &gate.spec;
     let pp = PatchParams::default();
-    let write_err = |source| Error::Write {
-        node: name.clone(),
-        source,
-    };
+    let write_err = write_error(&name);
     if let Some(want) = d.taint
         && has_taint(spec, taints) != want
     {
@@ -842,7 +844,7 @@ async fn apply_taint(
                 node = api
                     .patch(&name, &pp, &Patch::Merge(&p))
                     .await
-                    .map_err(write_err)?;
+                    .map_err(&write_err)?;
             }
             // From the node as this reconcile last wrote it (the annotation patch returns it
             // whole), conditional on that: its taints, or, with none, its resourceVersion.
@@ -906,10 +908,7 @@ async fn apply_resource(
     let name = node.name_any();
     let spec = &gate.spec;
     let pp = PatchParams::default();
-    let write_err = |source| Error::Write {
-        node: name.clone(),
-        source,
-    };
+    let write_err = write_error(&name);
     let dra = ctx.dra.provider(gate) == Ok(ResourceProvider::Dra);
     if let Some(res) = &spec.resource {
         // The other provider's offer goes: a node that advertises the name natively is served
@@ -923,13 +922,13 @@ async fn apply_resource(
                     &Patch::Merge(&resource_patch(&res.name, 0, false)),
                 )
                 .await
-                .map_err(write_err)?;
+                .map_err(&write_err)?;
         }
         if !dra && res.provider == ResourceProvider::Dra && ctx.dra.has_slice(gate, &name) {
             ctx.dra
                 .write_slice(&ctx.client, gate, &node, false)
                 .await
-                .map_err(write_err)?;
+                .map_err(&write_err)?;
         }
     }
     if let (Some(want), Some(res)) = (d.resource, &spec.resource) {

@@ -604,30 +604,17 @@ async fn webhook(args: WebhookArgs) -> anyhow::Result<()> {
 }
 
 async fn node(args: NodeArgs) -> anyhow::Result<()> {
-    let NodeArgs {
-        driver,
-        kubelet_root,
-        cni_conf_dir,
-        cni_plugin,
-        ready_urls,
-        prepare_wait,
-        poll,
-        health_addr,
-    } = args;
-    meshgate_node::run(
-        meshgate_node::Settings {
-            driver,
-            kubelet_root,
-            cni_conf_dir,
-            cni_plugin,
-            ready_urls,
-            prepare_wait,
-            poll,
-            health_addr,
-        },
-        run::shutdown_signal(),
-    )
-    .await?;
+    let settings = meshgate_node::Settings {
+        driver: args.driver,
+        kubelet_root: args.kubelet_root,
+        cni_conf_dir: args.cni_conf_dir,
+        cni_plugin: args.cni_plugin,
+        ready_urls: args.ready_urls,
+        prepare_wait: args.prepare_wait,
+        poll: args.poll,
+        health_addr: args.health_addr,
+    };
+    meshgate_node::run(settings, run::shutdown_signal()).await?;
     Ok(())
 }
 
