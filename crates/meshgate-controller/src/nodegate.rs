@@ -771,6 +771,18 @@ async fn apply(
     Ok(node)
 }
 
+/// `err`, with the failed write counted under `op`.
+fn counted<'a>(
+    ctx: &'a Ctx,
+    op: &'static str,
+    err: &'a impl Fn(kube::Error) -> Error,
+) -> impl FnOnce(kube::Error) -> Error + 'a {
+    move |e| {
+        count(ctx, true, op);
+        err(e)
+    }
+}
+
 /// A failed write to node `name`.
 fn write_error(name: &str) -> impl Fn(kube::Error) -> Error + '_ {
     move |source| Error::Write {
@@ -812,10 +824,7 @@ async fn mark_ready(
     node = api
         .patch(&name, &pp, &Patch::Merge(&patch))
         .await
-        .map_err(|e| {
-            count(ctx, true, "mark-ready");
-            write_err(e)
-        })?;
+        .map_err(counted(ctx, "mark-ready", &write_err))?;
     count(ctx, false, "mark-ready");
     Ok(node)
 }
@@ -854,10 +863,7 @@ async fn apply_taint(
                 node = api
                     .patch(&name, &pp, &Patch::<()>::Json(json_patch(patch)?))
                     .await
-                    .map_err(|e| {
-                        count(ctx, true, "taint");
-                        write_err(e)
-                    })?;
+                    .map_err(counted(ctx, "taint", &write_err))?;
                 count(ctx, false, "taint");
             }
         } else if may_remove(spec, node.metadata.annotations.as_ref().unwrap_or(&empty)) {
@@ -937,19 +943,13 @@ async fn apply_resource(
             ctx.dra
                 .write_slice(&ctx.client, gate, &node, want)
                 .await
-                .map_err(|e| {
-                    count(ctx, true, op);
-                    write_err(e)
-                })?;
+                .map_err(counted(ctx, op, &write_err))?;
         } else {
             let patch = resource_patch(&res.name, res.count, want);
             node = api
                 .patch_status(&name, &pp, &Patch::Merge(&patch))
                 .await
-                .map_err(|e| {
-                    count(ctx, true, op);
-                    write_err(e)
-                })?;
+                .map_err(counted(ctx, op, &write_err))?;
         }
         count(ctx, false, op);
         let via = if dra { " (ResourceSlice)" } else { "" };
