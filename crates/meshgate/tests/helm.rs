@@ -22,6 +22,9 @@ use serde_json::{Value, json};
 
 const NS: &str = "meshgate-system";
 const IMAGE: &str = "registry.invalid/meshgate:v9";
+/// What offline `helm template` renders for (the chart's `kubeVersion` refuses Helm's default,
+/// 1.20): the control plane's minor.
+const KUBE_VERSION: &str = "1.36.3";
 
 fn helm() -> PathBuf {
     meshgate_testenv::helm().expect("helm (MESHGATE_HELM, else tools/helm/build.sh)")
@@ -101,6 +104,8 @@ fn template_all(sets: &[String]) -> Vec<Value> {
     let chart = chart();
     let mut args = vec![
         "template",
+        "--kube-version",
+        KUBE_VERSION,
         "meshgate",
         chart.to_str().expect("path"),
         "--namespace",
@@ -318,6 +323,8 @@ fn template_equals_install_for_every_option() {
             &helm(),
             &[
                 "template",
+                "--kube-version",
+                KUBE_VERSION,
                 "meshgate",
                 dir,
                 "--namespace",
@@ -477,6 +484,8 @@ serviceMonitor: {{enabled: true, interval: 15s, labels: {{release: prometheus}}}
         &helm(),
         &[
             "template",
+            "--kube-version",
+            KUBE_VERSION,
             "meshgate",
             chart.to_str().expect("path"),
             "--namespace",
@@ -576,6 +585,40 @@ serviceMonitor: {{enabled: true, interval: 15s, labels: {{release: prometheus}}}
     assert_eq!(config["initGate"]["imagePullPolicy"], "Always");
 }
 
+/// The chart says which Kubernetes it is for: Helm refuses it on a cluster older than the
+/// oldest minor meshgate is tested on (1.34), and takes it on each tested minor.
+#[test]
+fn the_chart_refuses_a_kubernetes_older_than_it_supports() {
+    let chart = chart();
+    let template = |version: &str| {
+        output(
+            &helm(),
+            &[
+                "template",
+                "meshgate",
+                chart.to_str().expect("path"),
+                "--kube-version",
+                version,
+            ],
+        )
+    };
+    let out = template("1.33.5");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "rendered for 1.33");
+    assert!(
+        err.contains("kubeVersion") && err.contains(">=1.34.0-0"),
+        "{err}"
+    );
+    for version in ["1.34.0", "1.35.4", "1.36.3", "1.37.2"] {
+        let out = template(version);
+        assert!(
+            out.status.success(),
+            "{version}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 #[test]
 fn the_schema_refuses_unknown_and_mistyped_values() {
     let chart = chart();
@@ -592,6 +635,8 @@ fn the_schema_refuses_unknown_and_mistyped_values() {
             &helm(),
             &[
                 "template",
+                "--kube-version",
+                KUBE_VERSION,
                 "meshgate",
                 chart.to_str().expect("path"),
                 "--set",
