@@ -271,6 +271,23 @@ impl ControlPlane {
     /// Starts etcd and kube-apiserver (and kube-scheduler if asked) and waits until the API
     /// server is ready.
     pub async fn start(options: Options) -> Result<Self, Error> {
+        // Ports are picked free, then bound by the component: a process of another test may
+        // take one in between. A component that exits on a port in use is started again, on
+        // new ports.
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(options.clone()).await {
+                Err(Error::Exited { log, .. })
+                    if attempt < 3 && log.contains("address already in use") =>
+                {
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(options: Options) -> Result<Self, Error> {
         let bin = tokio::task::spawn_blocking(binaries)
             .await
             .map_err(|e| Error::Kubeconfig(e.to_string()))??;
