@@ -144,7 +144,7 @@ fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource
 }
 
 /// Deletes every object of meshgate's (`ours`) that `api` lists; returns how many.
-async fn delete_labelled(
+async fn delete_ours(
     api: &Api<DynamicObject>,
     ours: Ours<'_>,
     what: &str,
@@ -185,6 +185,9 @@ pub async fn uninstall(
         namespace: ns,
         helm_release: o.helm_release.as_deref(),
     };
+    if o.helm_release.is_none() {
+        refuse_a_helm_release(client).await?;
+    }
     // 1. Admission registrations.
     let mwc = resource(
         "admissionregistration.k8s.io",
@@ -192,7 +195,7 @@ pub async fn uninstall(
         "MutatingWebhookConfiguration",
         "mutatingwebhookconfigurations",
     );
-    delete_labelled(
+    delete_ours(
         &Api::all_with(client.clone(), &mwc),
         ours,
         "MutatingWebhookConfiguration",
@@ -224,7 +227,7 @@ pub async fn uninstall(
         ("DeviceClass", "deviceclasses"),
     ] {
         let ar = resource("resource.k8s.io", "v1", kind, plural);
-        delete_labelled(
+        delete_ours(
             &Api::all_with(client.clone(), &ar),
             ours,
             kind,
@@ -252,7 +255,7 @@ async fn stop_components(
 ) -> anyhow::Result<()> {
     let ns = o.namespace.as_str();
     let deployments = resource("apps", "v1", "Deployment", "deployments");
-    delete_labelled(
+    delete_ours(
         &Api::namespaced_with(client.clone(), ns, &deployments),
         ours,
         "Deployment",
@@ -413,7 +416,7 @@ async fn delete_the_rest(
 ) -> anyhow::Result<()> {
     for (g, v, kind, plural) in NAMESPACED {
         let ar = resource(g, v, kind, plural);
-        delete_labelled(
+        delete_ours(
             &Api::namespaced_with(client.clone(), ns, &ar),
             ours,
             kind,
@@ -423,7 +426,7 @@ async fn delete_the_rest(
     }
     for (g, v, kind, plural) in CLUSTER {
         let ar = resource(g, v, kind, plural);
-        delete_labelled(&Api::all_with(client.clone(), &ar), ours, kind, progress).await?;
+        delete_ours(&Api::all_with(client.clone(), &ar), ours, kind, progress).await?;
     }
     let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
     if let Some(n) = namespaces.get_opt(ns).await?
@@ -450,6 +453,24 @@ async fn delete_crds(client: &kube::Client, progress: &mut impl FnMut(&str)) -> 
     Ok(())
 }
 
+/// Fails, naming the release, where Helm installed meshgate: without `--helm-release` none of
+/// the release's objects would be taken as meshgate's (Helm labels them its own), and the
+/// controller would be left running.
+async fn refuse_a_helm_release(client: &kube::Client) -> anyhow::Result<()> {
+    let mwcs: Api<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration> =
+        Api::all(client.clone());
+    let Some(mwc) = mwcs.get_opt("meshgate").await? else {
+        return Ok(());
+    };
+    let helm = mwc.labels().get(names::MANAGED_BY).map(String::as_str) == Some("Helm");
+    match mwc.annotations().get("meta.helm.sh/release-name") {
+        Some(release) if helm => anyhow::bail!(
+            "meshgate was installed by Helm release {release}: run `helm uninstall {release}` (its hook runs this command), or pass --helm-release {release}"
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// Deletes meshgate's MutatingAdmissionPolicies and bindings (node taint, native gate, native
 /// policies), in every version the API server may serve.
 async fn delete_admission_policies(
@@ -466,7 +487,7 @@ async fn delete_admission_policies(
             ("MutatingAdmissionPolicy", "mutatingadmissionpolicies"),
         ] {
             let ar = resource("admissionregistration.k8s.io", version, kind, plural);
-            delete_labelled(&Api::all_with(client.clone(), &ar), ours, kind, progress).await?;
+            delete_ours(&Api::all_with(client.clone(), &ar), ours, kind, progress).await?;
         }
     }
     Ok(())

@@ -857,6 +857,16 @@ async fn install_and_upgrade_keep_the_ca_and_the_gates() {
         "the key recorded as meshgate's at CREATE"
     );
     controller.finish().await;
+    // Helm labels the release's objects its own: `meshgate uninstall` without the release
+    // would find none of them, so it refuses, naming the release.
+    let out = meshgate_on(&cp, &["uninstall", "--namespace", NS]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "uninstall ran: {said}");
+    assert!(
+        said.contains("installed by Helm release meshgate")
+            && said.contains("--helm-release meshgate"),
+        "{said}"
+    );
 }
 
 /// The chart at `481bbe6` (generated templates, the gate keyed
