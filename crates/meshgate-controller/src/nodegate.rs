@@ -38,7 +38,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use meshgate_api::node_gate::{NodeGateStatus, ResourceProvider};
-use meshgate_api::{GateNode, NodeGate, names};
+use meshgate_api::{GateNode, NodeGate};
 use meshgate_core::nodegate::{
     AgentState, NodeDecision, NodeState, Offer, decide_node, has_taint, is_retainted, may_remove,
     node_condition, orphaned_taints, owned_annotation_patch, resource_patch, selects,
@@ -560,7 +560,7 @@ async fn reconcile(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> 
         if gate.spec.dry_run {
             return Ok(Action::requeue(requeue));
         }
-        remove_taint(&ctx, &api, &node, gate, &taints).await?;
+        remove_taint(&ctx, &api, &node, gate, &taints, &BTreeMap::new()).await?;
         tracing::info!(node = %name, taint = %key, "removed the taint of a gate that no longer selects the node");
         // One write per reconcile: the next one starts from a fresh read.
         return Ok(Action::requeue(Duration::from_millis(10)));
@@ -575,7 +575,7 @@ async fn reconcile(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     {
         let mut old = (**gate).clone();
         old.spec.taint.key.clone_from(key);
-        remove_taint(&ctx, &api, &node, &old, &taints).await?;
+        remove_taint(&ctx, &api, &node, &old, &taints, &BTreeMap::new()).await?;
         tracing::info!(node = %name, taint = %key, gate = %gate.name_any(), "removed a taint key of meshgate's that no gate holds any more; the gate's own key holds the node now");
         return Ok(Action::requeue(Duration::from_millis(10)));
     }
@@ -704,11 +704,31 @@ async fn remove_taint(
     node: &GateNode,
     gate: &NodeGate,
     taints: &[k8s_openapi::api::core::v1::Taint],
+    marks: &BTreeMap<String, String>,
 ) -> Result<GateNode, Error> {
     let name = node.name_any();
-    let empty = BTreeMap::new();
-    let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
+    let write_err = write_error(&name);
+    // One write where it can be: the release, its ready marks and the ownership record.
+    if let Some(patch) = meshgate_core::nodegate::release_patch(&gate.spec, node, marks) {
+        let node = api
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::<()>::Json(json_patch(patch)?),
+            )
+            .await
+            .map_err(counted(ctx, "untaint", &write_err))?;
+        count(ctx, false, "untaint");
+        if !marks.is_empty() {
+            count(ctx, false, "mark-ready");
+        }
+        return Ok(node);
+    }
     let mut node = node.clone();
+    if !marks.is_empty() {
+        node = mark_ready(ctx, api, node, marks).await?;
+    }
+    let annotations = node.metadata.annotations.clone().unwrap_or_default();
     // Conditional on the node as read: its taints (or, with none, its resourceVersion).
     let rv = node.metadata.resource_version.clone().unwrap_or_default();
     if let Some(patch) = taint_patch(&gate.spec, taints, &rv, false) {
@@ -719,23 +739,14 @@ async fn remove_taint(
                 &Patch::<()>::Json(json_patch(patch)?),
             )
             .await
-            .map_err(|source| {
-                count(ctx, true, "untaint");
-                Error::Write {
-                    node: name.clone(),
-                    source,
-                }
-            })?;
+            .map_err(counted(ctx, "untaint", &write_err))?;
         count(ctx, false, "untaint");
     }
-    if let Some(p) = owned_annotation_patch(&gate.spec.taint.key, annotations, false) {
+    if let Some(p) = owned_annotation_patch(&gate.spec.taint.key, &annotations, false) {
         node = api
             .patch(&name, &PatchParams::default(), &Patch::Merge(&p))
             .await
-            .map_err(|source| Error::Write {
-                node: name.clone(),
-                source,
-            })?;
+            .map_err(&write_err)?;
     }
     Ok(node)
 }
@@ -760,10 +771,24 @@ async fn apply(
     states: &[AgentState],
     d: &NodeDecision,
 ) -> Result<GateNode, Error> {
-    if let Some(since) = d.mark_ready_since {
-        node = mark_ready(ctx, api, gate, node, since).await?;
+    let empty = BTreeMap::new();
+    let annotations = node.metadata.annotations.as_ref().unwrap_or(&empty);
+    let marks = d.mark_ready_since.map_or_else(BTreeMap::new, |since| {
+        let ts = k8s_openapi::jiff::Timestamp::from_second(since)
+            .unwrap_or_default()
+            .to_string();
+        meshgate_core::nodegate::ready_marks(&gate.name_any(), annotations, &ts)
+    });
+    // A release writes the marks with the untaint (the bootstrap mark a re-taint rests on lands
+    // with it); otherwise they go first, alone.
+    let releases = d.taint == Some(false)
+        && has_taint(&gate.spec, taints)
+        && may_remove(&gate.spec, annotations);
+    if !releases && !marks.is_empty() {
+        node = mark_ready(ctx, api, node, &marks).await?;
     }
-    node = apply_taint(ctx, api, gate, node, taints, d).await?;
+    let marks = if releases { marks } else { BTreeMap::new() };
+    node = apply_taint(ctx, api, gate, node, taints, d, &marks).await?;
     node = apply_resource(ctx, api, gate, node, d).await?;
     if d.state != NodeState::Ignored {
         node = publish_condition(ctx, api, gate, node, states, d).await?;
@@ -791,38 +816,18 @@ fn write_error(name: &str) -> impl Fn(kube::Error) -> Error + '_ {
     }
 }
 
-/// Marks when the node's agents became ready (the gate's own mark, and the node's if it has
-/// none).
+/// Marks when the node's agents became ready ([`meshgate_core::nodegate::ready_marks`]).
 async fn mark_ready(
     ctx: &Ctx,
     api: &Api<GateNode>,
-    gate: &NodeGate,
-    mut node: GateNode,
-    since: i64,
+    node: GateNode,
+    marks: &BTreeMap<String, String>,
 ) -> Result<GateNode, Error> {
     let name = node.name_any();
-    let pp = PatchParams::default();
     let write_err = write_error(&name);
-    let ts = k8s_openapi::jiff::Timestamp::from_second(since)
-        .unwrap_or_default()
-        .to_string();
-    // The gate's own mark, and the node's (the first gate's time) if it has none.
-    let mut marks = serde_json::Map::new();
-    marks.insert(
-        meshgate_core::nodegate::ready_since_key(&gate.name_any()),
-        ts.clone().into(),
-    );
-    if !node
-        .metadata
-        .annotations
-        .as_ref()
-        .is_some_and(|a| a.contains_key(names::NODE_READY_SINCE))
-    {
-        marks.insert(names::NODE_READY_SINCE.to_owned(), ts.into());
-    }
     let patch = serde_json::json!({"metadata": {"annotations": marks}});
-    node = api
-        .patch(&name, &pp, &Patch::Merge(&patch))
+    let node = api
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map_err(counted(ctx, "mark-ready", &write_err))?;
     count(ctx, false, "mark-ready");
@@ -837,6 +842,7 @@ async fn apply_taint(
     mut node: GateNode,
     taints: &[k8s_openapi::api::core::v1::Taint],
     d: &NodeDecision,
+    marks: &BTreeMap<String, String>,
 ) -> Result<GateNode, Error> {
     let name = node.name_any();
     let spec = &gate.spec;
@@ -867,7 +873,7 @@ async fn apply_taint(
                 count(ctx, false, "taint");
             }
         } else if may_remove(spec, node.metadata.annotations.as_ref().unwrap_or(&empty)) {
-            node = remove_taint(ctx, api, &node, gate, taints).await?;
+            node = remove_taint(ctx, api, &node, gate, taints, marks).await?;
             if let Some(since) = d.ready_since {
                 let waited = (crate::now_precise() - since as f64).max(0.0);
                 ctx.metrics.ready_to_untaint.observe(waited);
@@ -1075,7 +1081,7 @@ async fn finalize(ctx: &Ctx, gate: &NodeGate) -> Result<(), Error> {
             && meshgate_core::nodegate::owns_key(&gate.spec.taint.key, annotations)
             && !shared(&|g| g.spec.taint.key == gate.spec.taint.key)
         {
-            current = remove_taint(ctx, &api, &current, gate, &taints).await?;
+            current = remove_taint(ctx, &api, &current, gate, &taints, &BTreeMap::new()).await?;
             event(
                 ctx,
                 &current.object_ref(&()),

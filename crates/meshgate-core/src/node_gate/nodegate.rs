@@ -651,6 +651,17 @@ pub fn owned_annotation_patch(
     annotations: &BTreeMap<String, String>,
     added: bool,
 ) -> Option<Value> {
+    let value = owned_after(key, annotations, added)?.map_or(Value::Null, Value::from);
+    Some(json!({"metadata": {"annotations": {OWNED_TAINTS: value}}}))
+}
+
+/// The ownership annotation's value after the gate's key is added or removed (`None` inside:
+/// the annotation goes); `None` when it does not change.
+fn owned_after(
+    key: &str,
+    annotations: &BTreeMap<String, String>,
+    added: bool,
+) -> Option<Option<String>> {
     if meshgate_api::in_domain(key) {
         return None;
     }
@@ -662,12 +673,64 @@ pub fn owned_annotation_patch(
     if added {
         owned.push(key);
     }
-    let value = if owned.is_empty() {
-        Value::Null
-    } else {
-        json!(owned.join(","))
-    };
-    Some(json!({"metadata": {"annotations": {OWNED_TAINTS: value}}}))
+    Some((!owned.is_empty()).then(|| owned.join(",")))
+}
+
+/// The marks a gate writes when its agents became ready at `since` (RFC 3339): its own
+/// ([`ready_since_key`]), and the node's (the first gate's time) if the node has none.
+pub fn ready_marks(
+    gate: &str,
+    annotations: &BTreeMap<String, String>,
+    since: &str,
+) -> BTreeMap<String, String> {
+    let mut marks = BTreeMap::from([(ready_since_key(gate), since.to_owned())]);
+    if !annotations.contains_key(meshgate_api::names::NODE_READY_SINCE) {
+        marks.insert(
+            meshgate_api::names::NODE_READY_SINCE.to_owned(),
+            since.to_owned(),
+        );
+    }
+    marks
+}
+
+/// The one JSON patch that releases a node: the gate's taint removed ([`taint_patch`], with its
+/// `test`), the ready `marks` added and the ownership record updated, so the release, the
+/// bootstrap mark it rests on and the record land together in one write. The record's change is
+/// conditional on its value as read (`test`). `None` when the taint is not there, or when the
+/// node has no annotations map (a JSON Patch cannot add a key to an absent map without
+/// replacing one that appeared since): the caller writes them apart.
+pub fn release_patch(
+    spec: &NodeGateSpec,
+    node: &GateNode,
+    marks: &BTreeMap<String, String>,
+) -> Option<JsonPatch> {
+    let annotations = node.metadata.annotations.as_ref()?;
+    let rv = node
+        .metadata
+        .resource_version
+        .as_deref()
+        .unwrap_or_default();
+    let mut patch = taint_patch(spec, node.taints(), rv, false)?;
+    let path = |k: &str| format!("/metadata/annotations/{}", crate::object::patch::escape(k));
+    for (k, v) in marks {
+        patch.add(path(k), json!(v));
+    }
+    if let (Some(owned), Some(read)) = (
+        owned_after(&spec.taint.key, annotations, false),
+        annotations.get(OWNED_TAINTS),
+    ) {
+        let at = path(OWNED_TAINTS);
+        patch
+            .0
+            .push(json!({"op": "test", "path": at, "value": read}));
+        match owned {
+            Some(v) => patch
+                .0
+                .push(json!({"op": "replace", "path": at, "value": v})),
+            None => patch.remove(at),
+        }
+    }
+    Some(patch)
 }
 
 /// The merge patch for the Node `status` subresource that advertises (`count` units) or
@@ -1239,6 +1302,73 @@ mod tests {
             p.0[1]["value"][0],
             json!({"key": "custom/key", "effect": "NoExecute"})
         );
+    }
+
+    #[test]
+    fn a_release_is_one_write_with_its_marks_and_record() {
+        let mut s = spec(GateMode::Bootstrap);
+        s.taint.key = "readiness.k8s.io/mesh-agents".into();
+        let ours = json!({"key": "readiness.k8s.io/mesh-agents", "effect": "NoSchedule"});
+        let read = |owned: &str| -> Value {
+            json!({"metadata": {"name": "n", "resourceVersion": "7",
+                                "annotations": {OWNED_TAINTS: owned, "other": "kept"}},
+                   "spec": {"taints": [foreign(), ours.clone()]}})
+        };
+        let node = |v: &Value| -> GateNode { serde_json::from_value(v.clone()).unwrap() };
+        let doc = read("readiness.k8s.io/mesh-agents");
+        let marks = ready_marks("g", &BTreeMap::new(), "2026-12-05T00:00:00Z");
+        assert_eq!(marks.len(), 2, "the gate's mark and the node's: {marks:?}");
+        let p = release_patch(&s, &node(&doc), &marks).unwrap();
+        let out = p.apply(&doc).unwrap();
+        assert_eq!(out["spec"]["taints"], json!([foreign()]));
+        let a = &out["metadata"]["annotations"];
+        assert_eq!(a[ready_since_key("g")], "2026-12-05T00:00:00Z");
+        assert_eq!(
+            a[meshgate_api::names::NODE_READY_SINCE],
+            "2026-12-05T00:00:00Z"
+        );
+        assert_eq!(a["other"], "kept");
+        assert!(
+            a.get(OWNED_TAINTS).is_none(),
+            "the record goes with the taint: {a}"
+        );
+        // Another key meshgate owns stays recorded.
+        let doc = read("example.com/x,readiness.k8s.io/mesh-agents");
+        let out = release_patch(&s, &node(&doc), &BTreeMap::new())
+            .unwrap()
+            .apply(&doc)
+            .unwrap();
+        assert_eq!(
+            out["metadata"]["annotations"][OWNED_TAINTS],
+            "example.com/x"
+        );
+        // Conditional on what was read: a taint list or a record that changed since fails it.
+        let p = release_patch(&s, &node(&doc), &marks).unwrap();
+        let mut moved = doc.clone();
+        moved["spec"]["taints"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"key": "new", "effect": "NoSchedule"}));
+        assert!(p.apply(&moved).is_err());
+        let mut moved = doc.clone();
+        moved["metadata"]["annotations"][OWNED_TAINTS] = json!("readiness.k8s.io/mesh-agents");
+        assert!(p.apply(&moved).is_err());
+        // No annotations map, or no taint to lift: written apart, or not at all.
+        let mut bare = doc.clone();
+        bare["metadata"]
+            .as_object_mut()
+            .unwrap()
+            .remove("annotations");
+        assert!(release_patch(&s, &node(&bare), &marks).is_none());
+        let mut lifted = doc.clone();
+        lifted["spec"]["taints"] = json!([foreign()]);
+        assert!(release_patch(&s, &node(&lifted), &marks).is_none());
+        // A node with the node-wide mark keeps its time: only the gate's own is written.
+        let had = BTreeMap::from([(
+            meshgate_api::names::NODE_READY_SINCE.to_owned(),
+            "earlier".to_owned(),
+        )]);
+        assert_eq!(ready_marks("g", &had, "now").len(), 1);
     }
 
     #[test]
