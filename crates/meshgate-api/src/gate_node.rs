@@ -45,6 +45,19 @@ pub struct GateNodeStatus {
     pub capacity: Option<BTreeMap<String, Quantity>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conditions: Option<Vec<NodeCondition>>,
+    #[serde(default, rename = "nodeInfo", skip_serializing_if = "Option::is_none")]
+    pub node_info: Option<GateNodeInfo>,
+}
+
+/// What the node says about its kubelet: its version (which DRA features it runs).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GateNodeInfo {
+    #[serde(
+        default,
+        rename = "kubeletVersion",
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub kubelet_version: String,
 }
 
 impl k8s_openapi::Resource for GateNode {
@@ -91,6 +104,15 @@ impl GateNode {
                 capacity.retain(|k, _| k == "pods" || crate::node_gate::is_extended_resource(k));
             }
         }
+    }
+
+    /// The version its kubelet reports (`status.nodeInfo.kubeletVersion`), where it says.
+    pub fn kubelet_version(&self) -> Option<&str> {
+        self.status
+            .as_ref()
+            .and_then(|s| s.node_info.as_ref())
+            .map(|i| i.kubelet_version.as_str())
+            .filter(|v| !v.is_empty())
     }
 
     /// The node's taints (none when it has no spec).

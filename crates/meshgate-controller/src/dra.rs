@@ -75,12 +75,31 @@ impl Dra {
     }
 
     /// How the gate's resource is offered on the node now.
-    pub fn offer(&self, gate: &NodeGate, node: &str) -> Offer {
-        match self.provider(gate) {
+    pub fn offer(&self, gate: &NodeGate, node: &GateNode) -> Offer {
+        match self.provider_on(gate, node) {
             Ok(ResourceProvider::Dra) => Offer::Dra {
-                slice: self.has_slice(gate, node),
+                slice: self.has_slice(gate, &node.name_any()),
             },
             _ => Offer::NodeStatus,
+        }
+    }
+
+    /// The provider in effect for the gate on `node`: the gate's ([`Dra::provider`]), except
+    /// that a DRA gate falls back to the node status on a node whose kubelet does not prepare
+    /// DRA claims for extended resources ([`meshgate_core::dra::kubelet_falls_back`]).
+    pub fn provider_on(
+        &self,
+        gate: &NodeGate,
+        node: &GateNode,
+    ) -> Result<ResourceProvider, String> {
+        match self.provider(gate) {
+            Ok(ResourceProvider::Dra) => {
+                match meshgate_core::dra::kubelet_falls_back(node.kubelet_version()) {
+                    Some(why) => Err(why),
+                    None => Ok(ResourceProvider::Dra),
+                }
+            }
+            other => other,
         }
     }
 

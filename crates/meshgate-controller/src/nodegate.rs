@@ -488,7 +488,7 @@ async fn reconcile(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> 
     let gates: Vec<Arc<NodeGate>> = ctx.gates.state().into_iter().filter(|g| live(g)).collect();
     for gate in &gates {
         let states = agent_states(&ctx.agents, gate, &node);
-        let offer = ctx.dra.offer(gate, &name);
+        let offer = ctx.dra.offer(gate, &node);
         let (taints, mut decision) = decide_node(
             &gate.name_any(),
             &gate.spec,
@@ -921,7 +921,8 @@ async fn apply_resource(
     let spec = &gate.spec;
     let pp = PatchParams::default();
     let write_err = write_error(&name);
-    let dra = ctx.dra.provider(gate) == Ok(ResourceProvider::Dra);
+    let provider = ctx.dra.provider_on(gate, &node);
+    let dra = provider == Ok(ResourceProvider::Dra);
     if let Some(res) = &spec.resource {
         // The other provider's offer goes: a node that advertises the name natively is served
         // natively (the scheduler prefers it, and the node plugin never sees the pod), and a
@@ -969,8 +970,12 @@ async fn apply_resource(
                         res.name
                     )
                 } else {
+                    let why = match &provider {
+                        Err(why) => format!(" in the node status: {why}"),
+                        Ok(_) => String::new(),
+                    };
                     format!(
-                        "node gate {}: advertising {}={}",
+                        "node gate {}: advertising {}={}{why}",
                         gate.name_any(),
                         res.name,
                         res.count
@@ -1350,7 +1355,7 @@ fn gate_status(
             generation,
         ));
     }
-    conditions.extend(resource_provider(ctx, gate, &old, generation));
+    conditions.extend(resource_provider(ctx, gate, all_nodes, &old, generation));
     if gate.spec.dry_run {
         conditions.push(condition(
             &old,
@@ -1394,7 +1399,7 @@ fn tally(
     for node in gate_nodes(gate, all_nodes) {
         status.nodes += 1;
         let states = agent_states(&ctx.agents, gate, node);
-        let offer = ctx.dra.offer(gate, &node.name_any());
+        let offer = ctx.dra.offer(gate, node);
         let (taints, d) = decide_node(&gate.name_any(), &gate.spec, node, &states, offer, now);
         let tainted = has_taint(&gate.spec, &taints);
         if tainted {
@@ -1491,6 +1496,7 @@ fn degraded(
 fn resource_provider(
     ctx: &Ctx,
     gate: &NodeGate,
+    all_nodes: &[Arc<GateNode>],
     old: &NodeGateStatus,
     generation: Option<i64>,
 ) -> Option<Condition> {
@@ -1500,15 +1506,30 @@ fn resource_provider(
         .as_ref()
         .filter(|r| r.provider == ResourceProvider::Dra)?;
     let (ok, reason, message) = match ctx.dra.provider(gate) {
-        Ok(_) => (
-            true,
-            "DRA",
-            format!(
-                "{} is offered through DRA: DeviceClass {} and a ResourceSlice per ready node; the node plugin confirms the mesh before each pod's sandbox",
-                res.name,
-                meshgate_core::dra::device_class_name(&gate.name_any())
-            ),
-        ),
+        Ok(_) => {
+            // Nodes whose kubelet does not prepare the claim carry the resource in their status.
+            let old_kubelets = gate_nodes(gate, all_nodes)
+                .filter(|n| ctx.dra.provider_on(gate, n).is_err())
+                .count();
+            let also = if old_kubelets == 0 {
+                String::new()
+            } else {
+                format!(
+                    "; {old_kubelets} node(s) whose kubelet is older than {}.{} advertise it in the node status instead",
+                    meshgate_core::dra::EXTENDED_RESOURCE_KUBELET.0,
+                    meshgate_core::dra::EXTENDED_RESOURCE_KUBELET.1
+                )
+            };
+            (
+                true,
+                "DRA",
+                format!(
+                    "{} is offered through DRA: DeviceClass {} and a ResourceSlice per ready node; the node plugin confirms the mesh before each pod's sandbox{also}",
+                    res.name,
+                    meshgate_core::dra::device_class_name(&gate.name_any())
+                ),
+            )
+        }
         Err(why) => (
             false,
             "NodeStatusFallback",

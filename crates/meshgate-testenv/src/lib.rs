@@ -780,9 +780,13 @@ pub async fn make_node_ready(client: &Client, name: &str) -> Result<(), Error> {
     use kube::api::{Patch, PatchParams};
     let nodes: Api<Node> = Api::all(client.clone());
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    // A kubelet of the API server's own version (what a DRA gate reads: which claims it
+    // prepares).
+    let version = client.apiserver_version().await?.git_version;
     let status = serde_json::json!({"status": {
         "capacity": {"cpu": "4", "memory": "8Gi", "pods": "110"},
         "allocatable": {"cpu": "4", "memory": "8Gi", "pods": "110"},
+        "nodeInfo": {"kubeletVersion": version, "operatingSystem": "linux", "architecture": "amd64"},
         "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                         "message": "meshgate-testenv", "lastHeartbeatTime": now,
                         "lastTransitionTime": now}],

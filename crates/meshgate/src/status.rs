@@ -293,12 +293,17 @@ pub async fn node_rows(
     now: i64,
 ) -> anyhow::Result<Vec<NodeRow>> {
     let slices = dra_slices(client, gates).await;
-    let offer = |g: &NodeGate, node: &str| match (&slices, &g.spec.resource) {
-        (Some(names), Some(r)) if r.provider == meshgate_api::node_gate::ResourceProvider::Dra => {
+    // As the controller decides: a DRA gate, where slices can be listed, on a node whose
+    // kubelet prepares the claim; the node status elsewhere.
+    let offer = |g: &NodeGate, node: &GateNode| match (&slices, &g.spec.resource) {
+        (Some(names), Some(r))
+            if r.provider == meshgate_api::node_gate::ResourceProvider::Dra
+                && meshgate_core::dra::kubelet_falls_back(node.kubelet_version()).is_none() =>
+        {
             meshgate_core::nodegate::Offer::Dra {
                 slice: names.contains(&meshgate_core::dra::slice_name(
                     g.metadata.name.as_deref().unwrap_or_default(),
-                    node,
+                    node.metadata.name.as_deref().unwrap_or_default(),
                 )),
             }
         }
@@ -338,13 +343,33 @@ pub async fn node_rows(
                     )
                 })
                 .collect();
-            let (taints, d) = decide_node(&g.name_any(), &g.spec, n, &agents, offer(g, &name), now);
+            let offered = offer(g, n);
+            let (taints, d) = decide_node(&g.name_any(), &g.spec, n, &agents, offered, now);
             let resource = g.spec.resource.as_ref().map(|r| {
-                n.status
+                let status = n
+                    .status
                     .as_ref()
                     .and_then(|s| s.capacity.as_ref())
                     .and_then(|c| c.get(&r.name))
-                    .map_or_else(|| "-".to_owned(), |q| q.0.clone())
+                    .map_or_else(|| "-".to_owned(), |q| q.0.clone());
+                match offered {
+                    meshgate_core::nodegate::Offer::Dra { slice: true } => "ResourceSlice".into(),
+                    meshgate_core::nodegate::Offer::Dra { slice: false } => status,
+                    // A DRA gate on a kubelet that does not prepare the claim: say why.
+                    meshgate_core::nodegate::Offer::NodeStatus
+                        if r.provider == meshgate_api::node_gate::ResourceProvider::Dra =>
+                    {
+                        if slices.is_some() {
+                            format!(
+                                "{status} (node status: kubelet {})",
+                                n.kubelet_version().unwrap_or("version unknown")
+                            )
+                        } else {
+                            format!("{status} (node status: DRA not served)")
+                        }
+                    }
+                    meshgate_core::nodegate::Offer::NodeStatus => status,
+                }
             });
             let ready_count = agents
                 .iter()

@@ -1159,3 +1159,155 @@ async fn a_dra_gate_falls_back_to_the_node_status_where_dra_extended_resources_a
     .await;
     assert!(slice_of(&client, pool, node).await.is_none(), "no slice");
 }
+
+/// A DRA gate on a node whose kubelet is older than 1.36 (it would admit the pod without
+/// preparing the scheduler's claim, so nothing would check the mesh): the resource is advertised
+/// in that node's status instead, with no slice, said in an Event on the node and in the gate's
+/// condition; the pod is served natively. When the kubelet is upgraded, the node gets a slice and
+/// loses the status resource.
+#[tokio::test]
+async fn a_dra_gate_serves_an_older_kubelet_through_the_node_status() {
+    use k8s_openapi::api::resource::v1::DeviceClass;
+    let (client, cp, _) = setup().await;
+    let agents_ns = cp.namespace("agents-oldkubelet", &[]).await.unwrap();
+    let apps_ns = cp.namespace("apps-oldkubelet", &[]).await.unwrap();
+    let pool = format!("old-{agents_ns}");
+    let resource = "old.example.com/mesh-ready";
+    create_gate(
+        &client,
+        &pool,
+        gate_spec(
+            &pool,
+            &agents_ns,
+            json!({"taintOnCreate": false, "mode": "Continuous", "gracePeriodSeconds": 0,
+                   "resource": {"name": resource, "provider": "DRA", "count": 40}}),
+        ),
+    )
+    .await;
+    let classes: Api<DeviceClass> = Api::all(client.clone());
+    let class_name = meshgate_core::dra::device_class_name(&pool);
+    wait_for(
+        "the gate's DeviceClass",
+        Duration::from_secs(30),
+        || async { classes.get_opt(&class_name).await.ok().flatten().is_some() },
+    )
+    .await;
+    if classes
+        .get(&class_name)
+        .await
+        .unwrap()
+        .spec
+        .extended_resource_name
+        .is_none()
+    {
+        eprintln!(
+            "skipped: Kubernetes 1.{} dropped extendedResourceName (the whole gate falls back)",
+            cp.minor
+        );
+        return;
+    }
+    let node = format!("{pool}-node");
+    create_node(&client, &node, &pool, &[]).await;
+    let nodes = Api::<Node>::all(client.clone());
+    let kubelet = |v: &str| json!({"status": {"nodeInfo": {"kubeletVersion": v}}});
+    nodes
+        .patch_status(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(kubelet("v1.35.4")),
+        )
+        .await
+        .unwrap();
+    node_plugin_pod(&client, &node, true).await;
+    agent(&client, &agents_ns, "cni", "cni", &node).await;
+    agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
+    set_ready(&client, &agents_ns, "cni", true).await;
+    set_ready(&client, &agents_ns, "proxy", true).await;
+    let capacity = |n: Node| {
+        n.status
+            .and_then(|s| s.capacity)
+            .unwrap_or_default()
+            .get(resource)
+            .map(|q| q.0.clone())
+    };
+    wait_for(
+        "the resource in the node status",
+        Duration::from_secs(30),
+        || async { capacity(nodes.get(&node).await.unwrap()).as_deref() == Some("40") },
+    )
+    .await;
+    assert!(
+        slice_of(&client, &pool, &node).await.is_none(),
+        "no slice for a kubelet that would not prepare its claim"
+    );
+    wait_for(
+        "the gate to count the node",
+        Duration::from_secs(30),
+        || async {
+            gate_condition(&client, &pool, "ResourceProvider")
+                .await
+                .is_some_and(|(s, r, m)| {
+                    s == "True"
+                        && r == "DRA"
+                        && m.contains("1 node(s) whose kubelet is older than 1.36")
+                })
+        },
+    )
+    .await;
+    let said = Api::<k8s_openapi::api::events::v1::Event>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.as_str()))
+        .filter_map(|e| e.note)
+        .find(|n| n.contains("in the node status"));
+    assert!(
+        said.as_deref().is_some_and(|n| n.contains("v1.35.4")),
+        "an Event on the node names its kubelet: {said:?}"
+    );
+    // A pod requesting the resource binds there, served natively (no claim).
+    let mut pod = mesh_pod("old-kubelet", &pool);
+    pod.spec.as_mut().unwrap().containers[0].resources = Some(
+        serde_json::from_value(json!({"requests": {resource: "1"}, "limits": {resource: "1"}}))
+            .unwrap(),
+    );
+    Api::<Pod>::namespaced(client.clone(), &apps_ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap();
+    wait_for("the pod to bind", Duration::from_secs(30), || async {
+        node_of(&client, &apps_ns, "old-kubelet").await.as_deref() == Some(node.as_str())
+    })
+    .await;
+    let p = Api::<Pod>::namespaced(client.clone(), &apps_ns)
+        .get("old-kubelet")
+        .await
+        .unwrap();
+    assert!(
+        p.status
+            .and_then(|s| s.extended_resource_claim_status)
+            .is_none(),
+        "served by the node status, not a claim"
+    );
+    // The kubelet is upgraded: a slice, and the status resource withdrawn.
+    nodes
+        .patch_status(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(kubelet("v1.36.3")),
+        )
+        .await
+        .unwrap();
+    wait_for("the node's slice", Duration::from_secs(30), || async {
+        slice_of(&client, &pool, &node).await.is_some()
+    })
+    .await;
+    wait_for(
+        "the status resource withdrawn",
+        Duration::from_secs(30),
+        || async { capacity(nodes.get(&node).await.unwrap()).is_none() },
+    )
+    .await;
+}

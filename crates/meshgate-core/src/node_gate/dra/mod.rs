@@ -33,6 +33,41 @@ pub const GATE_ATTRIBUTE: &str = "gate";
 /// Label on meshgate's slices and device classes: the gate that owns them.
 pub const GATE_LABEL: &str = "meshgate.dev/node-gate";
 
+/// The oldest kubelet (major, minor) that prepares the claim the scheduler makes for a pod's
+/// extended resource: the kubelet's `DRAExtendedResource` gate is alpha and off in 1.34 and 1.35
+/// (such a kubelet admits the pod without preparing its claim, so the node plugin's check never
+/// runs), beta and on in 1.36, GA in 1.37; a 1.33 kubelet speaks only `v1beta1` DRA and refuses
+/// the node plugin.
+pub const EXTENDED_RESOURCE_KUBELET: (u32, u32) = (1, 36);
+
+/// Why a DRA gate offers its resource in the node status on a node whose kubelet reports
+/// `version` (`status.nodeInfo.kubeletVersion`, e.g. `v1.35.4-eks-1`) instead of a
+/// `ResourceSlice`: a kubelet older than [`EXTENDED_RESOURCE_KUBELET`], or a version that does
+/// not say (the node status works on every kubelet). `None`: the kubelet prepares the claim.
+pub fn kubelet_falls_back(version: Option<&str>) -> Option<String> {
+    let (major, minor) = EXTENDED_RESOURCE_KUBELET;
+    let parsed = version.and_then(|v| {
+        let mut parts = v.strip_prefix('v').unwrap_or(v).split('.');
+        let ma: u32 = parts.next()?.parse().ok()?;
+        let digits: String = parts
+            .next()?
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        Some((ma, digits.parse::<u32>().ok()?))
+    });
+    match (version, parsed) {
+        (_, Some(v)) if v >= (major, minor) => None,
+        (Some(v), Some(_)) => Some(format!(
+            "its kubelet ({v}) is older than {major}.{minor} and does not prepare DRA claims for extended resources"
+        )),
+        (Some(v), None) => Some(format!(
+            "its kubelet's version ({v}) does not say whether it prepares DRA claims for extended resources"
+        )),
+        (None, _) => Some("the node does not report its kubelet's version".into()),
+    }
+}
+
 /// The `DeviceClass` of a gate.
 pub fn device_class_name(gate: &str) -> String {
     format!("{gate}.{}", names::DRA_DRIVER)
@@ -157,6 +192,27 @@ pub fn class_maps_resource(stored: &Value, resource: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_kubelet_that_prepares_extended_resource_claims_gets_a_slice() {
+        for v in [
+            "v1.36.3",
+            "v1.37.2",
+            "v1.36.0-eks-4f1b2c3",
+            "1.38.0",
+            "v2.0.0",
+        ] {
+            assert_eq!(kubelet_falls_back(Some(v)), None, "{v}");
+        }
+        for v in ["v1.35.4", "v1.34.0", "v1.33.9", "v1.35.4-gke.100"] {
+            let why = kubelet_falls_back(Some(v)).expect(v);
+            assert!(why.contains(v) && why.contains("older than 1.36"), "{why}");
+        }
+        // A version that does not say, or none: the node status, which every kubelet serves.
+        assert!(kubelet_falls_back(Some("fake")).unwrap().contains("fake"));
+        assert!(kubelet_falls_back(Some("v1.x")).is_some());
+        assert!(kubelet_falls_back(None).is_some());
+    }
 
     #[test]
     fn a_slice_offers_one_shared_device_of_the_gate_on_its_node() {
