@@ -47,6 +47,11 @@ pub const STATE_DIR: &str = "/run/meshgate-testenv-node";
 /// The environment variable naming the directory of kubelet, kube-controller-manager and
 /// kube-proxy (what `tools/node/build.sh` prints).
 pub const NODE_BIN_ENV: &str = "MESHGATE_NODE_BIN";
+/// The environment variable naming the directory of an older kubelet (what
+/// `MESHGATE_KUBELET_MINOR=<minor> tools/node/build.sh` prints): the node then runs that kubelet
+/// beside the default kube-controller-manager and kube-proxy (a kubelet older than its API
+/// server, as the version skew policy allows).
+pub const KUBELET_BIN_ENV: &str = "MESHGATE_KUBELET_BIN";
 /// The pods' subnet on `cni0`; kube-controller-manager's node IPAM gives the (first) node the
 /// same range from 10.244.0.0/16.
 pub const POD_CIDR: &str = "10.244.0.0/24";
@@ -96,6 +101,8 @@ impl Default for NodeOptions {
 pub struct NodeTools {
     /// kubelet, kube-controller-manager, kube-proxy.
     pub node_bin: PathBuf,
+    /// The kubelet the node runs: `node_bin`'s, or `MESHGATE_KUBELET_BIN`'s.
+    pub kubelet: PathBuf,
     pub containerd: PathBuf,
     pub ctr: PathBuf,
     pub nsenter: PathBuf,
@@ -169,11 +176,25 @@ pub fn prerequisites() -> Result<NodeTools, Error> {
             ));
         }
     }
+    let kubelet = match std::env::var_os(KUBELET_BIN_ENV) {
+        Some(dir) => {
+            let k = PathBuf::from(dir).join("kubelet");
+            if !k.is_file() {
+                missing.push(format!(
+                    "{} (from MESHGATE_KUBELET_MINOR=<minor> tools/node/build.sh; {KUBELET_BIN_ENV})",
+                    k.display()
+                ));
+            }
+            k
+        }
+        None => node_bin.join("kubelet"),
+    };
     if !missing.is_empty() {
         return Err(Error::NodeUnsupported(missing));
     }
     Ok(NodeTools {
         node_bin,
+        kubelet,
         containerd,
         ctr,
         nsenter,
@@ -699,7 +720,7 @@ impl RealNode {
 
     fn spawn_kubelet(&self) -> Result<Process, Error> {
         let path = host::child_path();
-        let kubelet = self.tools.node_bin.join("kubelet");
+        let kubelet = self.tools.kubelet.clone();
         let (program, args) = match self.node_init {
             // The kubelet in the node's namespaces: nsenter forks it there, and it dies with
             // nsenter (setpriv's parent-death signal).

@@ -2095,6 +2095,188 @@ async fn dra_gate_holds_pods_before_their_sandbox_and_lets_them_go_when_the_node
     tear_down(cp, node).await;
 }
 
+/// The DRA gate on the real node whose kubelet may be older than its API server (the version
+/// skew cells of `tools/test.sh`: `MESHGATE_KUBELET_BIN`, e.g. a 1.34 kubelet under a 1.37 API
+/// server): a mesh pod created before the agents are Ready is held by the scheduler and runs once
+/// they are, through the layer the node's kubelet supports — a `ResourceSlice` and the
+/// scheduler's claim where the kubelet prepares it (1.36+), the node status elsewhere (no slice,
+/// no claim) — and `meshgate status` says which.
+#[tokio::test]
+async fn dra_gate_guards_pods_by_the_layer_the_nodes_kubelet_supports() {
+    use k8s_openapi::api::core::v1::Node;
+    use k8s_openapi::api::resource::v1::ResourceSlice;
+    use meshgate_testenv::image::MESHGATE_IMAGE;
+
+    if !can_run() {
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let cp = serving_control_plane().await;
+    let client = cp.client().await.expect("client");
+    let node = RealNode::start(
+        &cp,
+        NodeOptions {
+            proxy: true,
+            ..NodeOptions::default()
+        },
+    )
+    .await
+    .expect("the real node starts");
+    let root = node.kubelet_root().display().to_string();
+    let conf = node.cni_conf_dir().display().to_string();
+    meshgate_cli(
+        &cp,
+        &[
+            "install",
+            "--profile",
+            "istio-ambient",
+            "--strategy",
+            "dra",
+            "--image",
+            MESHGATE_IMAGE,
+            "--kubelet-root",
+            &root,
+            "--cni-conf-dir",
+            &conf,
+            "--cni-plugin",
+            "mesh-cni",
+            "--apply",
+        ],
+    );
+    wait_meshgate_ready(&client, &node).await;
+    wait_node_plugin_ready(&client, &node).await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let kubelet = nodes
+        .get(node.name())
+        .await
+        .expect("node")
+        .status
+        .and_then(|s| s.node_info)
+        .map(|i| i.kubelet_version)
+        .unwrap_or_default();
+    let server = client
+        .apiserver_version()
+        .await
+        .expect("version")
+        .git_version;
+    let fallback = meshgate_core::dra::kubelet_falls_back(Some(&kubelet));
+    eprintln!("measured: kubelet {kubelet} under API server {server}: {fallback:?}");
+    // Read from the version, not from the rule under test: DRAExtendedResource is on in the
+    // kubelet from 1.36.
+    let minor: u32 = kubelet
+        .split('.')
+        .nth(1)
+        .and_then(|m| m.parse().ok())
+        .expect("the kubelet's minor");
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
+    let slice_name = meshgate_core::dra::slice_name("mesh-agents", node.name());
+    let resource = meshgate_api::names::DEFAULT_RESOURCE;
+    let advertised = || async {
+        nodes
+            .get(node.name())
+            .await
+            .expect("node")
+            .status
+            .and_then(|s| s.capacity)
+            .unwrap_or_default()
+            .contains_key(resource)
+    };
+
+    let ns = cp
+        .namespace("skew-app", &[AMBIENT])
+        .await
+        .expect("namespace");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    wait_webhook_mutates(&pods, "the webhook to give pods the gate resource", |p| {
+        p.spec.as_ref().is_some_and(|s| {
+            s.containers[0]
+                .resources
+                .as_ref()
+                .and_then(|r| r.requests.as_ref())
+                .is_some_and(|r| r.contains_key(resource))
+        })
+    })
+    .await;
+    pods.create(&PostParams::default(), &scheduled_pod("early"))
+        .await
+        .expect("pod");
+    wait_pod(
+        &pods,
+        &node,
+        "early",
+        "the scheduler to hold it",
+        Duration::from_secs(60),
+        unschedulable,
+    )
+    .await;
+    assert!(slices.get_opt(&slice_name).await.expect("slice").is_none());
+    assert!(
+        !advertised().await,
+        "no resource before the agents are Ready"
+    );
+
+    create_agents(&client, &node, Profile::IstioAmbient, 2).await;
+    let running = wait_pod(
+        &pods,
+        &node,
+        "early",
+        "Running",
+        Duration::from_secs(90),
+        |p| phase(p) == "Running",
+    )
+    .await;
+    let claim = running
+        .status
+        .as_ref()
+        .and_then(|s| s.extended_resource_claim_status.as_ref());
+    let status = meshgate_cli(&cp, &["status"]);
+    if minor < 36 {
+        assert!(
+            advertised().await,
+            "the node status carries the resource: {fallback:?}"
+        );
+        assert!(
+            slices.get_opt(&slice_name).await.expect("slice").is_none(),
+            "no slice"
+        );
+        assert!(
+            claim.is_none(),
+            "served by the node status, not a claim: {claim:?}"
+        );
+        assert!(
+            status.contains(&format!("(node status: kubelet {kubelet})")),
+            "meshgate status says the layer:\n{status}"
+        );
+    } else {
+        assert!(slices.get_opt(&slice_name).await.expect("slice").is_some());
+        assert!(!advertised().await, "no resource in the node status");
+        assert!(
+            claim.is_some(),
+            "the scheduler's claim: {:?}",
+            running.status
+        );
+        assert!(
+            status.contains("ResourceSlice"),
+            "meshgate status says the layer:\n{status}"
+        );
+    }
+    assert_eq!(
+        fallback.is_some(),
+        minor < 36,
+        "kubelet {kubelet}: {fallback:?}"
+    );
+    eprintln!(
+        "measured: layer on kubelet {kubelet}: {}",
+        if fallback.is_some() {
+            "node status"
+        } else {
+            "DRA"
+        }
+    );
+    assert_no_refused_requests(&client, &node).await;
+    tear_down(cp, node).await;
+}
+
 /// Waits until the slice exists with a uid other than `not` (a slice written again); returns it.
 async fn wait_slice(
     slices: &Api<k8s_openapi::api::resource::v1::ResourceSlice>,

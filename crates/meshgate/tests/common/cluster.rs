@@ -154,8 +154,14 @@ pub async fn wait_meshgate_ready(client: &kube::Client, node: &RealNode) {
     })
     .await;
     if ready.is_err() {
+        let mut logs = String::new();
+        for c in ["controller", "webhook"] {
+            let lines =
+                component_logs(client, node, &format!("app.kubernetes.io/component={c}")).await;
+            logs.push_str(&format!("{c} logs:\n{}\n", last_lines(&lines, 15)));
+        }
         panic!(
-            "meshgate's Deployments not Ready in 120 s ({last})\npods: {}\nkubelet:\n{}",
+            "meshgate's Deployments not Ready in 120 s ({last})\npods: {}\n{logs}kubelet:\n{}",
             pod_statuses(client, "meshgate-system").await,
             node.log_tail("kubelet", 30)
         );
