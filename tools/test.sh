@@ -30,10 +30,12 @@
 #    (MESHGATE_KUBE_MINOR=<minor> tools/controlplane/build.sh, about 3 min cold each after the
 #    default's build, on 2 cores). MESHGATE_MATRIX="1.34" picks the cells, MESHGATE_MATRIX=""
 #    runs none;
-# 5. kubelet version skew on the real node: a 1.34 kubelet under the 1.37 API server (the widest
-#    gap the skew policy allows) and a 1.35 under 1.36, each built once
-#    (MESHGATE_KUBELET_MINOR=<minor> tools/node/build.sh, about 30 s each once the default
-#    node's Go build is cached). MESHGATE_SKEW="1.37:1.34" picks the cells, "" runs none.
+# 5. other kubelets on the real node: a 1.34 kubelet under the 1.37 API server (the widest gap
+#    the skew policy allows), a 1.35 under 1.36 and a 1.37 under 1.37 (the default node runs
+#    1.36), each built once (MESHGATE_KUBELET_MINOR=<minor> tools/node/build.sh, 30-45 s each
+#    here once the control planes' Go builds are cached): the DRA gate's layer per kubelet, and
+#    whether the kubelet needs the node plugin's :authority rewrite. MESHGATE_SKEW="1.37:1.34"
+#    picks the cells, "" runs none.
 #
 # Env: MESHGATE_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate) holds the control plane,
 # the node binaries, yamlcheck, helm, the static test binaries (static-target) and, unless CARGO_TARGET_DIR is set,
@@ -41,7 +43,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 matrix=${MESHGATE_MATRIX-1.34 1.35 1.37}
-skew=${MESHGATE_SKEW-1.37:1.34 1.36:1.35}
+skew=${MESHGATE_SKEW-1.37:1.34 1.36:1.35 1.37:1.37}
 [ $# -eq 0 ] || { echo "test.sh: takes no arguments (got $*); see its header for the environment" >&2; exit 2; }
 cache=${MESHGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/meshgate}
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$cache/target}
@@ -128,9 +130,10 @@ for minor in $matrix; do
     cargo test --locked -p meshgate "${MATRIX_SUITES[@]}"
 done
 
-# Kubelets older than their API server, on the real node: each cell is <API server minor>:<kubelet
-# minor> (the kubelet built once by MESHGATE_KUBELET_MINOR=<minor> tools/node/build.sh, the rest
-# of the node the default's): the DRA gate guards pods by the layer that kubelet supports.
+# Other kubelets on the real node: each cell is <API server minor>:<kubelet minor> (the kubelet
+# built once by MESHGATE_KUBELET_MINOR=<minor> tools/node/build.sh, the rest of the node the
+# default's): the DRA gate guards pods by the layer that kubelet supports, and the kubelet's
+# registration client needs the node plugin's :authority rewrite.
 for cell in $skew; do
   api=${cell%%:*} kubelet=${cell##*:}
   step "Kubernetes $api with a $kubelet kubelet: the DRA gate on the real node"

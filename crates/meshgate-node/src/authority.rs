@@ -2,10 +2,15 @@
 //!
 //! The kubelet dials a plugin's registration socket with `grpc.DialContext(path)` and a unix
 //! dialer (`pkg/kubelet/pluginmanager/operationexecutor/operation_generator.go`, Kubernetes
-//! 1.36, grpc-go 1.79). grpc-go then sends the percent-encoded socket path as the request's
+//! 1.34 to 1.37, grpc-go 1.72 to 1.82). grpc-go then sends the percent-encoded socket path as the request's
 //! `:authority` (`%2Fvar%2Flib%2Fkubelet%2F...`). That is no valid authority (RFC 9113 §8.3.1
 //! asks for `host[:port]`), and the HTTP/2 server under tonic (`h2`) refuses the stream with
 //! `PROTOCOL_ERROR` ("malformed authority"), so the kubelet could never register the plugin.
+//! Asked of each kubelet on the real node (`real_node::dra_gate_guards_pods_by_the_layer_the_nodes_kubelet_supports`,
+//! 1.34.4, 1.35.4, 1.36.3, 1.37.2): a registration socket served without the rewrite fails
+//! `GetInfo` with `stream terminated by RST_STREAM with error code: PROTOCOL_ERROR`, the same
+//! socket through it is called. Only the registration socket has it: the kubelet dials the DRA
+//! socket by a `unix:` target (`grpc.NewClient`), for which grpc-go sends `localhost`.
 //!
 //! [`AuthorityRewrite`] sits between the socket and the server and rewrites, in each complete
 //! `HEADERS` frame the client sends, the value of every literal `:authority` field (static name

@@ -32,7 +32,7 @@
 // A shell's functions stay short (clippy.toml: too-many-lines-threshold).
 #![deny(clippy::too_many_lines)]
 
-mod authority;
+pub mod authority;
 mod grpc;
 mod health;
 mod http_probe;
@@ -235,10 +235,14 @@ async fn bind_socket(path: &Path, sockets: &mut Sockets) -> Result<UnixListener,
     Ok(listener)
 }
 
-/// The kubelet's connections to a socket, each read through [`authority::AuthorityRewrite`]
-/// (the kubelet's registration client sends the socket's path as the HTTP/2 authority, which
-/// the server refuses otherwise).
-fn kubelet_connections(
+/// The kubelet's connections to the registration socket, each read through
+/// [`authority::AuthorityRewrite`]: the kubelet's plugin watcher dials it with
+/// `grpc.DialContext(path)` (1.34 to 1.37), so grpc-go sends the socket's path as the HTTP/2
+/// authority, which the server refuses otherwise. The DRA socket needs no rewrite: the kubelet
+/// dials it by a `unix:` target (`grpc.NewClient`, 1.34 to 1.37), for which grpc-go sends
+/// `localhost`. `real_node::dra_gate_guards_pods_by_the_layer_the_nodes_kubelet_supports` asks
+/// each kubelet.
+fn registration_connections(
     listener: UnixListener,
 ) -> impl futures::Stream<Item = std::io::Result<authority::AuthorityRewrite<tokio::net::UnixStream>>>
 {
@@ -297,7 +301,7 @@ pub async fn run(
             ),
         )
         .serve_with_incoming_shutdown(
-            kubelet_connections(dra_listener),
+            UnixListenerStream::new(dra_listener),
             stopped(stop_rx.clone()),
         );
     let registration = tonic::transport::Server::builder()
@@ -306,7 +310,10 @@ pub async fn run(
                 state.clone(),
             ),
         )
-        .serve_with_incoming_shutdown(kubelet_connections(reg_listener), stopped(stop_rx.clone()));
+        .serve_with_incoming_shutdown(
+            registration_connections(reg_listener),
+            stopped(stop_rx.clone()),
+        );
     let http = axum::serve(http_listener, health::router(state.clone()))
         .with_graceful_shutdown(stopped(stop_rx.clone()));
     let stop = async move {

@@ -2273,8 +2273,92 @@ async fn dra_gate_guards_pods_by_the_layer_the_nodes_kubelet_supports() {
             "DRA"
         }
     );
+    // The node plugin's `:authority` rewrite on its registration socket: what this kubelet
+    // does without it, and with it.
+    let plain = kubelet_reaches_registration(&node, false).await;
+    eprintln!("measured: kubelet {kubelet}, a registration socket without the rewrite: {plain:?}");
+    assert!(
+        plain
+            .as_ref()
+            .is_err_and(|l| l.contains("PROTOCOL_ERROR") || l.contains("authority")),
+        "kubelet {kubelet} reached a plain registration socket: the rewrite is not needed ({plain:?})"
+    );
+    let rewritten = kubelet_reaches_registration(&node, true).await;
+    assert_eq!(rewritten, Ok(()), "kubelet {kubelet} through the rewrite");
     assert_no_refused_requests(&client, &node).await;
     tear_down(cp, node).await;
+}
+
+/// A registration socket of the test's own in the kubelet's `plugins_registry`: whether the
+/// node's kubelet reaches its `GetInfo` when the socket is served plainly by tonic, or through
+/// the node plugin's `:authority` rewrite (`rewrite`). `Ok` when the call arrived, `Err` with
+/// the kubelet's log line when it gave up on the socket first.
+async fn kubelet_reaches_registration(node: &RealNode, rewrite: bool) -> Result<(), String> {
+    use meshgate_node::proto::pluginregistration::registration_server::{
+        Registration, RegistrationServer,
+    };
+    use meshgate_node::proto::pluginregistration::{
+        InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+    };
+    use tokio_stream::StreamExt;
+    struct Probe(tokio::sync::mpsc::Sender<()>);
+    #[tonic::async_trait]
+    impl Registration for Probe {
+        async fn get_info(
+            &self,
+            _: tonic::Request<InfoRequest>,
+        ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
+            let _ = self.0.try_send(());
+            Err(tonic::Status::unavailable(
+                "a probe of meshgate's tests, not a plugin",
+            ))
+        }
+        async fn notify_registration_status(
+            &self,
+            _: tonic::Request<RegistrationStatus>,
+        ) -> Result<tonic::Response<RegistrationStatusResponse>, tonic::Status> {
+            Ok(tonic::Response::new(RegistrationStatusResponse {}))
+        }
+    }
+    let name = format!(
+        "meshgate-probe-{}-reg.sock",
+        if rewrite { "rewrite" } else { "plain" }
+    );
+    let path = node.kubelet_root().join("plugins_registry").join(&name);
+    let _ = std::fs::remove_file(&path);
+    let listener = tokio::net::UnixListener::bind(&path).expect("probe socket");
+    let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    let server =
+        tonic::transport::Server::builder().add_service(RegistrationServer::new(Probe(tx)));
+    let serving = if rewrite {
+        tokio::spawn(server.serve_with_incoming(
+            incoming.map(|c| c.map(meshgate_node::authority::AuthorityRewrite::new)),
+        ))
+    } else {
+        tokio::spawn(server.serve_with_incoming(incoming))
+    };
+    let t = Instant::now();
+    let outcome = loop {
+        if rx.try_recv().is_ok() {
+            break Ok(());
+        }
+        let log = node.log_tail("kubelet", 400);
+        if let Some(line) = log
+            .lines()
+            .find(|l| l.contains(&name) && l.contains("RegisterPlugin error"))
+        {
+            break Err(line.to_owned());
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the kubelet neither called {name} nor gave up on it in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    serving.abort();
+    let _ = std::fs::remove_file(&path);
+    outcome
 }
 
 /// Waits until the slice exists with a uid other than `not` (a slice written again); returns it.
