@@ -15,6 +15,11 @@
 //!   paused replica, resumed (SIGCONT), makes no write to the nodes or the gate (their
 //!   resourceVersions, read before each read of the lease) until it holds the lease again; it
 //!   logs that it stepped down, then does the work that waited. Prints the writes seen (0).
+//! * `the_retaint_budget_holds_across_a_failover`: a Continuous gate with `maxRetainted: 1` over
+//!   three nodes whose agents all fail: the leader re-taints one and defers two; it is killed,
+//!   the other replica takes the lease and reconciles the nodes (its own `RetaintDeferred`
+//!   Events, named by its `POD_NAME`), and the budget holds: never more than one node tainted.
+//!   The budget is counted from the nodes as the cluster shows them, so it is every replica's.
 //! * `webhook_sigterm_under_load`: the `meshgate webhook` process, registered with
 //!   `failurePolicy: Fail`, gets SIGTERM while 48 tasks create pods through the API server. Every
 //!   create that succeeded carries the gate. Every create that failed, failed to connect to the
@@ -194,11 +199,14 @@ async fn scene_with(controllers: Controllers) -> Scene {
                 .iter()
                 .map(|a| (*a).to_owned())
                 .collect();
+                let mut env = child_env(&cp, "info");
+                // As the chart's Downward API does: Events name the replica that wrote them.
+                env.push(("POD_NAME", std::ffi::OsStr::new(*identity)));
                 let process = ChildProcess::spawn(
                     &format!("meshgate controller {identity}"),
                     &meshgate_bin(),
                     &args,
-                    &child_env(&cp, "info"),
+                    &env,
                     &cp.dir().join(format!("controller-{identity}.log")),
                 );
                 replicas.push(Replica {
@@ -303,7 +311,8 @@ impl Scene {
             },
         )
         .await;
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        // The controller has processed the agents' states since the fault (it released
+        // `released`): `held` must still be held.
         assert_eq!(
             has_taint(&nodes, "held").await,
             Some(true),
@@ -432,6 +441,170 @@ async fn leader_crash_failover() {
 
     // Only the new leader is alive: it does the work, and `held` stays held.
     scene.converges().await;
+}
+
+/// The re-taint budget (`maxRetainted`) is counted from the nodes as the cluster shows them, not
+/// from a replica's memory: after every agent of a gate's three nodes fails, the leader re-taints
+/// one and defers two; it is killed, the other replica takes over, reconciles every node (its
+/// own `RetaintDeferred` Event for the two) and still re-taints none of them. A poller records
+/// the most nodes tainted at any moment.
+#[tokio::test]
+async fn the_retaint_budget_holds_across_a_failover() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let mut scene = scene_with(Controllers::Replicas(&["replica-a", "replica-b"])).await;
+    let client = scene.client.clone();
+    let ns = scene.lease_namespace.clone();
+    const KEY_BUDGET: &str = "example.com/budget-not-ready";
+    let key = KEY_BUDGET;
+    let gate: NodeGate = serde_json::from_value(json!({
+        "apiVersion": "meshgate.dev/v1alpha1", "kind": "NodeGate",
+        "metadata": {"name": "budget"},
+        "spec": {
+            "agents": [{"name": "cni", "namespace": "default", "selector": {"matchLabels": {"app": "budget-cni"}}}],
+            "nodeSelector": {"matchLabels": {"pool": "budget"}},
+            "taint": {"key": key}, "mode": "Continuous", "gracePeriodSeconds": 0, "maxRetainted": "1",
+        },
+    }))
+    .expect("gate");
+    Api::<NodeGate>::all(client.clone())
+        .create(&PostParams::default(), &gate)
+        .await
+        .expect("gate created");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let names: Vec<String> = (0..3).map(|i| format!("budget-{i}")).collect();
+    for n in &names {
+        let node: Node =
+            serde_json::from_value(json!({"metadata": {"name": n, "labels": {"pool": "budget"}}}))
+                .expect("node");
+        nodes
+            .create(&PostParams::default(), &node)
+            .await
+            .expect("node created");
+        meshgate_testenv::make_node_ready(&client, n)
+            .await
+            .expect("ready");
+        agent(&client, &format!("cni-{n}"), "budget-cni", n, true).await;
+    }
+    let tainted = |nodes: Api<Node>| async move {
+        let mut out = 0;
+        for n in ["budget-0", "budget-1", "budget-2"] {
+            let node = nodes.get(n).await.expect("node");
+            out += usize::from(
+                node.spec
+                    .and_then(|s| s.taints)
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|t| t.key == KEY_BUDGET),
+            );
+        }
+        out
+    };
+    let released = |nodes: Api<Node>| async move {
+        let mut all = true;
+        for n in ["budget-0", "budget-1", "budget-2"] {
+            let node = nodes.get(n).await.expect("node");
+            let marked = node
+                .metadata
+                .annotations
+                .unwrap_or_default()
+                .contains_key(&meshgate_core::nodegate::ready_since_key("budget"));
+            all &= marked;
+        }
+        all
+    };
+    wait_for("the three nodes released", Duration::from_secs(60), || {
+        let nodes = nodes.clone();
+        async move { released(nodes.clone()).await && tainted(nodes).await == 0 }
+    })
+    .await;
+    let (leader_idx, other_idx) = scene.leader_and_other().await;
+    let other = scene.replicas[other_idx].identity.clone();
+
+    // The most nodes with the gate's taint at any moment from here on.
+    let most = Arc::new(AtomicUsize::new(0));
+    let poller = {
+        let (most, nodes) = (most.clone(), nodes.clone());
+        tokio::spawn(async move {
+            loop {
+                let now = tainted(nodes.clone()).await;
+                most.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    for n in &names {
+        set_ready(&client, &format!("cni-{n}"), false).await;
+    }
+    let gates: Api<NodeGate> = Api::all(client.clone());
+    wait_for(
+        "the leader to re-taint one node and defer two",
+        Duration::from_secs(60),
+        || {
+            let gates = gates.clone();
+            async move {
+                gates
+                    .get("budget")
+                    .await
+                    .ok()
+                    .and_then(|g| g.status)
+                    .is_some_and(|s| s.held_nodes == 1 && s.retaint_deferred == 2)
+            }
+        },
+    )
+    .await;
+
+    scene.replicas[leader_idx].process.signal("KILL");
+    scene.replicas[leader_idx]
+        .process
+        .wait_exit(Duration::from_secs(30))
+        .await
+        .expect("the killed leader exited");
+    wait_for(
+        "the other replica to take the lease",
+        Duration::from_secs(LEASE_SECONDS * 5 + 30),
+        || {
+            let (client, ns, other) = (client.clone(), ns.clone(), other.clone());
+            async move { holder(&lease(&client, &ns).await).as_deref() == Some(other.as_str()) }
+        },
+    )
+    .await;
+    // The new leader reconciled the deferred nodes: its own Events say so.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(client.clone());
+    wait_for(
+        "the new leader's RetaintDeferred Events for both deferred nodes",
+        Duration::from_secs(60),
+        || {
+            let (events, other) = (events.clone(), other.clone());
+            async move {
+                let deferred: BTreeSet<String> = events
+                    .list(&Default::default())
+                    .await
+                    .map(|l| l.items)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|e| {
+                        e.reason.as_deref() == Some("RetaintDeferred")
+                            && e.reporting_instance.as_deref() == Some(other.as_str())
+                    })
+                    .filter_map(|e| e.regarding.and_then(|r| r.name))
+                    .collect();
+                deferred.len() == 2
+            }
+        },
+    )
+    .await;
+    poller.abort();
+    let now = tainted(nodes.clone()).await;
+    let most = most.load(Ordering::SeqCst);
+    eprintln!(
+        "measured: re-tainted across the failover: {now} now, {most} at most (maxRetainted 1)"
+    );
+    assert_eq!(now, 1, "one node re-tainted after the failover");
+    assert_eq!(
+        most, 1,
+        "never more than maxRetainted nodes re-tainted, across the failover"
+    );
+    scene.replicas[other_idx].process.assert_running();
 }
 
 /// The resourceVersions of the nodes and the gate: any write changes one.
