@@ -219,7 +219,10 @@ async fn create_nodes(client: &kube::Client, n: usize) -> Vec<String> {
             let (nodes, pods) = (nodes.clone(), pods.clone());
             async move {
                 let node: Node = serde_json::from_value(json!({
-                    "metadata": {"name": name, "labels": {"meshgate-bench": "untaint"}},
+                    // The annotation every kubelet writes at registration (a real node is
+                    // never without annotations).
+                    "metadata": {"name": name, "labels": {"meshgate-bench": "untaint"},
+                                 "annotations": {"volumes.kubernetes.io/controller-managed-attach-detach": "true"}},
                     "spec": {"taints": [{"key": KEY, "value": "true", "effect": "NoSchedule"}]},
                 }))
                 .expect("node");

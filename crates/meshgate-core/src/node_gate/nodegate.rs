@@ -696,21 +696,41 @@ pub fn ready_marks(
 /// The one JSON patch that releases a node: the gate's taint removed ([`taint_patch`], with its
 /// `test`), the ready `marks` added and the ownership record updated, so the release, the
 /// bootstrap mark it rests on and the record land together in one write. The record's change is
-/// conditional on its value as read (`test`). `None` when the taint is not there, or when the
-/// node has no annotations map (a JSON Patch cannot add a key to an absent map without
-/// replacing one that appeared since): the caller writes them apart.
+/// conditional on its value as read (`test`). A node read with no annotations gets the marks as a
+/// new map, conditional on its `resourceVersion` as read (a map that appeared since is never
+/// replaced). `None` when the taint is not there, or when a node without annotations has no
+/// `resourceVersion` to test: the caller writes them apart.
 pub fn release_patch(
     spec: &NodeGateSpec,
     node: &GateNode,
     marks: &BTreeMap<String, String>,
 ) -> Option<JsonPatch> {
-    let annotations = node.metadata.annotations.as_ref()?;
     let rv = node
         .metadata
         .resource_version
         .as_deref()
         .unwrap_or_default();
     let mut patch = taint_patch(spec, node.taints(), rv, false)?;
+    let Some(annotations) = node.metadata.annotations.as_ref() else {
+        if marks.is_empty() {
+            return Some(patch);
+        }
+        if rv.is_empty() {
+            return None;
+        }
+        let tested = patch
+            .0
+            .iter()
+            .any(|op| op["path"] == "/metadata/resourceVersion");
+        if !tested {
+            patch.0.insert(
+                0,
+                json!({"op": "test", "path": "/metadata/resourceVersion", "value": rv}),
+            );
+        }
+        patch.add("/metadata/annotations", json!(marks));
+        return Some(patch);
+    };
     let path = |k: &str| format!("/metadata/annotations/{}", crate::object::patch::escape(k));
     for (k, v) in marks {
         patch.add(path(k), json!(v));
@@ -1353,13 +1373,31 @@ mod tests {
         let mut moved = doc.clone();
         moved["metadata"]["annotations"][OWNED_TAINTS] = json!("readiness.k8s.io/mesh-agents");
         assert!(p.apply(&moved).is_err());
-        // No annotations map, or no taint to lift: written apart, or not at all.
+        // No annotations map: the marks as a new map, only on the node as read (its
+        // resourceVersion); one that appeared since is not replaced.
         let mut bare = doc.clone();
         bare["metadata"]
             .as_object_mut()
             .unwrap()
             .remove("annotations");
-        assert!(release_patch(&s, &node(&bare), &marks).is_none());
+        let p = release_patch(&s, &node(&bare), &marks).unwrap();
+        let out = p.apply(&bare).unwrap();
+        assert_eq!(out["spec"]["taints"], json!([foreign()]));
+        assert_eq!(
+            out["metadata"]["annotations"][ready_since_key("g")],
+            "2026-12-05T00:00:00Z"
+        );
+        let mut appeared = bare.clone();
+        appeared["metadata"]["annotations"] = json!({"other": "kept"});
+        appeared["metadata"]["resourceVersion"] = json!("8");
+        assert!(p.apply(&appeared).is_err());
+        let mut unversioned = bare.clone();
+        unversioned["metadata"]
+            .as_object_mut()
+            .unwrap()
+            .remove("resourceVersion");
+        assert!(release_patch(&s, &node(&unversioned), &marks).is_none());
+        // No taint to lift: nothing.
         let mut lifted = doc.clone();
         lifted["spec"]["taints"] = json!([foreign()]);
         assert!(release_patch(&s, &node(&lifted), &marks).is_none());
