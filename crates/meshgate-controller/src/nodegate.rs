@@ -710,15 +710,7 @@ async fn remove_taint(
     let write_err = write_error(&name);
     // One write where it can be: the release, its ready marks and the ownership record.
     if let Some(patch) = meshgate_core::nodegate::release_patch(&gate.spec, node, marks) {
-        let node = api
-            .patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::<()>::Json(json_patch(patch)?),
-            )
-            .await
-            .map_err(counted(ctx, "untaint", &write_err))?;
-        count(ctx, false, "untaint");
+        let node = untaint_write(ctx, api, &name, patch).await?;
         if !marks.is_empty() {
             count(ctx, false, "mark-ready");
         }
@@ -732,15 +724,7 @@ async fn remove_taint(
     // Conditional on the node as read: its taints (or, with none, its resourceVersion).
     let rv = node.metadata.resource_version.clone().unwrap_or_default();
     if let Some(patch) = taint_patch(&gate.spec, taints, &rv, false) {
-        node = api
-            .patch(
-                &name,
-                &PatchParams::default(),
-                &Patch::<()>::Json(json_patch(patch)?),
-            )
-            .await
-            .map_err(counted(ctx, "untaint", &write_err))?;
-        count(ctx, false, "untaint");
+        node = untaint_write(ctx, api, &name, patch).await?;
     }
     if let Some(p) = owned_annotation_patch(&gate.spec.taint.key, &annotations, false) {
         node = api
@@ -748,6 +732,26 @@ async fn remove_taint(
             .await
             .map_err(&write_err)?;
     }
+    Ok(node)
+}
+
+/// The JSON patch that lifts a gate's taint from node `name`, counted as `untaint`.
+async fn untaint_write(
+    ctx: &Ctx,
+    api: &Api<GateNode>,
+    name: &str,
+    patch: meshgate_core::patch::JsonPatch,
+) -> Result<GateNode, Error> {
+    let write_err = write_error(name);
+    let node = api
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::<()>::Json(json_patch(patch)?),
+        )
+        .await
+        .map_err(counted(ctx, "untaint", &write_err))?;
+    count(ctx, false, "untaint");
     Ok(node)
 }
 

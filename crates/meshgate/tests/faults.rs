@@ -297,6 +297,17 @@ impl Scene {
         (leader_idx, 1 - leader_idx)
     }
 
+    /// Waits until replica `identity` holds the lease (after a crash: once the old one expired).
+    async fn wait_holder(&self, identity: &str) {
+        let (client, ns) = (&self.client, &self.lease_namespace);
+        wait_for(
+            &format!("{identity} to take the lease"),
+            Duration::from_secs(LEASE_SECONDS * 5 + 30),
+            || async { holder(&lease(client, ns).await).as_deref() == Some(identity) },
+        )
+        .await;
+    }
+
     async fn converges(mut self) {
         // After the fault: the released node's last agent becomes Ready.
         self.client = self.cp.client().await.expect("client");
@@ -404,15 +415,7 @@ async fn leader_crash_failover() {
                 .expect("positive duration"),
         );
 
-    wait_for(
-        "the other replica to take the lease",
-        Duration::from_secs(LEASE_SECONDS * 5 + 30),
-        || {
-            let (client, ns, other) = (client.clone(), ns.clone(), other.clone());
-            async move { holder(&lease(&client, &ns).await).as_deref() == Some(other.as_str()) }
-        },
-    )
-    .await;
+    scene.wait_holder(&other).await;
     let failover = killed_at.elapsed();
     let taken = lease(&client, &ns)
         .await
@@ -453,7 +456,6 @@ async fn the_retaint_budget_holds_across_a_failover() {
     let _turn = ONE_AT_A_TIME.lock().await;
     let mut scene = scene_with(Controllers::Replicas(&["replica-a", "replica-b"])).await;
     let client = scene.client.clone();
-    let ns = scene.lease_namespace.clone();
     const KEY_BUDGET: &str = "example.com/budget-not-ready";
     let key = KEY_BUDGET;
     let gate: NodeGate = serde_json::from_value(json!({
@@ -559,15 +561,7 @@ async fn the_retaint_budget_holds_across_a_failover() {
         .wait_exit(Duration::from_secs(30))
         .await
         .expect("the killed leader exited");
-    wait_for(
-        "the other replica to take the lease",
-        Duration::from_secs(LEASE_SECONDS * 5 + 30),
-        || {
-            let (client, ns, other) = (client.clone(), ns.clone(), other.clone());
-            async move { holder(&lease(&client, &ns).await).as_deref() == Some(other.as_str()) }
-        },
-    )
-    .await;
+    scene.wait_holder(&other).await;
     // The new leader reconciled the deferred nodes: its own Events say so.
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::all(client.clone());
     wait_for(

@@ -1727,7 +1727,6 @@ async fn dra_gate_holds_pods_before_their_sandbox_and_lets_them_go_when_the_node
     use k8s_openapi::api::apps::v1::DaemonSet;
     use k8s_openapi::api::core::v1::Node;
     use k8s_openapi::api::resource::v1::ResourceSlice;
-    use meshgate_testenv::image::MESHGATE_IMAGE;
 
     if !can_run() {
         return;
@@ -1735,38 +1734,7 @@ async fn dra_gate_holds_pods_before_their_sandbox_and_lets_them_go_when_the_node
     let _serial = SERIAL.lock().await;
     let cp = serving_control_plane().await;
     let client = cp.client().await.expect("client");
-    let mut node = RealNode::start(
-        &cp,
-        NodeOptions {
-            proxy: true,
-            ..NodeOptions::default()
-        },
-    )
-    .await
-    .expect("the real node starts");
-    let root = node.kubelet_root().display().to_string();
-    let conf = node.cni_conf_dir().display().to_string();
-    meshgate_cli(
-        &cp,
-        &[
-            "install",
-            "--profile",
-            "istio-ambient",
-            "--strategy",
-            "dra",
-            "--image",
-            MESHGATE_IMAGE,
-            "--kubelet-root",
-            &root,
-            "--cni-conf-dir",
-            &conf,
-            "--cni-plugin",
-            "mesh-cni",
-            "--apply",
-        ],
-    );
-    wait_meshgate_ready(&client, &node).await;
-    wait_node_plugin_ready(&client, &node).await;
+    let mut node = dra_installed(&cp, &client).await;
     let nodes: Api<Node> = Api::all(client.clone());
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let slice_name = meshgate_core::dra::slice_name("mesh-agents", node.name());
@@ -2105,7 +2073,6 @@ async fn dra_gate_holds_pods_before_their_sandbox_and_lets_them_go_when_the_node
 async fn dra_gate_guards_pods_by_the_layer_the_nodes_kubelet_supports() {
     use k8s_openapi::api::core::v1::Node;
     use k8s_openapi::api::resource::v1::ResourceSlice;
-    use meshgate_testenv::image::MESHGATE_IMAGE;
 
     if !can_run() {
         return;
@@ -2113,38 +2080,7 @@ async fn dra_gate_guards_pods_by_the_layer_the_nodes_kubelet_supports() {
     let _serial = SERIAL.lock().await;
     let cp = serving_control_plane().await;
     let client = cp.client().await.expect("client");
-    let node = RealNode::start(
-        &cp,
-        NodeOptions {
-            proxy: true,
-            ..NodeOptions::default()
-        },
-    )
-    .await
-    .expect("the real node starts");
-    let root = node.kubelet_root().display().to_string();
-    let conf = node.cni_conf_dir().display().to_string();
-    meshgate_cli(
-        &cp,
-        &[
-            "install",
-            "--profile",
-            "istio-ambient",
-            "--strategy",
-            "dra",
-            "--image",
-            MESHGATE_IMAGE,
-            "--kubelet-root",
-            &root,
-            "--cni-conf-dir",
-            &conf,
-            "--cni-plugin",
-            "mesh-cni",
-            "--apply",
-        ],
-    );
-    wait_meshgate_ready(&client, &node).await;
-    wait_node_plugin_ready(&client, &node).await;
+    let node = dra_installed(&cp, &client).await;
     let nodes: Api<Node> = Api::all(client.clone());
     let kubelet = nodes
         .get(node.name())
@@ -2359,6 +2295,44 @@ async fn kubelet_reaches_registration(node: &RealNode, rewrite: bool) -> Result<
     serving.abort();
     let _ = std::fs::remove_file(&path);
     outcome
+}
+
+/// A real node (with kube-proxy) and meshgate installed in the cluster for the ambient profile
+/// with `--strategy dra` from its image: its components and the node plugin Ready.
+async fn dra_installed(cp: &meshgate_testenv::ControlPlane, client: &kube::Client) -> RealNode {
+    let node = RealNode::start(
+        cp,
+        NodeOptions {
+            proxy: true,
+            ..NodeOptions::default()
+        },
+    )
+    .await
+    .expect("the real node starts");
+    let root = node.kubelet_root().display().to_string();
+    let conf = node.cni_conf_dir().display().to_string();
+    meshgate_cli(
+        cp,
+        &[
+            "install",
+            "--profile",
+            "istio-ambient",
+            "--strategy",
+            "dra",
+            "--image",
+            meshgate_testenv::image::MESHGATE_IMAGE,
+            "--kubelet-root",
+            &root,
+            "--cni-conf-dir",
+            &conf,
+            "--cni-plugin",
+            "mesh-cni",
+            "--apply",
+        ],
+    );
+    wait_meshgate_ready(client, &node).await;
+    wait_node_plugin_ready(client, &node).await;
+    node
 }
 
 /// Waits until the slice exists with a uid other than `not` (a slice written again); returns it.
