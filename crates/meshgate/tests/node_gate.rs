@@ -870,6 +870,31 @@ async fn gate_condition(
         .map(|c| (c.status, c.reason, c.message))
 }
 
+/// Creates a Continuous gate (no grace, lifting only) with `extra` (its DRA resource) over
+/// `pool`'s nodes and `agents_ns`'s agents, and returns its DeviceClass once the controller wrote
+/// it.
+async fn dra_gate(
+    client: &kube::Client,
+    pool: &str,
+    agents_ns: &str,
+    extra: Value,
+) -> k8s_openapi::api::resource::v1::DeviceClass {
+    let mut spec = json!({"taintOnCreate": false, "mode": "Continuous", "gracePeriodSeconds": 0});
+    if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
+        s.extend(e.clone());
+    }
+    create_gate(client, pool, gate_spec(pool, agents_ns, spec)).await;
+    let classes: Api<k8s_openapi::api::resource::v1::DeviceClass> = Api::all(client.clone());
+    let class_name = meshgate_core::dra::device_class_name(pool);
+    wait_for(
+        "the gate's DeviceClass",
+        Duration::from_secs(30),
+        || async { classes.get_opt(&class_name).await.ok().flatten().is_some() },
+    )
+    .await;
+    classes.get(&class_name).await.expect("class")
+}
+
 /// A DRA gate: its DeviceClass maps the resource to its devices; a node's slice is published
 /// only while its agents and the node plugin are Ready, the scheduler then satisfies a pod's
 /// request with a claim on it, the slice comes back when somebody deletes it (the kubelet does
@@ -882,26 +907,15 @@ async fn dra_gate_publishes_a_slice_only_where_the_mesh_and_the_node_plugin_are_
     let apps_ns = cp.namespace("apps-dra", &[]).await.unwrap();
     let pool = format!("dra-{agents_ns}");
     let resource = "dra.example.com/mesh-ready";
-    create_gate(
+    let class = dra_gate(
         &client,
         &pool,
-        gate_spec(
-            &pool,
-            &agents_ns,
-            json!({"taintOnCreate": false, "mode": "Continuous", "gracePeriodSeconds": 0,
-                   "resource": {"name": resource, "provider": "DRA"}}),
-        ),
+        &agents_ns,
+        json!({"resource": {"name": resource, "provider": "DRA"}}),
     )
     .await;
     let classes: Api<DeviceClass> = Api::all(client.clone());
     let class_name = meshgate_core::dra::device_class_name(&pool);
-    wait_for(
-        "the gate's DeviceClass",
-        Duration::from_secs(30),
-        || async { classes.get_opt(&class_name).await.ok().flatten().is_some() },
-    )
-    .await;
-    let class = classes.get(&class_name).await.unwrap();
     if class.spec.extended_resource_name.is_none() && cp.minor < 36 {
         // DRA extended resources are alpha and off before 1.36: the API server dropped the
         // field, and the gate falls back to the node status
@@ -1167,39 +1181,19 @@ async fn a_dra_gate_falls_back_to_the_node_status_where_dra_extended_resources_a
 /// loses the status resource.
 #[tokio::test]
 async fn a_dra_gate_serves_an_older_kubelet_through_the_node_status() {
-    use k8s_openapi::api::resource::v1::DeviceClass;
     let (client, cp, _) = setup().await;
     let agents_ns = cp.namespace("agents-oldkubelet", &[]).await.unwrap();
     let apps_ns = cp.namespace("apps-oldkubelet", &[]).await.unwrap();
     let pool = format!("old-{agents_ns}");
     let resource = "old.example.com/mesh-ready";
-    create_gate(
+    let class = dra_gate(
         &client,
         &pool,
-        gate_spec(
-            &pool,
-            &agents_ns,
-            json!({"taintOnCreate": false, "mode": "Continuous", "gracePeriodSeconds": 0,
-                   "resource": {"name": resource, "provider": "DRA", "count": 40}}),
-        ),
+        &agents_ns,
+        json!({"resource": {"name": resource, "provider": "DRA", "count": 40}}),
     )
     .await;
-    let classes: Api<DeviceClass> = Api::all(client.clone());
-    let class_name = meshgate_core::dra::device_class_name(&pool);
-    wait_for(
-        "the gate's DeviceClass",
-        Duration::from_secs(30),
-        || async { classes.get_opt(&class_name).await.ok().flatten().is_some() },
-    )
-    .await;
-    if classes
-        .get(&class_name)
-        .await
-        .unwrap()
-        .spec
-        .extended_resource_name
-        .is_none()
-    {
+    if class.spec.extended_resource_name.is_none() {
         eprintln!(
             "skipped: Kubernetes 1.{} dropped extendedResourceName (the whole gate falls back)",
             cp.minor
