@@ -2,8 +2,10 @@
 //! node (objects and rules in `meshgate_core::dra`).
 //!
 //! * Whether the API server serves `resource.k8s.io/v1` is asked at start, until it answers (a
-//!   failure to ask is retried, [`served`]); a cluster that starts serving it later needs a
-//!   controller restart. Without it (or
+//!   failure to ask is retried, [`served`]), and again on an interval while the controller runs
+//!   (`crate::nodegate`): a cluster that starts serving it later (a control-plane upgrade, a
+//!   `--runtime-config` change) gets slices without a restart, one that stops gets the node
+//!   status. Without it (or
 //!   where it drops `DeviceClass.spec.extendedResourceName`, DRA extended resources off) a DRA
 //!   gate **falls back** to offering its resource in the node status, and says so in its
 //!   `ResourceProvider` condition and an Event.
@@ -17,7 +19,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -38,8 +40,9 @@ pub fn managed_selector() -> String {
 
 /// What the controller knows of DRA.
 pub struct Dra {
-    /// `resource.k8s.io/v1` is served: slices are watched (`Some`).
-    slices: Option<Store<ResourceSlice>>,
+    /// `resource.k8s.io/v1` is served: slices are watched (`Some`). Replaced when a later
+    /// discovery finds otherwise ([`Dra::set_slices`]).
+    slices: RwLock<Option<Store<ResourceSlice>>>,
     /// DRA gates that fall back to the node status, with the reason (by gate name).
     fallback: Mutex<HashMap<String, String>>,
     /// Gates whose class is current, by (uid, generation).
@@ -55,23 +58,48 @@ const NOT_SERVED: &str =
 impl Dra {
     pub fn new(slices: Option<Store<ResourceSlice>>) -> Self {
         Self {
-            slices,
+            slices: RwLock::new(slices),
             fallback: Mutex::new(HashMap::new()),
             classes: Mutex::new(HashSet::new()),
             exclusive: AtomicBool::new(false),
         }
     }
 
+    /// The slice cache, where the API server serves DRA.
+    fn slices(&self) -> Option<Store<ResourceSlice>> {
+        self.slices
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
     /// Whether the API server serves DRA.
     pub fn served(&self) -> bool {
-        self.slices.is_some()
+        self.slices().is_some()
     }
 
     /// Waits until the slice cache (if any) has listed.
     pub async fn wait_until_ready(&self) {
-        if let Some(s) = &self.slices {
+        if let Some(s) = self.slices() {
             let _ = s.wait_until_ready().await;
         }
+    }
+
+    /// What a later discovery found: the slice cache (listed already) where DRA is served now,
+    /// `None` where it is not. Every gate's class is written and checked again (the API server
+    /// that serves it now may keep or drop `extendedResourceName`).
+    pub fn set_slices(&self, slices: Option<Store<ResourceSlice>>) {
+        *self
+            .slices
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = slices;
+        self.forget_classes();
+    }
+
+    /// Writes and checks every gate's class again at the next status pass (the API server
+    /// changed: what it keeps of a `DeviceClass` may have too).
+    pub fn forget_classes(&self) {
+        lock(&self.classes).clear();
     }
 
     /// How the gate's resource is offered on the node now.
@@ -105,7 +133,7 @@ impl Dra {
 
     /// Whether the cache holds the gate's slice for the node.
     pub fn has_slice(&self, gate: &NodeGate, node: &str) -> bool {
-        self.slices.as_ref().is_some_and(|s| {
+        self.slices().is_some_and(|s| {
             s.get(&kube::runtime::reflector::ObjectRef::new(&slice_name(
                 &gate.name_any(),
                 node,
@@ -123,7 +151,7 @@ impl Dra {
         if res.provider != ResourceProvider::Dra {
             return Ok(ResourceProvider::NodeStatus);
         }
-        if self.slices.is_none() {
+        if !self.served() {
             return Err(NOT_SERVED.into());
         }
         match lock(&self.fallback).get(&gate.name_any()) {
@@ -194,7 +222,7 @@ impl Dra {
     /// the API server does not keep its `extendedResourceName`.
     pub async fn ensure_class(&self, client: &kube::Client, gate: &NodeGate) -> Option<String> {
         let res = gate.spec.resource.as_ref()?;
-        if res.provider != ResourceProvider::Dra || self.slices.is_none() {
+        if res.provider != ResourceProvider::Dra || !self.served() {
             return None;
         }
         let key = (
@@ -252,7 +280,7 @@ impl Dra {
             .resource
             .as_ref()
             .is_some_and(|r| r.provider == ResourceProvider::Dra);
-        if self.slices.is_none() || !dra {
+        if !self.served() || !dra {
             return Ok(());
         }
         let gate_name = gate.name_any();

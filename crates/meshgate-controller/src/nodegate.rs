@@ -85,6 +85,9 @@ pub struct Settings {
     /// a node only while the plugin's pod there is Ready (registered with the kubelet), since
     /// the kubelet cannot start a pod whose claim's driver has no plugin.
     pub node_plugin: meshgate_api::node_gate::Agent,
+    /// How often whether the API server serves DRA (`resource.k8s.io/v1`) and its version are
+    /// asked again (one discovery request and one `/version` each time).
+    pub dra_discovery: Duration,
 }
 
 /// The node plugin's pods in `namespace`, as `meshgate install` runs them.
@@ -107,6 +110,9 @@ pub fn node_plugin_agent(namespace: &str) -> meshgate_api::node_gate::Agent {
 /// The node plugin's DaemonSet.
 pub const NODE_PLUGIN_DAEMONSET: &str = "meshgate-node";
 
+/// [`Settings::dra_discovery`] by default.
+pub const DRA_DISCOVERY: Duration = Duration::from_secs(60);
+
 /// [`Settings::concurrency`] by default.
 pub const DEFAULT_CONCURRENCY: u16 = 16;
 
@@ -117,6 +123,7 @@ impl Default for Settings {
             resync: Duration::from_secs(300),
             concurrency: DEFAULT_CONCURRENCY,
             node_plugin: node_plugin_agent("meshgate-system"),
+            dra_discovery: DRA_DISCOVERY,
         }
     }
 }
@@ -213,9 +220,15 @@ pub async fn run(
         .modify(GateNode::slim),
     )
     .applied_objects();
-    // DRA gates: the slices meshgate wrote, where the API server serves them. A slice that
-    // changes or goes (the kubelet deletes its node's slices when it starts) reconciles its node.
-    let (slice_store, slice_stream) = slice_watch(&client, &trigger_tx).await;
+    // DRA gates: the slices meshgate wrote, where the API server serves them (asked now, then
+    // every `dra_discovery`). A slice that changes or goes (the kubelet deletes its node's
+    // slices when it starts) reconciles its node.
+    let (slice_store, slice_task) = if crate::dra::served(&client).await {
+        let (store, stream) = slice_watch(&client, &trigger_tx);
+        (Some(store), Some(Task(tokio::spawn(stream))))
+    } else {
+        (None, None)
+    };
     let controller = Controller::for_stream(node_stream, nodes.clone()).with_config(
         kube::runtime::controller::Config::default().concurrency(settings.concurrency.max(1)),
     );
@@ -259,6 +272,12 @@ pub async fn run(
         });
 
     let status_loop = status_loop(ctx.clone());
+    let dra_discovery = follow_dra(
+        ctx.clone(),
+        trigger_tx.clone(),
+        slice_task,
+        settings.dra_discovery,
+    );
     let main = controller
         .reconcile_on(triggers)
         .graceful_shutdown_on(shutdown.clone())
@@ -280,48 +299,113 @@ pub async fn run(
         _ = leadership => {},
         _ = status_loop => {},
         _ = sync => {},
-        _ = slice_stream => {},
+        _ = dra_discovery => {},
     }
     agents.stop();
 }
 
-/// The slices meshgate wrote, where the API server serves DRA: their store, and a watch that
-/// reconciles a slice's node when the slice changes or goes (the kubelet deletes its node's
-/// slices when it starts).
-async fn slice_watch(
+/// The slices meshgate wrote: their store, and a watch that reconciles a slice's node when the
+/// slice changes or goes (the kubelet deletes its node's slices when it starts).
+fn slice_watch(
     client: &kube::Client,
     trigger: &mpsc::UnboundedSender<ObjectRef<GateNode>>,
 ) -> (
-    Option<Store<k8s_openapi::api::resource::v1::ResourceSlice>>,
+    Store<k8s_openapi::api::resource::v1::ResourceSlice>,
     impl Future<Output = ()> + Send + use<>,
 ) {
-    let served = crate::dra::served(client).await;
-    if served {
-        let (store, writer) = reflector::store::<k8s_openapi::api::resource::v1::ResourceSlice>();
-        let trigger = trigger.clone();
-        let stream = reflector::reflector(
-            writer,
-            watcher(
-                Api::all(client.clone()),
-                watcher::Config::default().labels(&crate::dra::managed_selector()),
-            )
-            .default_backoff(),
+    let (store, writer) = reflector::store::<k8s_openapi::api::resource::v1::ResourceSlice>();
+    let trigger = trigger.clone();
+    let stream = reflector::reflector(
+        writer,
+        watcher(
+            Api::all(client.clone()),
+            watcher::Config::default().labels(&crate::dra::managed_selector()),
         )
-        .touched_objects()
-        .for_each(move |s| {
-            if let Ok(slice) = s
-                && let Some(node) = slice.spec.node_name.as_deref()
+        .default_backoff(),
+    )
+    .touched_objects()
+    .for_each(move |s| {
+        if let Ok(slice) = s
+            && let Some(node) = slice.spec.node_name.as_deref()
+        {
+            let _ = trigger.send(ObjectRef::new(node));
+        }
+        futures::future::ready(())
+    });
+    (store, stream)
+}
+
+/// A spawned task that stops when this is dropped (with the controller).
+struct Task(tokio::task::JoinHandle<()>);
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Asks again, every `interval`, whether the API server serves DRA, and follows the answer:
+/// the slices are watched from the moment it does (decisions use them once listed) and
+/// dropped when it stops; the DRA gates' classes are checked again after the API server's
+/// version changed (an upgrade may turn DRA extended resources on or off). Either way every
+/// node is decided again; the gates' `ResourceProvider` conditions say the provider in effect
+/// (and their change makes the Event, [`provider_change`]).
+async fn follow_dra(
+    ctx: Arc<Ctx>,
+    trigger: mpsc::UnboundedSender<ObjectRef<GateNode>>,
+    mut watch: Option<Task>,
+    interval: Duration,
+) {
+    let version = |client: kube::Client| async move {
+        client.apiserver_version().await.ok().map(|v| v.git_version)
+    };
+    let mut known = version(ctx.client.clone()).await;
+    loop {
+        tokio::time::sleep(interval).await;
+        let served = crate::dra::served(&ctx.client).await;
+        let now = version(ctx.client.clone()).await;
+        let upgraded = known.is_some() && now.is_some() && now != known;
+        if now.is_some() {
+            known = now;
+        }
+        if served && !ctx.dra.served() {
+            let (store, stream) = slice_watch(&ctx.client, &trigger);
+            let task = Task(tokio::spawn(stream));
+            // Decisions wait for the first list; a watch that cannot list is asked again at
+            // the next tick.
+            if tokio::time::timeout(interval, store.wait_until_ready())
+                .await
+                .is_err()
             {
-                let _ = trigger.send(ObjectRef::new(node));
+                drop(task);
+                tracing::debug!(
+                    "resource.k8s.io/v1 is served, but its slices could not be listed yet"
+                );
+                continue;
             }
-            futures::future::ready(())
-        });
-        (Some(store), futures::future::Either::Left(stream))
-    } else {
-        (
-            None,
-            futures::future::Either::Right(futures::future::pending::<()>()),
-        )
+            drop(watch.replace(task));
+            ctx.dra.set_slices(Some(store));
+            ctx.agents
+                .ensure_watch(&ctx.client, &ctx.settings.node_plugin.namespace, &trigger);
+            tracing::info!(
+                "resource.k8s.io/v1 is served now: DRA gates offer their resource through DRA"
+            );
+        } else if !served && ctx.dra.served() {
+            drop(watch.take());
+            ctx.dra.set_slices(None);
+            tracing::warn!(
+                "resource.k8s.io/v1 is no longer served: DRA gates advertise their resource in the node status"
+            );
+        } else if upgraded {
+            ctx.dra.forget_classes();
+            tracing::info!(
+                version = known.as_deref().unwrap_or_default(),
+                "the API server's version changed: the DRA gates' classes are checked again"
+            );
+        } else {
+            continue;
+        }
+        let _ = trigger.send(ObjectRef::new(RESYNC_ALL));
     }
 }
 
@@ -1176,6 +1260,35 @@ async fn ensure_finalizer(ctx: &Ctx, gate: &NodeGate) {
 
 /// Refreshes each gate's status and the per-state node gauges; adds finalizers and finalizes
 /// deleted gates.
+/// The Event for a change of the gate's `ResourceProvider` condition, as the status pass
+/// found it against the status stored: `DRAUnavailable` when the gate falls back to the node
+/// status (at its first status too), `DRAServed` when a gate that had fallen back offers its
+/// resource through DRA again. Made by whichever replica leads when the status changes, so a
+/// change noticed while leadership moved still gets its Event.
+fn provider_change(
+    old: &NodeGateStatus,
+    new: &NodeGateStatus,
+) -> Option<(EventType, &'static str, String)> {
+    let provider = |s: &NodeGateStatus| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == "ResourceProvider")
+            .map(|c| (c.reason.clone(), c.message.clone()))
+    };
+    let before = provider(old).map(|(reason, _)| reason);
+    let (now, message) = provider(new)?;
+    match (before.as_deref(), now.as_str()) {
+        (Some(b), n) if b == n => None,
+        (_, "NodeStatusFallback") => Some((
+            EventType::Warning,
+            "DRAUnavailable",
+            format!("falling back to the node status: {message}"),
+        )),
+        (Some("NodeStatusFallback"), "DRA") => Some((EventType::Normal, "DRAServed", message)),
+        _ => None,
+    }
+}
+
 async fn status_loop(ctx: Arc<Ctx>) {
     let mut tick = tokio::time::interval(ctx.settings.status_interval);
     let mut seen_states: HashSet<GateStateLabels> = HashSet::new();
@@ -1196,16 +1309,9 @@ async fn status_loop(ctx: Arc<Ctx>) {
             }
             ensure_finalizer(&ctx, &gate).await;
             let gate_name = gate.name_any();
-            if let Some(why) = ctx.dra.ensure_class(&ctx.client, &gate).await {
-                event(
-                    &ctx,
-                    &gate.object_ref(&()),
-                    EventType::Warning,
-                    "DRAUnavailable",
-                    format!("falling back to the node status: {why}"),
-                )
-                .await;
-                // Nodes are decided again with the provider in effect.
+            if ctx.dra.ensure_class(&ctx.client, &gate).await.is_some() {
+                // Nodes are decided again with the provider in effect (the condition below
+                // says which, and its change makes the Event).
                 for n in gate_nodes(&gate, &all_nodes) {
                     let _ = ctx.resync.send(ObjectRef::from_obj(n.as_ref()));
                 }
@@ -1232,6 +1338,9 @@ async fn status_loop(ctx: Arc<Ctx>) {
                     c.message.clone(),
                 )
                 .await;
+            }
+            if let Some((type_, reason, message)) = provider_change(&old, &status) {
+                event(&ctx, &gate.object_ref(&()), type_, reason, message).await;
             }
             let same = |a: &NodeGateStatus, b: &NodeGateStatus| {
                 let key = |s: &NodeGateStatus| {

@@ -254,6 +254,8 @@ pub struct ControlPlane {
     etcd_url: String,
     etcd_args: Vec<String>,
     apiserver_args: Vec<String>,
+    /// How many of `apiserver_args` (the last) are [`Options::apiserver_flags`].
+    extra_flags: usize,
 }
 
 impl std::fmt::Debug for ControlPlane {
@@ -438,6 +440,7 @@ impl ControlPlane {
             etcd_url,
             etcd_args,
             apiserver_args,
+            extra_flags: options.apiserver_flags.len(),
         };
         cp.wait_ready(Duration::from_secs(90)).await?;
         if options.scheduler {
@@ -543,6 +546,17 @@ impl ControlPlane {
             &self.dir().join("kube-apiserver.log"),
         )?;
         self.wait_ready(Duration::from_secs(90)).await
+    }
+
+    /// Stops kube-apiserver and starts it again with `flags` in place of
+    /// [`Options::apiserver_flags`]: a control-plane change such as an upgrade that turns an
+    /// API on.
+    pub async fn restart_apiserver_with(&mut self, flags: &[String]) -> Result<(), Error> {
+        let kept = self.apiserver_args.len() - self.extra_flags;
+        self.apiserver_args.truncate(kept);
+        self.apiserver_args.extend(flags.iter().cloned());
+        self.extra_flags = flags.len();
+        self.restart_apiserver().await
     }
 
     /// Stops etcd and starts it again on the same data, then waits until the API server is ready

@@ -1079,6 +1079,130 @@ async fn dra_gate_publishes_a_slice_only_where_the_mesh_and_the_node_plugin_are_
     assert!(classes.get_opt(&class_name).await.unwrap().is_none());
 }
 
+/// A pod that requests a DRA gate's resource while the gate has withdrawn the node's slice is
+/// held, every time: round after round an agent fails, the slice is withdrawn (seen gone), a
+/// pod is created, and the scheduler reports it `Unschedulable` (its message is printed) and
+/// binds it only after the agent is Ready again and the slice is back. A pod the scheduler
+/// bound on a slice it had not yet seen go is counted and fails the test, with where it went.
+#[tokio::test]
+async fn a_pod_on_a_withdrawn_slice_is_held_round_after_round() {
+    let (client, cp, _) = setup().await;
+    let agents_ns = cp.namespace("agents-held", &[]).await.unwrap();
+    let apps_ns = cp.namespace("apps-held", &[]).await.unwrap();
+    let pool = format!("held-{agents_ns}");
+    let resource = "held.example.com/mesh-ready";
+    let class = dra_gate(
+        &client,
+        &pool,
+        &agents_ns,
+        json!({"resource": {"name": resource, "provider": "DRA"}}),
+    )
+    .await;
+    if class.spec.extended_resource_name.is_none() {
+        eprintln!(
+            "skipped: Kubernetes 1.{} dropped extendedResourceName (DRAExtendedResource off)",
+            cp.minor
+        );
+        return;
+    }
+    let node = format!("{pool}-node");
+    create_node(&client, &node, &pool, &[]).await;
+    node_plugin_pod(&client, &node, true).await;
+    agent(&client, &agents_ns, "cni", "cni", &node).await;
+    agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
+    set_ready(&client, &agents_ns, "cni", true).await;
+    set_ready(&client, &agents_ns, "proxy", true).await;
+    wait_for("the node's slice", Duration::from_secs(30), || async {
+        slice_of(&client, &pool, &node).await.is_some()
+    })
+    .await;
+
+    let pods = Api::<Pod>::namespaced(client.clone(), &apps_ns);
+    const ROUNDS: usize = 20;
+    let mut messages = BTreeMap::<String, usize>::new();
+    let mut placed = Vec::new();
+    for round in 0..ROUNDS {
+        set_ready(&client, &agents_ns, "proxy", false).await;
+        wait_for("the slice withdrawn", Duration::from_secs(30), || async {
+            slice_of(&client, &pool, &node).await.is_none()
+        })
+        .await;
+        let name = format!("held-{round}");
+        let mut pod = mesh_pod(&name, &pool);
+        // It tolerates the gate's taint (the node is re-tainted too): only the slice holds it.
+        pod.spec.as_mut().unwrap().tolerations = Some(vec![
+            serde_json::from_value(json!({"key": TAINT, "operator": "Exists"})).unwrap(),
+        ]);
+        pod.spec.as_mut().unwrap().containers[0].resources = Some(
+            serde_json::from_value(json!({"requests": {resource: "1"}, "limits": {resource: "1"}}))
+                .unwrap(),
+        );
+        pods.create(&PostParams::default(), &pod).await.unwrap();
+        // The scheduler's verdict: bound somewhere, or PodScheduled False.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let verdict = loop {
+            if let Some(v) = scheduler_verdict(&pods, &name).await {
+                break v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name}: no verdict of the scheduler in 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        match verdict {
+            Ok(message) => *messages.entry(message).or_default() += 1,
+            Err(bound_to) => placed.push(format!("{name} bound to {bound_to}")),
+        }
+        set_ready(&client, &agents_ns, "proxy", true).await;
+        wait_for("the held pod to bind", Duration::from_secs(30), || async {
+            node_of(&client, &apps_ns, &name).await.as_deref() == Some(node.as_str())
+        })
+        .await;
+        pods.delete(
+            &name,
+            &kube::api::DeleteParams {
+                grace_period_seconds: Some(0),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    }
+    eprintln!(
+        "measured: {ROUNDS} pods created on a withdrawn slice: {} held ({messages:?}), {} bound ({placed:?})",
+        ROUNDS - placed.len(),
+        placed.len()
+    );
+    assert!(
+        placed.is_empty(),
+        "pods bound while the node's slice was withdrawn: {placed:?}"
+    );
+    assert!(
+        messages.keys().all(|m| m.starts_with("Unschedulable: ")),
+        "the scheduler reported every held pod Unschedulable: {messages:?}"
+    );
+}
+
+/// The scheduler's verdict on a pod: `Err(node)` bound, `Ok("reason: message")` of a
+/// `PodScheduled` `False` condition, `None` not yet.
+async fn scheduler_verdict(pods: &Api<Pod>, name: &str) -> Option<Result<String, String>> {
+    let p = pods.get(name).await.ok()?;
+    if let Some(n) = p.spec.as_ref().and_then(|s| s.node_name.clone()) {
+        return Some(Err(n));
+    }
+    let c = p
+        .status?
+        .conditions?
+        .into_iter()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
+    Some(Ok(format!(
+        "{}: {}",
+        c.reason.unwrap_or_default(),
+        c.message.unwrap_or_default()
+    )))
+}
+
 /// Where the API server drops `DeviceClass.spec.extendedResourceName` (DRA extended resources
 /// off), a DRA gate falls back to the node status and says so: condition `ResourceProvider`
 /// `False` (`NodeStatusFallback`), Event `DRAUnavailable`, the resource advertised on ready
@@ -1172,6 +1296,145 @@ async fn a_dra_gate_falls_back_to_the_node_status_where_dra_extended_resources_a
     )
     .await;
     assert!(slice_of(&client, pool, node).await.is_none(), "no slice");
+}
+
+/// The API server starts serving DRA while the controller runs (a control-plane upgrade, a
+/// `--runtime-config` change), then stops: the controller asks again on its interval and
+/// follows, without a restart. A DRA gate first advertises its resource in the node status
+/// (`NodeStatusFallback`), then offers it through a slice (`DRA`, the status resource gone,
+/// Event `DRAServed`), then falls back again (Event `DRAUnavailable`).
+#[tokio::test]
+async fn a_dra_gate_follows_the_api_server_into_and_out_of_dra() {
+    let dra_off = vec!["--runtime-config=resource.k8s.io/v1=false".to_owned()];
+    let mut cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
+        apiserver_flags: dra_off.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("control plane");
+    let client = cp.client().await.unwrap();
+    install_crds(&client).await;
+    let _replica = Replica::start_with(
+        cp.kubeconfig_path.clone(),
+        LeaseSettings {
+            namespace: LEASE_NS.into(),
+            name: LEASE.into(),
+            identity: "follows-dra".into(),
+            duration: LEASE_SECONDS,
+            grace: 1,
+        },
+        meshgate_controller::nodegate::Settings {
+            status_interval: Duration::from_secs(1),
+            dra_discovery: Duration::from_secs(1),
+            ..Default::default()
+        },
+        None,
+    )
+    .await;
+    let agents_ns = cp.namespace("agents", &[]).await.unwrap();
+    let pool = "follows";
+    create_gate(
+        &client,
+        pool,
+        gate_spec(
+            pool,
+            &agents_ns,
+            json!({"taintOnCreate": false, "resource": {"name": RESOURCE, "provider": "DRA", "count": 40}}),
+        ),
+    )
+    .await;
+    let node = "follows-node";
+    create_node(&client, node, pool, &[]).await;
+    node_plugin_pod(&client, node, true).await;
+    agent(&client, &agents_ns, "cni", "cni", node).await;
+    agent(&client, &agents_ns, "proxy", "node-proxy", node).await;
+    set_ready(&client, &agents_ns, "cni", true).await;
+    set_ready(&client, &agents_ns, "proxy", true).await;
+
+    let provider = |reason: &'static str| {
+        let client = client.clone();
+        async move {
+            wait_for(
+                &format!("the gate's provider {reason}"),
+                Duration::from_secs(30),
+                || async {
+                    gate_condition(&client, pool, "ResourceProvider")
+                        .await
+                        .is_some_and(|(_, r, _)| r == reason)
+                },
+            )
+            .await;
+        }
+    };
+    let status_resource = |client: kube::Client| async move {
+        Api::<Node>::all(client)
+            .get(node)
+            .await
+            .ok()
+            .and_then(|n| n.status?.capacity)
+            .and_then(|c| c.get(RESOURCE).map(|q| q.0.clone()))
+    };
+    let event = |reason: &'static str| {
+        let client = client.clone();
+        async move {
+            wait_for(
+                &format!("an Event {reason}"),
+                Duration::from_secs(30),
+                || async {
+                    Api::<k8s_openapi::api::events::v1::Event>::all(client.clone())
+                        .list(&Default::default())
+                        .await
+                        .is_ok_and(|l| l.items.iter().any(|e| e.reason.as_deref() == Some(reason)))
+                },
+            )
+            .await;
+        }
+    };
+
+    // Not served: the node status.
+    provider("NodeStatusFallback").await;
+    wait_for(
+        "the resource in the node status",
+        Duration::from_secs(30),
+        || async { status_resource(client.clone()).await.as_deref() == Some("40") },
+    )
+    .await;
+
+    // Served from now on: a slice, the status resource gone.
+    cp.restart_apiserver_with(&[])
+        .await
+        .expect("API server restarted");
+    let t = Instant::now();
+    provider("DRA").await;
+    wait_for("the node's slice", Duration::from_secs(30), || async {
+        slice_of(&client, pool, node).await.is_some()
+    })
+    .await;
+    let followed = t.elapsed();
+    wait_for(
+        "the resource gone from the node status",
+        Duration::from_secs(30),
+        || async { status_resource(client.clone()).await.is_none() },
+    )
+    .await;
+    event("DRAServed").await;
+
+    // Not served again: back to the node status.
+    cp.restart_apiserver_with(&dra_off)
+        .await
+        .expect("API server restarted");
+    provider("NodeStatusFallback").await;
+    wait_for(
+        "the resource in the node status again",
+        Duration::from_secs(30),
+        || async { status_resource(client.clone()).await.as_deref() == Some("40") },
+    )
+    .await;
+    event("DRAUnavailable").await;
+    eprintln!(
+        "measured: the API server restarted serving DRA; the gate offered a slice {} ms after it was ready (discovery every 1 s)",
+        followed.as_millis()
+    );
 }
 
 /// A DRA gate on a node whose kubelet is older than 1.36 (it would admit the pod without

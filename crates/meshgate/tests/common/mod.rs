@@ -767,6 +767,20 @@ impl Replica {
         status_interval: Duration,
         service_account: Option<&str>,
     ) -> Self {
+        let settings = meshgate_controller::nodegate::Settings {
+            status_interval,
+            ..Default::default()
+        };
+        Self::start_with(kubeconfig, lease, settings, service_account).await
+    }
+
+    /// [`Replica::start`] with the node gate's settings.
+    pub async fn start_with(
+        kubeconfig: std::path::PathBuf,
+        lease: meshgate_controller::leader::LeaseSettings,
+        settings: meshgate_controller::nodegate::Settings,
+        service_account: Option<&str>,
+    ) -> Self {
         let metrics = meshgate_controller::Metrics::new();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let m = metrics.clone();
@@ -782,10 +796,6 @@ impl Replica {
             let leader = meshgate_controller::leader::elect(client.clone(), lease)
                 .await
                 .expect("lease manager");
-            let settings = meshgate_controller::nodegate::Settings {
-                status_interval,
-                ..Default::default()
-            };
             meshgate_controller::nodegate::run(client, leader, m, settings, async move {
                 let _ = stopped.await;
             })
