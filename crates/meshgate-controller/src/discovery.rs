@@ -5,6 +5,11 @@ use std::time::{Duration, Instant};
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, PostParams};
 use meshgate_core::registration::{PolicyApi, enforcement_probe, probe_applied};
 
+/// How long `install`, `check` and the controller wait for a probe policy to apply before they
+/// conclude that the API server does not run MutatingAdmissionPolicies (it picks one up within
+/// a second or two; concluding wrongly only makes meshgate use its webhook).
+pub const PROBE_WAIT: Duration = Duration::from_secs(10);
+
 /// The `MutatingAdmissionPolicy` API version the server serves (v1 preferred), if any.
 pub async fn policy_api(client: &kube::Client) -> Option<PolicyApi> {
     for (api, group_version) in [
@@ -79,8 +84,8 @@ fn admission_resource(api: PolicyApi, kind: &str, plural: &str) -> ApiResource {
 }
 
 /// Proves that the API server runs the MutatingAdmissionPolicy API it serves: creates a probe
-/// policy and binding that label one dry-run ConfigMap in `namespace` (nothing is stored but the
-/// probe, which is deleted before returning), and dry-runs that ConfigMap until it comes back
+/// policy and binding that label one dry-run Lease in `namespace` (nothing is stored but the
+/// probe, which is deleted before returning), and dry-runs that Lease until it comes back
 /// labelled or `wait` has passed. The plugin picks a new policy up within a second or two;
 /// a slower API server only makes meshgate choose its webhook, which works everywhere.
 pub async fn prove_policy_api(
@@ -95,7 +100,7 @@ pub async fn prove_policy_api(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
     let token = format!("{:x}{:x}", std::process::id(), nanos);
-    let ([policy, binding], config_map) = enforcement_probe(api, &token, namespace);
+    let ([policy, binding], lease) = enforcement_probe(api, &token, namespace);
     let policies = Api::<DynamicObject>::all_with(
         client.clone(),
         &admission_resource(api, "MutatingAdmissionPolicy", "mutatingadmissionpolicies"),
@@ -118,7 +123,7 @@ pub async fn prove_policy_api(
         &policy,
         &binding,
         client,
-        &config_map,
+        &lease,
         wait,
     )
     .await;
@@ -138,7 +143,7 @@ async fn probe(
     policy: &serde_json::Value,
     binding: &serde_json::Value,
     client: &kube::Client,
-    config_map: &serde_json::Value,
+    lease: &serde_json::Value,
     wait: Duration,
 ) -> Result<bool, String> {
     let create = |v: &serde_json::Value| {
@@ -152,23 +157,23 @@ async fn probe(
         .create(&PostParams::default(), &create(binding)?)
         .await
         .map_err(|e| format!("creating a probe policy binding: {e}"))?;
-    let namespace = config_map["metadata"]["namespace"]
+    let namespace = lease["metadata"]["namespace"]
         .as_str()
         .unwrap_or("default");
-    let config_maps: Api<k8s_openapi::api::core::v1::ConfigMap> =
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), namespace);
-    let object: k8s_openapi::api::core::v1::ConfigMap =
-        serde_json::from_value(config_map.clone()).map_err(|e| e.to_string())?;
+    let object: k8s_openapi::api::coordination::v1::Lease =
+        serde_json::from_value(lease.clone()).map_err(|e| e.to_string())?;
     let dry = PostParams {
         dry_run: true,
         ..Default::default()
     };
     let start = Instant::now();
     loop {
-        let created = config_maps
+        let created = leases
             .create(&dry, &object)
             .await
-            .map_err(|e| format!("a dry-run ConfigMap in {namespace}: {e}"))?;
+            .map_err(|e| format!("a dry-run Lease in {namespace}: {e}"))?;
         if probe_applied(&serde_json::to_value(&created).map_err(|e| e.to_string())?) {
             return Ok(true);
         }

@@ -7,6 +7,15 @@
 //! change, so that before the first full list nothing is decided without the LimitRanges. The
 //! policy is written by server-side apply (field manager `meshgate-controller`), the webhook
 //! entries by a JSON patch that tests each entry's name at its index first.
+//!
+//! Served is not enforced: an API server may serve the policy API with its admission plugin off
+//! (the `MutatingAdmissionPolicy` feature gate, after an upgrade or a flag change). The leader
+//! proves that it runs ([`crate::discovery::prove_policy_api`]) before it routes any namespace
+//! to the policy, and again every [`Proof::every`]; found not running, every namespace goes back
+//! to the webhook (`Routes::All`, the webhook entries widened before the policy is narrowed),
+//! with a warning and an Event, until a later proof finds it running again. A probe that cannot
+//! be made (the controller may not create policies: native policies off) keeps the routes and
+//! says so once.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -30,6 +39,32 @@ pub struct Settings {
     /// The `MutatingWebhookConfiguration` holding the gate's entries.
     pub configuration: String,
     pub api: PolicyApi,
+    pub proof: Proof,
+}
+
+/// How the leader proves that the API server runs the policy.
+#[derive(Clone, Debug)]
+pub struct Proof {
+    /// Where the probe's dry-run Lease is created (the controller's namespace).
+    pub namespace: String,
+    /// How often, while leading (and at each leadership gain).
+    pub every: Duration,
+    /// How long the probe waits for its policy to apply.
+    pub wait: Duration,
+}
+
+/// [`Proof::every`] by default: a probe creates and deletes a policy and its binding, which
+/// the API server compiles; ten minutes keeps that rare and still notices a changed API server
+/// long before most rollouts finish.
+pub const PROOF_EVERY: Duration = Duration::from_secs(600);
+
+/// Whether the API server runs the policy, as the last proof found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Enforced {
+    /// Not proven yet, or the probe could not be made: the served API is trusted.
+    Trusted,
+    Yes,
+    No,
 }
 
 /// The routed namespaces in `ranges`: those with a LimitRange that constrains the gate.
@@ -42,8 +77,29 @@ pub fn routes<'a>(ranges: impl IntoIterator<Item = &'a LimitRange>) -> Routes {
     Routes::Namespaces(names.into_iter().collect())
 }
 
-/// Writes the policy and the webhook entries for `routes`.
+/// Writes the policy and the webhook entries for `routes`: for `Routes::All` (every namespace
+/// back to the webhook) the webhook entries first, so that no namespace is left to a policy
+/// that may not run; otherwise the policy first, so that a namespace leaves the webhook only
+/// once the policy covers it.
 pub async fn write(client: &kube::Client, s: &Settings, routes: &Routes) -> Result<(), WriteError> {
+    if *routes == Routes::All {
+        write_entries(client, s, routes).await?;
+        match write_policy(client, s, routes).await {
+            // The API is no longer served: no policy is left to narrow.
+            Err(WriteError::Kube(kube::Error::Api(e))) if e.code == 404 => Ok(()),
+            other => other,
+        }
+    } else {
+        write_policy(client, s, routes).await?;
+        write_entries(client, s, routes).await
+    }
+}
+
+async fn write_policy(
+    client: &kube::Client,
+    s: &Settings,
+    routes: &Routes,
+) -> Result<(), WriteError> {
     let params = PatchParams::apply("meshgate-controller").force();
     for doc in policy(&s.config, s.api, routes).map_err(|e| WriteError::NotNative(e.0))? {
         let obj: DynamicObject = serde_json::from_value(doc)?;
@@ -57,6 +113,14 @@ pub async fn write(client: &kube::Client, s: &Settings, routes: &Routes) -> Resu
             .patch(&name, &params, &Patch::Apply(&obj))
             .await?;
     }
+    Ok(())
+}
+
+async fn write_entries(
+    client: &kube::Client,
+    s: &Settings,
+    routes: &Routes,
+) -> Result<(), WriteError> {
     let mwcs: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
     let Some(mwc) = mwcs.get_opt(&s.configuration).await? else {
         return Ok(());
@@ -106,8 +170,9 @@ pub enum WriteError {
     Json(#[from] serde_json::Error),
 }
 
-/// Runs until `shutdown`: a LimitRange watch; the leader writes the routes after the first full
-/// list and whenever they change (retrying a failed write every `retry`).
+/// Runs until `shutdown`: a LimitRange watch; the leader proves the policy runs, then writes
+/// the routes after the first full list and whenever they change (retrying a failed write
+/// every `retry`).
 pub async fn run(
     client: kube::Client,
     leader: Leader,
@@ -127,7 +192,10 @@ pub async fn run(
     let mut leader_changes = leader.clone();
     let mut listed = false;
     let mut written: Option<Routes> = None;
-    let mut tick = tokio::time::interval(retry);
+    let mut enforced = Enforced::Trusted;
+    let mut proven: Option<tokio::time::Instant> = None;
+    let recorder = crate::events::Events::new(client.clone());
+    let mut tick = tokio::time::interval(retry.min(s.proof.every));
     loop {
         tokio::select! {
             _ = &mut shutdown => return,
@@ -144,8 +212,9 @@ pub async fn run(
                 if changed.is_err() {
                     return;
                 }
-                // A new leader writes again.
+                // A new leader proves and writes again.
                 written = None;
+                proven = None;
             }
             // Now and then again, whatever was written: a re-run `install` writes `Routes::All`.
             _ = tick.tick() => written = None,
@@ -153,25 +222,88 @@ pub async fn run(
         if !listed || !leader.is_leader() {
             continue;
         }
-        let state = store.state();
-        let desired = routes(state.iter().map(|lr| lr.as_ref()));
+        if proven.is_none_or(|t| t.elapsed() >= s.proof.every) {
+            let found = prove(&client, &s.proof, enforced).await;
+            proven = Some(tokio::time::Instant::now());
+            if found != enforced {
+                report(&recorder, &s, enforced, found).await;
+                enforced = found;
+                written = None;
+            }
+        }
+        let desired = if enforced == Enforced::No {
+            Routes::All
+        } else {
+            let state = store.state();
+            routes(state.iter().map(|lr| lr.as_ref()))
+        };
         if written.as_ref() == Some(&desired) {
             continue;
         }
         match write(&client, &s, &desired).await {
             Ok(()) => {
-                let Routes::Namespaces(names) = &desired else {
-                    continue;
-                };
-                tracing::info!(
-                    routed = ?names,
-                    "native gate: pods in these namespaces (LimitRanges) go to the webhook, every other ambient pod is gated by the API server"
-                );
+                if let Routes::Namespaces(names) = &desired {
+                    tracing::info!(
+                        routed = ?names,
+                        "native gate: pods in these namespaces (LimitRanges) go to the webhook, every other ambient pod is gated by the API server"
+                    );
+                }
                 written = Some(desired);
             }
             Err(e) => {
                 tracing::warn!(error = %e, "native gate: routes not written; the webhook keeps deciding")
             }
         }
+    }
+}
+
+/// One proof; a probe that cannot be made keeps what was known.
+async fn prove(client: &kube::Client, proof: &Proof, known: Enforced) -> Enforced {
+    use crate::discovery::PolicyEnforcement;
+    match crate::discovery::prove_policy_api(client, &proof.namespace, proof.wait).await {
+        PolicyEnforcement::Enforced(_) => Enforced::Yes,
+        PolicyEnforcement::StoredOnly(..) | PolicyEnforcement::NotServed => Enforced::No,
+        PolicyEnforcement::Unproven(_, why) => {
+            if known == Enforced::Trusted {
+                tracing::debug!(%why, "native gate: the policy's enforcement could not be proven; the served API is trusted");
+            } else {
+                tracing::info!(%why, "native gate: the policy's enforcement could not be proven this time; keeping the last finding");
+            }
+            known
+        }
+    }
+}
+
+/// The warning and the Event (on the webhook configuration) for a changed finding.
+async fn report(recorder: &crate::events::Events, s: &Settings, was: Enforced, now: Enforced) {
+    let (type_, reason, note) = match now {
+        Enforced::No => (
+            crate::events::EventType::Warning,
+            "NativeGateNotEnforced",
+            "the API server does not run MutatingAdmissionPolicies (a probe policy changed nothing): every namespace's pods are gated by the webhook until it does".to_owned(),
+        ),
+        Enforced::Yes if was == Enforced::No => (
+            crate::events::EventType::Normal,
+            "NativeGateEnforced",
+            "the API server runs MutatingAdmissionPolicies again: pods outside LimitRange namespaces are gated by the policy".to_owned(),
+        ),
+        _ => return,
+    };
+    if now == Enforced::No {
+        tracing::warn!("native gate: {note}");
+    } else {
+        tracing::info!("native gate: {note}");
+    }
+    let regarding = k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some("admissionregistration.k8s.io/v1".into()),
+        kind: Some("MutatingWebhookConfiguration".into()),
+        name: Some(s.configuration.clone()),
+        ..Default::default()
+    };
+    if let Err(e) = recorder
+        .publish(type_, "Prove", reason, &note, &regarding)
+        .await
+    {
+        tracing::debug!(error = %e, "event not recorded");
     }
 }

@@ -50,6 +50,9 @@ pub struct ControllerSettings {
     /// `MutatingWebhookConfiguration`'s gate entries, when the API server serves the policy API.
     /// The configuration is the webhook's.
     pub native_gate: Option<(meshgate_api::GateConfig, String)>,
+    /// How often the leader proves that the API server runs the native gate's policy
+    /// (`crate::native_gate::Proof`); `None`: every `crate::native_gate::PROOF_EVERY`.
+    pub native_gate_proof: Option<Duration>,
     /// Namespaces in which policies never change anything (backfill, native policies): the
     /// webhook's `excludedNamespaces`. `None`: the configuration's default.
     pub excluded_namespaces: Option<Vec<String>>,
@@ -74,6 +77,11 @@ pub async fn run_controller(
         // definitions is idempotent).
         crate::crds::upgrade_logged(&client).await;
     }
+    // The controller's namespace (its Lease's): where the native gate's probe is dry-run.
+    let own_namespace = s
+        .lease
+        .as_ref()
+        .map_or_else(|| "default".to_owned(), |l| l.namespace.clone());
     let leader = match s.lease {
         Some(lease) => leader::elect(client.clone(), lease).await?,
         None => leader::always(),
@@ -113,6 +121,13 @@ pub async fn run_controller(
                     config,
                     configuration,
                     api,
+                    proof: crate::native_gate::Proof {
+                        namespace: own_namespace,
+                        every: s
+                            .native_gate_proof
+                            .unwrap_or(crate::native_gate::PROOF_EVERY),
+                        wait: crate::discovery::PROBE_WAIT,
+                    },
                 };
                 tokio::spawn(crate::native_gate::run(
                     client,

@@ -13,6 +13,10 @@
 //!   node to the pod Running; `VALUE release-<leg>-p50-...` (with its p99) that time in legs:
 //!   `untaint` (to the taint seen lifted: meshgate), `bind` (to the binding seen: the scheduler),
 //!   `run` (to Running seen: KWOK);
+//! * `VALUE schedulable-to-running-p50-<default|none>-<profile>-ms` (with its p99): from a pod's
+//!   node first seen open to scheduling (Ready, no `NoSchedule`/`NoExecute` taint) to the pod
+//!   Running, with meshgate and without: the scheduler's and the kubelets' share, the floor
+//!   under the release;
 //! * `RATIO scaleup-default-<profile>/none`: from the Deployment's creation to its last pod
 //!   Running, with over without meshgate (the agents' start, 5 s here, is what meshgate waits for).
 //!
@@ -92,6 +96,20 @@ fn report(name: &str, pairs: &[(Round, Round)]) {
             "VALUE release-{leg}-p50-default-{name}-ms: {:.0} (p99 {:.0})",
             percentile(&xs, 50.0).as_secs_f64() * 1000.0,
             percentile(&xs, 99.0).as_secs_f64() * 1000.0
+        );
+    }
+    // The same scheduler and kubelets without meshgate: from a node open to scheduling to its
+    // pods Running, both ways (the floor under the release above).
+    for (way, pick) in [
+        ("default", &(|p: &(Round, Round)| p.0.from_schedulable.clone()) as &dyn Fn(&(Round, Round)) -> Vec<Duration>),
+        ("none", &|p: &(Round, Round)| p.1.from_schedulable.clone()),
+    ] {
+        let xs: Vec<Duration> = pairs.iter().flat_map(pick).collect();
+        println!(
+            "VALUE schedulable-to-running-p50-{way}-{name}-ms: {:.0} (p99 {:.0}, {} pods)",
+            percentile(&xs, 50.0).as_secs_f64() * 1000.0,
+            percentile(&xs, 99.0).as_secs_f64() * 1000.0,
+            xs.len()
         );
     }
     let same = pairs.iter().all(|(w, n)| w.launched == n.launched);

@@ -20,6 +20,8 @@
 //!   `VALUE` lines with each peer's own figures;
 //! * `RATIO meshgate/istio-untaint-requests-<mode>-<n>`: the API server's mutating requests per node
 //!   lifted (its `apiserver_request_total`, less this benchmark's own writes);
+//! * `RATIO meshgate/istio-untaint-rss-peak-<mode>-<n>`: each process's peak resident memory
+//!   (`VmHWM`) at the round's end, MiB (a fresh process a round);
 //! * `RATIO meshgate/istio-untaint-cpu-<mode>-<n>`: the controller process's CPU seconds for the
 //!   round (`/proc/<pid>/stat`).
 //!
@@ -71,6 +73,9 @@ struct Round {
     /// Per node, by resource and verb (this benchmark's own writes included).
     requests_by_kind: BTreeMap<String, f64>,
     cpu_seconds: f64,
+    /// The process's peak resident memory (`VmHWM`, MiB) at the round's end: its start and
+    /// the round (each round starts a fresh process).
+    rss_peak_mib: f64,
 }
 
 fn env_list(name: &str, default: &[usize]) -> Vec<usize> {
@@ -97,6 +102,16 @@ fn cpu_seconds(pid: u32) -> f64 {
         return 0.0;
     }
     (f[11] + f[12]) / 100.0
+}
+
+/// A process's peak resident memory so far (`VmHWM`), in MiB.
+fn rss_peak_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 /// The API server's mutating requests so far (`apiserver_request_total`), by resource (and
@@ -339,6 +354,7 @@ async fn round(client: &kube::Client, pid: u32, n: usize, burst: bool) -> Round 
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let (cpu1, req1) = (cpu_seconds(pid), mutating_requests(client).await);
+    let rss_peak = rss_peak_mib(pid);
     watch.abort();
     let lifted = lifted.lock().expect("lifted").clone();
     let ready_at = ready_at.lock().expect("ready").clone();
@@ -364,6 +380,7 @@ async fn round(client: &kube::Client, pid: u32, n: usize, burst: bool) -> Round 
         requests_per_node: (total - n as f64).max(0.0) / n as f64,
         requests_by_kind,
         cpu_seconds: cpu1 - cpu0,
+        rss_peak_mib: rss_peak,
     }
 }
 
@@ -403,6 +420,7 @@ fn report(label: &str, pairs: &[(Round, Round)]) {
     figure("lift-p99", &|r| ms(percentile(&r.lifts, 99.0)).max(0.001));
     figure("requests", &|r| r.requests_per_node.max(0.001));
     figure("cpu", &|r| r.cpu_seconds.max(0.001));
+    figure("rss-peak", &|r| r.rss_peak_mib.max(0.001));
     // What the requests are, in the last pair (the agents' status writes are this benchmark's).
     if let Some((m, i)) = pairs.last() {
         let kinds = |r: &Round| {

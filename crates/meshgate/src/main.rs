@@ -443,15 +443,27 @@ fn main() -> ExitCode {
 }
 
 async fn client_for(kubeconfig: Option<PathBuf>) -> anyhow::Result<kube::Client> {
-    Ok(match kubeconfig {
+    let config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(&path)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-            let config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
-            kube::Client::try_from(config)?
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
         }
-        None => kube::Client::try_default().await?,
-    })
+        None => kube::Config::infer().await?,
+    };
+    Ok(kube::Client::try_from(identified(config, "meshgate"))?)
+}
+
+/// `config` with the User-Agent `<component>/<version>`: the API server records the part before
+/// the `/` as the field manager of the component's creates, updates and patches (kube's client
+/// sends no User-Agent of its own), and audit logs name the component.
+fn identified(mut config: kube::Config, component: &str) -> kube::Config {
+    if let Ok(agent) =
+        http::HeaderValue::from_str(&format!("{component}/{}", env!("CARGO_PKG_VERSION")))
+    {
+        config.headers.push((http::header::USER_AGENT, agent));
+    }
+    config
 }
 
 /// Writes to stdout; a closed pipe (`meshgate ... | head`) ends the output quietly.
@@ -576,7 +588,10 @@ async fn webhook(args: WebhookArgs) -> anyhow::Result<()> {
     };
     // As long as the API server waits (the registrations' timeoutSeconds).
     let request_timeout = meshgate_core::registration::server_timeout(config.timeout_seconds);
-    let client = kube::Client::try_default().await?;
+    let client = kube::Client::try_from(identified(
+        kube::Config::infer().await?,
+        "meshgate-webhook",
+    ))?;
     let server = run::start_webhook(
         client,
         WebhookSettings {
@@ -660,7 +675,7 @@ async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let config = kube::Config::infer().await?;
+    let config = identified(kube::Config::infer().await?, "meshgate-controller");
     let client = kube::Client::try_from(config.clone())?;
     // Evictions: no retry of a 429 inside the client (a PodDisruptionBudget's refusal;
     // the repair loop retries it itself).

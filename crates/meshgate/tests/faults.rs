@@ -648,6 +648,31 @@ async fn paused_leader_steps_down() {
         },
     )
     .await;
+    // The node's field managers name the component that released it (the release also
+    // writes the gate's ready marks, which the controller then owns).
+    let managers: Vec<(String, String, String)> = nodes
+        .get("released")
+        .await
+        .expect("node")
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| {
+            (
+                m.manager.unwrap_or_default(),
+                m.operation.unwrap_or_default(),
+                m.subresource.unwrap_or_default(),
+            )
+        })
+        .collect();
+    eprintln!("measured: the released node's field managers: {managers:?}");
+    assert!(
+        managers
+            .iter()
+            .any(|(m, op, sub)| m == "meshgate-controller" && op == "Update" && sub.is_empty()),
+        "the controller's release is recorded under its field manager: {managers:?}"
+    );
 
     // The new leader crashes while its lease is valid, and work waits that only a leader may
     // do: the held node's last agent becomes Ready.

@@ -224,8 +224,10 @@ async fn install_on_each_minors_defaults_takes_the_path_that_runs() {
 }
 
 /// The node-taint policy on a Node that registers with no taint at all (issue 43, finding 4):
-/// its JSON patch then creates the list (`value: [Object.spec.taints{...}]`), a shape reported to
-/// crash some API servers' policy evaluation. Reachable only without the `TaintNodesByCondition`
+/// its JSON patch then creates the list, as an empty list and the taint appended. The shape it
+/// had before, one list literal holding an `Object{}` (`value: [Object.spec.taints{...}]`),
+/// aborts the request in kube-apiserver 1.34.x, 1.35 before 1.35.8 and 1.36 before 1.36.5
+/// (docs/design.md, "Kubernetes versions"). Reachable only without the `TaintNodesByCondition`
 /// admission plugin (it runs first and always adds a taint), so that plugin is off here. The
 /// node registers, carrying the gate's taint, on every minor of the matrix.
 #[tokio::test]
@@ -280,4 +282,170 @@ async fn the_node_taint_policy_creates_the_taint_list_on_a_node_without_taints()
         "Kubernetes 1.{}",
         cp.minor
     );
+}
+
+/// The API server stops running MutatingAdmissionPolicies under a running controller (its
+/// feature gate turned off, as a changed control plane may), then runs them again: the
+/// controller, proving it on its interval as its installed identity, routes every namespace's
+/// pods back to the webhook (the gate entries' selectors as for `Routes::All`) with the Event
+/// `NativeGateNotEnforced`, and routes them to the policy again once it runs
+/// (`NativeGateEnforced`). Before, it trusted discovery for the life of the process: pods in
+/// every namespace without a LimitRange went ungated.
+#[tokio::test]
+async fn the_native_gate_goes_back_to_the_webhook_while_the_api_server_does_not_run_it() {
+    use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+    use meshgate::install::{InstallOptions, NodeTaint, PodGate, Strategy};
+    use meshgate_core::native_gate::Routes;
+    use meshgate_core::registration::native_gate_entries;
+
+    let enforced = |on: bool| vec![format!("--feature-gates=MutatingAdmissionPolicy={on}")];
+    let mut cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
+        apiserver_flags: enforced(true),
+        ..Default::default()
+    })
+    .await
+    .expect("control plane");
+    let admin = cp.client().await.expect("client");
+    let Some(api) = policy_api(&admin).await else {
+        eprintln!("skipped: this API server serves no MutatingAdmissionPolicy API by default");
+        return;
+    };
+    let config = meshgate::install::gate_config_for(
+        "istio-ambient",
+        NS,
+        "meshgate/meshgate:test",
+        Strategy::Pod,
+        meshgate_api::names::STARTUP_TAINT_KEY,
+    )
+    .expect("config");
+    let docs = meshgate::install::render(&InstallOptions {
+        profile: "istio-ambient".into(),
+        namespace: NS.into(),
+        image: "meshgate/meshgate:test".into(),
+        node_taint: NodeTaint::Webhook,
+        pod_gate: PodGate::Native(api),
+        strategy: Strategy::Pod,
+        taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
+        node_paths: Default::default(),
+        repair: None,
+        webhook_ingress_from: Vec::new(),
+        context_config_maps: Vec::new(),
+        context_api_reads: Vec::new(),
+        existing_kinds: Vec::new(),
+        policies: Default::default(),
+    })
+    .expect("render");
+    let applied: Vec<Value> = docs
+        .into_iter()
+        .filter(|d| d["kind"] != "Deployment")
+        .collect();
+    let crds = meshgate::install::crd_documents().expect("crds");
+    meshgate::install::apply(&admin, &crds, false, |_| {})
+        .await
+        .expect("crds");
+    meshgate::install::apply(&admin, &applied, false, |_| {})
+        .await
+        .expect("install applied");
+    let controller = ControllerTask::start(
+        &cp,
+        NS,
+        meshgate::run::ControllerSettings {
+            lease: Some(meshgate_controller::leader::LeaseSettings {
+                namespace: NS.into(),
+                name: "meshgate-controller".into(),
+                identity: "proof-test".into(),
+                duration: 15,
+                grace: 5,
+            }),
+            native_policies: true,
+            native_gate: Some((config.clone(), "meshgate".into())),
+            native_gate_proof: Some(Duration::from_secs(2)),
+            ..Default::default()
+        },
+    );
+
+    // The gate entries' namespace selectors as stored, against what `routes` renders.
+    let mwcs: Api<MutatingWebhookConfiguration> = Api::all(admin.clone());
+    let routed_as = |routes: Routes| {
+        let (mwcs, config) = (mwcs.clone(), config.clone());
+        async move {
+            let want = native_gate_entries(&config, &routes);
+            let Ok(Some(mwc)) = mwcs.get_opt("meshgate").await else {
+                return false;
+            };
+            let hooks = mwc.webhooks.unwrap_or_default();
+            !want.is_empty()
+                && want.iter().all(|(name, selector)| {
+                    hooks.iter().any(|h| {
+                        h.name == *name
+                            && serde_json::to_value(&h.namespace_selector).ok().as_ref()
+                                == Some(selector)
+                    })
+                })
+        }
+    };
+    let event = |reason: &'static str| {
+        let admin = admin.clone();
+        async move {
+            Api::<k8s_openapi::api::events::v1::Event>::all(admin)
+                .list(&Default::default())
+                .await
+                .is_ok_and(|l| l.items.iter().any(|e| e.reason.as_deref() == Some(reason)))
+        }
+    };
+    let no_limit_ranges = || Routes::Namespaces(Vec::new());
+    wait_for(
+        "the policy to gate every namespace (no LimitRange anywhere)",
+        Duration::from_secs(60),
+        || routed_as(no_limit_ranges()),
+    )
+    .await;
+
+    cp.restart_apiserver_with(&enforced(false))
+        .await
+        .expect("API server restarted with the plugin off");
+    wait_for(
+        "every namespace back to the webhook",
+        Duration::from_secs(60),
+        || routed_as(Routes::All),
+    )
+    .await;
+    wait_for(
+        "the Event NativeGateNotEnforced",
+        Duration::from_secs(30),
+        || event("NativeGateNotEnforced"),
+    )
+    .await;
+
+    cp.restart_apiserver_with(&enforced(true))
+        .await
+        .expect("API server restarted with the plugin on");
+    wait_for(
+        "the policy to gate every namespace again",
+        Duration::from_secs(90),
+        || routed_as(no_limit_ranges()),
+    )
+    .await;
+    wait_for(
+        "the Event NativeGateEnforced",
+        Duration::from_secs(30),
+        || event("NativeGateEnforced"),
+    )
+    .await;
+    controller.finish().await;
+    // The probes left nothing behind.
+    let probes = Api::<DynamicObject>::all_with(
+        admin.clone(),
+        &kube::api::ApiResource {
+            group: "admissionregistration.k8s.io".into(),
+            version: api.api_version().rsplit('/').next().unwrap_or("v1").into(),
+            api_version: api.api_version().into(),
+            kind: "MutatingAdmissionPolicy".into(),
+            plural: "mutatingadmissionpolicies".into(),
+        },
+    )
+    .list(&ListParams::default().labels(meshgate_core::registration::PROBE_LABEL))
+    .await
+    .expect("policies listed");
+    assert!(probes.items.is_empty(), "no probe policy left behind");
 }

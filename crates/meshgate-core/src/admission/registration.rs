@@ -344,18 +344,20 @@ fn create_policy(
     [policy, binding]
 }
 
-/// The label a policy-enforcement probe's ConfigMap carries (its value the probe's token).
+/// The label a policy-enforcement probe's Lease carries (its value the probe's token).
 pub const PROBE_LABEL: &str = "meshgate.dev/policy-probe";
-/// The label the probe's policy adds: seen on the dry-run ConfigMap, it proves the API server
+/// The label the probe's policy adds: seen on the dry-run Lease, it proves the API server
 /// runs MutatingAdmissionPolicies, not only stores them.
 pub const PROBE_APPLIED_LABEL: &str = "meshgate.dev/policy-probe-applied";
 
 /// Proof that the API server *runs* MutatingAdmissionPolicies: discovery lists the API whenever
 /// its storage is enabled (`--runtime-config`), but the admission plugin runs only with the
 /// `MutatingAdmissionPolicy` feature gate (docs/design.md, "Kubernetes versions"). A policy and
-/// binding (named after `token`, labelled meshgate's) that label a ConfigMap carrying
-/// [`PROBE_LABEL`]` = token`, and that ConfigMap, to be created with `dryRun` in `namespace`:
-/// [`probe_applied`] on what comes back.
+/// binding (named after `token`, labelled meshgate's) that label a Lease carrying
+/// [`PROBE_LABEL`]` = token`, and that Lease, to be created with `dryRun` in `namespace`:
+/// [`probe_applied`] on what comes back. A Lease because every identity that proves it may
+/// create one: the controller's in its own namespace (its leader election), `install` and
+/// `check` as the cluster's administrator; nothing is stored (`dryRun`).
 pub fn enforcement_probe(api: PolicyApi, token: &str, namespace: &str) -> ([Value; 2], Value) {
     let name = format!("meshgate-policy-probe-{token}");
     let labels = json!({names::MANAGED_BY: "meshgate", PROBE_LABEL: token});
@@ -363,25 +365,27 @@ pub fn enforcement_probe(api: PolicyApi, token: &str, namespace: &str) -> ([Valu
         "Object{{metadata: Object.metadata{{labels: {{{}: \"true\"}}}}}}",
         cel_string(PROBE_APPLIED_LABEL)
     );
-    let pair = create_policy(
+    let mut pair = create_policy(
         api,
         &name,
         &labels,
-        "configmaps",
+        "leases",
         (
             "Never",
             json!({"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": mutation}}),
         ),
         json!({"objectSelector": {"matchLabels": {PROBE_LABEL: token}}}),
     );
-    let config_map = json!({
-        "apiVersion": "v1", "kind": "ConfigMap",
+    pair[0]["spec"]["matchConstraints"]["resourceRules"][0]["apiGroups"] =
+        json!(["coordination.k8s.io"]);
+    let lease = json!({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": {"name": name, "namespace": namespace, "labels": {PROBE_LABEL: token}},
     });
-    (pair, config_map)
+    (pair, lease)
 }
 
-/// Whether the probe's policy changed `object` (the ConfigMap the API server returned).
+/// Whether the probe's policy changed `object` (the Lease the API server returned).
 pub fn probe_applied(object: &Value) -> bool {
     object["metadata"]["labels"][PROBE_APPLIED_LABEL] == "true"
 }
@@ -392,8 +396,17 @@ mod tests {
     use meshgate_api::Profile;
 
     #[test]
-    fn the_enforcement_probe_selects_only_its_own_config_map() {
+    fn the_enforcement_probe_selects_only_its_own_lease() {
         let ([policy, binding], cm) = enforcement_probe(PolicyApi::V1beta1, "abc123", "default");
+        assert_eq!(cm["kind"], "Lease");
+        assert_eq!(
+            policy["spec"]["matchConstraints"]["resourceRules"][0]["apiGroups"],
+            json!(["coordination.k8s.io"])
+        );
+        assert_eq!(
+            policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"],
+            json!(["leases"])
+        );
         assert_eq!(policy["apiVersion"], "admissionregistration.k8s.io/v1beta1");
         assert_eq!(binding["spec"]["policyName"], policy["metadata"]["name"]);
         assert_eq!(

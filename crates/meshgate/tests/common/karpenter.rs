@@ -39,6 +39,9 @@ pub struct Seen {
     /// it after that.
     pub tainted: BTreeMap<String, bool>,
     pub lifted: BTreeMap<String, (u64, Instant)>,
+    /// Node -> first seen Ready with no `NoSchedule` or `NoExecute` taint: from then the
+    /// scheduler may bind pods there (with meshgate or without).
+    pub schedulable: BTreeMap<String, Instant>,
     /// NodeClaim -> (instance type, node, revision it became Initialized).
     pub claims: BTreeMap<String, Claim>,
 }
@@ -121,7 +124,19 @@ pub fn watch(client: &kube::Client, seen: &Arc<Mutex<Seen>>) -> Vec<tokio::task:
                 .as_ref()
                 .and_then(|s| s.taints.as_ref())
                 .is_some_and(|ts| ts.iter().any(|t| t.key == key));
+            let open = n
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_none_or(|ts| ts.iter().all(|t| t.effect == "PreferNoSchedule"))
+                && n.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
             let mut s = s.lock().expect("seen");
+            if open {
+                s.schedulable.entry(name.clone()).or_insert(now);
+            }
             let was = s.tainted.get(&name).copied().unwrap_or(false);
             if has {
                 s.tainted.insert(name, true);
@@ -420,6 +435,10 @@ pub struct Round {
     /// The release in its legs, per pod whose node meshgate tainted: the agents Ready to the
     /// taint seen lifted (meshgate), to the binding seen (the scheduler), to Running seen (KWOK).
     pub legs: Vec<[Duration; 3]>,
+    /// From its node first seen schedulable to the pod Running, per pod: what the scheduler and
+    /// the kubelets take once a node is open, with meshgate (the taint lifted) or without (the
+    /// node Ready).
+    pub from_schedulable: Vec<Duration>,
     /// NodeClaims Initialized before meshgate lifted the taint of their node.
     pub initialized_early: usize,
     /// From the Deployment's creation to its last pod Running.
@@ -546,6 +565,10 @@ pub async fn round(
             let last = on_node.iter().map(|(r, _)| *r).max().unwrap_or(u64::MAX);
             if on_node.len() < agents || last > *bound_rv {
                 out.early += 1;
+            }
+            if let (Some(running), Some(open)) = (s.running.get(uid), s.schedulable.get(node)) {
+                out.from_schedulable
+                    .push(running.saturating_duration_since(*open));
             }
             if let (Some(running), Some(at)) =
                 (s.running.get(uid), on_node.iter().map(|(_, at)| *at).max())
