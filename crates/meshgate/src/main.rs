@@ -588,10 +588,8 @@ async fn webhook(args: WebhookArgs) -> anyhow::Result<()> {
     };
     // As long as the API server waits (the registrations' timeoutSeconds).
     let request_timeout = meshgate_core::registration::server_timeout(config.timeout_seconds);
-    let client = kube::Client::try_from(identified(
-        kube::Config::infer().await?,
-        "meshgate-webhook",
-    ))?;
+    let client =
+        kube::Client::try_from(identified(kube::Config::infer().await?, "meshgate-webhook"))?;
     let server = run::start_webhook(
         client,
         WebhookSettings {
@@ -714,6 +712,7 @@ async fn controller(args: ControllerArgs) -> anyhow::Result<()> {
             policy_webhook: policy_webhook_configuration,
             native_policies,
             native_gate,
+            native_gate_proof: None,
             excluded_namespaces,
             no_workload_backfill: !workload_backfill,
         },

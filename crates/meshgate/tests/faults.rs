@@ -648,12 +648,13 @@ async fn paused_leader_steps_down() {
         },
     )
     .await;
-    // The node's field managers name the component that released it (the release also
-    // writes the gate's ready marks, which the controller then owns).
-    let managers: Vec<(String, String, String)> = nodes
-        .get("released")
+    // The gate's field managers name the component that wrote its status. (A Node lists its
+    // managers only after a first server-side apply: the API server tracks no update to an
+    // object never applied, `before-first-apply`, and kubelets create nodes with a POST.)
+    let managers: Vec<(String, String, String)> = Api::<NodeGate>::all(client.clone())
+        .get("faults")
         .await
-        .expect("node")
+        .expect("gate")
         .metadata
         .managed_fields
         .unwrap_or_default()
@@ -666,12 +667,12 @@ async fn paused_leader_steps_down() {
             )
         })
         .collect();
-    eprintln!("measured: the released node's field managers: {managers:?}");
+    eprintln!("measured: the gate's field managers: {managers:?}");
     assert!(
         managers
             .iter()
-            .any(|(m, op, sub)| m == "meshgate-controller" && op == "Update" && sub.is_empty()),
-        "the controller's release is recorded under its field manager: {managers:?}"
+            .any(|(m, op, sub)| m == "meshgate-controller" && op == "Update" && sub == "status"),
+        "the controller's status writes are recorded under its field manager: {managers:?}"
     );
 
     // The new leader crashes while its lease is valid, and work waits that only a leader may
