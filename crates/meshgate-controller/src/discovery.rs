@@ -118,13 +118,7 @@ pub async fn prove_policy_api(
         .unwrap_or_default()
         .to_owned();
     let outcome = probe(
-        &policies,
-        &bindings,
-        &policy,
-        &binding,
-        client,
-        &lease,
-        wait,
+        &policies, &bindings, &policy, &binding, client, &lease, wait,
     )
     .await;
     // The probe goes whatever happened (a refusal to create leaves nothing to delete).
@@ -157,9 +151,7 @@ async fn probe(
         .create(&PostParams::default(), &create(binding)?)
         .await
         .map_err(|e| format!("creating a probe policy binding: {e}"))?;
-    let namespace = lease["metadata"]["namespace"]
-        .as_str()
-        .unwrap_or("default");
+    let namespace = lease["metadata"]["namespace"].as_str().unwrap_or("default");
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(client.clone(), namespace);
     let object: k8s_openapi::api::coordination::v1::Lease =

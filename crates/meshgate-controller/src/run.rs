@@ -114,33 +114,22 @@ pub async fn run_controller(
         });
     }
     if let Some((config, configuration)) = s.native_gate {
-        match crate::discovery::policy_api(&client).await {
-            Some(api) => {
-                let (client, leader, stop) = (client.clone(), leader.clone(), shutdown.clone());
-                let settings = crate::native_gate::Settings {
-                    config,
-                    configuration,
-                    api,
-                    proof: crate::native_gate::Proof {
-                        namespace: own_namespace,
-                        every: s
-                            .native_gate_proof
-                            .unwrap_or(crate::native_gate::PROOF_EVERY),
-                        wait: crate::discovery::PROBE_WAIT,
-                    },
-                };
-                tokio::spawn(crate::native_gate::run(
-                    client,
-                    leader,
-                    settings,
-                    Duration::from_secs(60),
-                    stop,
-                ));
-            }
-            None => tracing::warn!(
-                "native gate: the API server serves no MutatingAdmissionPolicy API; the webhook gates every pod"
-            ),
-        }
+        let proof = crate::native_gate::Proof {
+            namespace: own_namespace,
+            every: s
+                .native_gate_proof
+                .unwrap_or(crate::native_gate::PROOF_EVERY),
+            wait: crate::discovery::PROBE_WAIT,
+        };
+        spawn_native_gate(
+            &client,
+            &leader,
+            config,
+            configuration,
+            proof,
+            shutdown.clone(),
+        )
+        .await;
     }
     if let Some(configuration) = s.policy_webhook {
         let (client, leader, stop) = (client.clone(), leader.clone(), shutdown.clone());
@@ -177,6 +166,37 @@ pub async fn run_controller(
         ),
     );
     Ok(())
+}
+
+/// The native gate's loop, where the API server serves the policy API.
+async fn spawn_native_gate(
+    client: &kube::Client,
+    leader: &crate::leader::Leader,
+    config: meshgate_api::GateConfig,
+    configuration: String,
+    proof: crate::native_gate::Proof,
+    stop: impl Future<Output = ()> + Send + 'static,
+) {
+    match crate::discovery::policy_api(client).await {
+        Some(api) => {
+            let settings = crate::native_gate::Settings {
+                config,
+                configuration,
+                api,
+                proof,
+            };
+            tokio::spawn(crate::native_gate::run(
+                client.clone(),
+                leader.clone(),
+                settings,
+                Duration::from_secs(60),
+                stop,
+            ));
+        }
+        None => tracing::warn!(
+            "native gate: the API server serves no MutatingAdmissionPolicy API; the webhook gates every pod"
+        ),
+    }
 }
 
 /// The policy controller's settings; with native policies, the admission policy API the API

@@ -537,6 +537,7 @@ async fn install_step(
                 policy_webhook: None,
                 native_policies: false,
                 native_gate: None,
+                native_gate_proof: None,
                 excluded_namespaces: None,
                 no_workload_backfill: false,
             },
