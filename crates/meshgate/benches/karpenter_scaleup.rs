@@ -101,7 +101,11 @@ fn report(name: &str, pairs: &[(Round, Round)]) {
     // The same scheduler and kubelets without meshgate: from a node open to scheduling to its
     // pods Running, both ways (the floor under the release above).
     for (way, pick) in [
-        ("default", &(|p: &(Round, Round)| p.0.from_schedulable.clone()) as &dyn Fn(&(Round, Round)) -> Vec<Duration>),
+        (
+            "default",
+            &(|p: &(Round, Round)| p.0.from_schedulable.clone())
+                as &dyn Fn(&(Round, Round)) -> Vec<Duration>,
+        ),
         ("none", &|p: &(Round, Round)| p.1.from_schedulable.clone()),
     ] {
         let xs: Vec<Duration> = pairs.iter().flat_map(pick).collect();
