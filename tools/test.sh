@@ -51,7 +51,12 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 # No incremental compilation data in the shared cache: a test run gains nothing from it, and it
 # grows by gigabytes per run (a full disk puts the real node under disk pressure).
 export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
-step() { printf '\n== %s ==\n' "$*"; }
+# Each step's time is printed when the next begins (and the last's, with the total, at exit):
+# the cold and warm times of every cell of the version matrix.
+step_name="" step_started=$SECONDS
+step_time() { [ -z "$step_name" ] || printf '(%s: %d s)\n' "$step_name" $((SECONDS - step_started)); }
+step() { step_time; step_name=$* step_started=$SECONDS; printf '\n== %s ==\n' "$*"; }
+trap 'status=$?; step_time; printf "== tools/test.sh: %d s, exit %d ==\n" "$SECONDS" "$status"' EXIT
 
 step "Debian packages (iptables for the network-namespace tests)"
 tools/packages.sh
