@@ -328,17 +328,7 @@ async fn the_components_do_everything_under_their_installed_identities() {
     })
     .expect("render");
     // Everything but the Deployments (the components run here, as their ServiceAccounts).
-    let applied: Vec<Value> = docs
-        .into_iter()
-        .filter(|d| d["kind"] != "Deployment")
-        .collect();
-    let crds = meshgate::install::crd_documents().expect("crds");
-    meshgate::install::apply(&admin, &crds, false, |_| {})
-        .await
-        .expect("crds");
-    meshgate::install::apply(&admin, &applied, false, |_| {})
-        .await
-        .expect("install applied");
+    apply_but_deployments(&admin, docs).await;
 
     // What the components will act on, made by the admin.
     let app_ns = cp.namespace("rbac-apps", &[]).await.expect("namespace");

@@ -180,6 +180,25 @@ async fn set_ready(client: &kube::Client, ns: &str, name: &str, ready: bool) {
         .expect("agent status");
 }
 
+/// A node of `pool` (as [`create_node`]) with the agents `cni` and `node-proxy` of `agents_ns`
+/// on it, both Ready; `plugin`: meshgate's node plugin pod there too, Ready or not.
+async fn node_with_ready_agents(
+    client: &kube::Client,
+    agents_ns: &str,
+    node: &str,
+    pool: &str,
+    plugin: Option<bool>,
+) {
+    create_node(client, node, pool, &[]).await;
+    if let Some(ready) = plugin {
+        node_plugin_pod(client, node, ready).await;
+    }
+    agent(client, agents_ns, "cni", "cni", node).await;
+    agent(client, agents_ns, "proxy", "node-proxy", node).await;
+    set_ready(client, agents_ns, "cni", true).await;
+    set_ready(client, agents_ns, "proxy", true).await;
+}
+
 /// Waits until the controller has published, on `node`, a condition of gate `gate` whose message
 /// satisfies `f`: the controller's own report that it processed the latest agent change, after
 /// which a negative assertion is safe.
@@ -725,11 +744,7 @@ async fn only_the_leader_writes_and_the_other_replica_takes_over() {
     create_gate(&client, &pool, gate_spec(&pool, &agents_ns, json!({}))).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let node = format!("{pool}-node");
-    create_node(&client, &node, &pool, &[]).await;
-    agent(&client, &agents_ns, "cni", "cni", &node).await;
-    agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
-    set_ready(&client, &agents_ns, "cni", true).await;
-    set_ready(&client, &agents_ns, "proxy", true).await;
+    node_with_ready_agents(&client, &agents_ns, &node, &pool, None).await;
     wait_for("untaint", Duration::from_secs(30), || async {
         !node_has_taint(&client, &node).await
     })
@@ -952,12 +967,7 @@ async fn dra_gate_publishes_a_slice_only_where_the_mesh_and_the_node_plugin_are_
     .await;
 
     let node = format!("{pool}-node");
-    create_node(&client, &node, &pool, &[]).await;
-    node_plugin_pod(&client, &node, false).await;
-    agent(&client, &agents_ns, "cni", "cni", &node).await;
-    agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
-    set_ready(&client, &agents_ns, "cni", true).await;
-    set_ready(&client, &agents_ns, "proxy", true).await;
+    node_with_ready_agents(&client, &agents_ns, &node, &pool, Some(false)).await;
     // The agents are Ready, the node plugin is not: the controller reports the node ready (the
     // condition is written after the reconcile's resource decision) and publishes nothing; a
     // slice is published only for a plugin it has seen Ready.
@@ -1106,12 +1116,7 @@ async fn a_pod_on_a_withdrawn_slice_is_held_round_after_round() {
         return;
     }
     let node = format!("{pool}-node");
-    create_node(&client, &node, &pool, &[]).await;
-    node_plugin_pod(&client, &node, true).await;
-    agent(&client, &agents_ns, "cni", "cni", &node).await;
-    agent(&client, &agents_ns, "proxy", "node-proxy", &node).await;
-    set_ready(&client, &agents_ns, "cni", true).await;
-    set_ready(&client, &agents_ns, "proxy", true).await;
+    node_with_ready_agents(&client, &agents_ns, &node, &pool, Some(true)).await;
     wait_for("the node's slice", Duration::from_secs(30), || async {
         slice_of(&client, &pool, &node).await.is_some()
     })
@@ -1277,11 +1282,7 @@ async fn a_dra_gate_falls_back_to_the_node_status_where_dra_extended_resources_a
         "an Event says so"
     );
     let node = "fallback-node";
-    create_node(&client, node, pool, &[]).await;
-    agent(&client, &agents_ns, "cni", "cni", node).await;
-    agent(&client, &agents_ns, "proxy", "node-proxy", node).await;
-    set_ready(&client, &agents_ns, "cni", true).await;
-    set_ready(&client, &agents_ns, "proxy", true).await;
+    node_with_ready_agents(&client, &agents_ns, node, pool, None).await;
     wait_for(
         "the resource in the node status",
         Duration::from_secs(30),
@@ -1344,12 +1345,7 @@ async fn a_dra_gate_follows_the_api_server_into_and_out_of_dra() {
     )
     .await;
     let node = "follows-node";
-    create_node(&client, node, pool, &[]).await;
-    node_plugin_pod(&client, node, true).await;
-    agent(&client, &agents_ns, "cni", "cni", node).await;
-    agent(&client, &agents_ns, "proxy", "node-proxy", node).await;
-    set_ready(&client, &agents_ns, "cni", true).await;
-    set_ready(&client, &agents_ns, "proxy", true).await;
+    node_with_ready_agents(&client, &agents_ns, node, pool, Some(true)).await;
 
     let provider = |reason: &'static str| {
         let client = client.clone();

@@ -294,7 +294,7 @@ async fn the_node_taint_policy_creates_the_taint_list_on_a_node_without_taints()
 #[tokio::test]
 async fn the_native_gate_goes_back_to_the_webhook_while_the_api_server_does_not_run_it() {
     use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-    use meshgate::install::{InstallOptions, NodeTaint, PodGate, Strategy};
+    use meshgate::install::{InstallOptions, PodGate, Strategy};
     use meshgate_core::native_gate::Routes;
     use meshgate_core::registration::native_gate_entries;
 
@@ -319,33 +319,11 @@ async fn the_native_gate_goes_back_to_the_webhook_while_the_api_server_does_not_
     )
     .expect("config");
     let docs = meshgate::install::render(&InstallOptions {
-        profile: "istio-ambient".into(),
-        namespace: NS.into(),
-        image: "meshgate/meshgate:test".into(),
-        node_taint: NodeTaint::Webhook,
         pod_gate: PodGate::Native(api),
-        strategy: Strategy::Pod,
-        taint_key: meshgate_api::names::STARTUP_TAINT_KEY.into(),
-        node_paths: Default::default(),
-        repair: None,
-        webhook_ingress_from: Vec::new(),
-        context_config_maps: Vec::new(),
-        context_api_reads: Vec::new(),
-        existing_kinds: Vec::new(),
-        policies: Default::default(),
+        ..install_options("istio-ambient", NS)
     })
     .expect("render");
-    let applied: Vec<Value> = docs
-        .into_iter()
-        .filter(|d| d["kind"] != "Deployment")
-        .collect();
-    let crds = meshgate::install::crd_documents().expect("crds");
-    meshgate::install::apply(&admin, &crds, false, |_| {})
-        .await
-        .expect("crds");
-    meshgate::install::apply(&admin, &applied, false, |_| {})
-        .await
-        .expect("install applied");
+    apply_but_deployments(&admin, docs).await;
     let controller = ControllerTask::start(
         &cp,
         NS,

@@ -707,6 +707,22 @@ pub async fn install_identities_with(
     .await;
 }
 
+/// Applies meshgate's CRDs, then `docs` (an install's rendering) but its Deployments, as the
+/// admin: the test runs the components itself, as their ServiceAccounts.
+pub async fn apply_but_deployments(admin: &Client, docs: Vec<serde_json::Value>) {
+    let applied: Vec<serde_json::Value> = docs
+        .into_iter()
+        .filter(|d| d["kind"] != "Deployment")
+        .collect();
+    let crds = meshgate::install::crd_documents().expect("crds");
+    meshgate::install::apply(admin, &crds, false, |_| {})
+        .await
+        .expect("crds");
+    meshgate::install::apply(admin, &applied, false, |_| {})
+        .await
+        .expect("install applied");
+}
+
 /// `meshgate install`'s options for the tests: `profile` in `namespace`, the webhook paths, no
 /// repair loop and no grants beyond the defaults.
 pub fn install_options(profile: &str, namespace: &str) -> meshgate::install::InstallOptions {
