@@ -221,6 +221,25 @@ impl Dra {
     /// Keeps the gate's `DeviceClass` current (once per generation) and notes a fallback when
     /// the API server does not keep its `extendedResourceName`.
     pub async fn ensure_class(&self, client: &kube::Client, gate: &NodeGate) -> Option<String> {
+        self.apply_class(client, gate, false).await
+    }
+
+    /// Asks, without writing (a dry-run apply: any replica may), whether the API server keeps
+    /// the gate's class as meshgate writes it, and notes the fallback. Done for every DRA gate
+    /// before the first decision after the caches sync: otherwise a restarted controller on a
+    /// cluster that drops `extendedResourceName` would decide as a DRA gate until its first
+    /// status pass (withdrawing the node-status resource from ready nodes, then advertising it
+    /// again).
+    pub async fn check_class(&self, client: &kube::Client, gate: &NodeGate) {
+        let _ = self.apply_class(client, gate, true).await;
+    }
+
+    async fn apply_class(
+        &self,
+        client: &kube::Client,
+        gate: &NodeGate,
+        dry_run: bool,
+    ) -> Option<String> {
         let res = gate.spec.resource.as_ref()?;
         if res.provider != ResourceProvider::Dra || !self.served() {
             return None;
@@ -239,10 +258,15 @@ impl Dra {
         }
         let api = Api::<DeviceClass>::all(client.clone());
         let name = meshgate_core::dra::device_class_name(&gate_name);
-        let pp = PatchParams::apply(names::FIELD_MANAGER).force();
+        let mut pp = PatchParams::apply(names::FIELD_MANAGER).force();
+        if dry_run {
+            pp = pp.dry_run();
+        }
         match api.patch(&name, &pp, &Patch::Apply(&class)).await {
             Ok(stored) => {
-                lock(&self.classes).insert(key);
+                if !dry_run {
+                    lock(&self.classes).insert(key);
+                }
                 let value = serde_json::to_value(&stored).unwrap_or_default();
                 let mut fallback = lock(&self.fallback);
                 if class_maps_resource(&value, &res.name) {
@@ -262,7 +286,7 @@ impl Dra {
                 None
             }
             Err(e) => {
-                tracing::debug!(gate = %gate_name, error = %e, "device class not written yet; retrying");
+                tracing::debug!(gate = %gate_name, dry_run, error = %e, "device class not written yet; retrying");
                 None
             }
         }

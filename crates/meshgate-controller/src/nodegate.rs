@@ -482,6 +482,11 @@ async fn sync_caches(
     while !ctx.agents.synced() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Before the first decision: whether each DRA gate's class keeps its resource name (a
+    // restart on a fallback cluster must not act as DRA until its first status pass).
+    for gate in ctx.gates.state() {
+        ctx.dra.check_class(&client, &gate).await;
+    }
     ctx.restart_initial();
     ctx.synced.store(true, Ordering::Release);
     ctx.metrics.synced.set(1);

@@ -651,28 +651,39 @@ async fn paused_leader_steps_down() {
     // The gate's field managers name the component that wrote its status. (A Node lists its
     // managers only after a first server-side apply: the API server tracks no update to an
     // object never applied, `before-first-apply`, and kubelets create nodes with a POST.)
-    let managers: Vec<(String, String, String)> = Api::<NodeGate>::all(client.clone())
-        .get("faults")
-        .await
-        .expect("gate")
-        .metadata
-        .managed_fields
-        .unwrap_or_default()
-        .into_iter()
-        .map(|m| {
-            (
-                m.manager.unwrap_or_default(),
-                m.operation.unwrap_or_default(),
-                m.subresource.unwrap_or_default(),
-            )
-        })
-        .collect();
-    eprintln!("measured: the gate's field managers: {managers:?}");
-    assert!(
-        managers
-            .iter()
-            .any(|(m, op, sub)| m == "meshgate-controller" && op == "Update" && sub == "status"),
-        "the controller's status writes are recorded under its field manager: {managers:?}"
+    let gates = Api::<NodeGate>::all(client.clone());
+    let managers = || async {
+        gates
+            .get("faults")
+            .await
+            .expect("gate")
+            .metadata
+            .managed_fields
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| {
+                (
+                    m.manager.unwrap_or_default(),
+                    m.operation.unwrap_or_default(),
+                    m.subresource.unwrap_or_default(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    wait_for(
+        "the new leader's status write, under its field manager",
+        Duration::from_secs(30),
+        || async {
+            managers()
+                .await
+                .iter()
+                .any(|(m, op, sub)| m == "meshgate-controller" && op == "Update" && sub == "status")
+        },
+    )
+    .await;
+    eprintln!(
+        "measured: the gate's field managers: {:?}",
+        managers().await
     );
 
     // The new leader crashes while its lease is valid, and work waits that only a leader may

@@ -180,6 +180,21 @@ async fn set_ready(client: &kube::Client, ns: &str, name: &str, ready: bool) {
         .expect("agent status");
 }
 
+/// A DRA gate `pool` (no taint at creation, [`RESOURCE`] x40) for the scenes where it may fall
+/// back to the node status.
+async fn status_dra_gate(client: &kube::Client, pool: &str, agents_ns: &str) {
+    create_gate(
+        client,
+        pool,
+        gate_spec(
+            pool,
+            agents_ns,
+            json!({"taintOnCreate": false, "resource": {"name": RESOURCE, "provider": "DRA", "count": 40}}),
+        ),
+    )
+    .await;
+}
+
 /// A node of `pool` (as [`create_node`]) with the agents `cni` and `node-proxy` of `agents_ns`
 /// on it, both Ready; `plugin`: meshgate's node plugin pod there too, Ready or not.
 async fn node_with_ready_agents(
@@ -1233,31 +1248,23 @@ async fn a_dra_gate_falls_back_to_the_node_status_where_dra_extended_resources_a
     };
     let client = cp.client().await.unwrap();
     install_crds(&client).await;
-    let _replica = Replica::start(
+    let lease = |identity: &str| LeaseSettings {
+        namespace: LEASE_NS.into(),
+        name: LEASE.into(),
+        identity: identity.into(),
+        duration: LEASE_SECONDS,
+        grace: 1,
+    };
+    let replica = Replica::start(
         cp.kubeconfig_path.clone(),
-        LeaseSettings {
-            namespace: LEASE_NS.into(),
-            name: LEASE.into(),
-            identity: "fallback".into(),
-            duration: LEASE_SECONDS,
-            grace: 1,
-        },
+        lease("fallback"),
         Duration::from_secs(1),
         None,
     )
     .await;
     let agents_ns = cp.namespace("agents", &[]).await.unwrap();
     let pool = "fallback";
-    create_gate(
-        &client,
-        pool,
-        gate_spec(
-            pool,
-            &agents_ns,
-            json!({"taintOnCreate": false, "resource": {"name": RESOURCE, "provider": "DRA", "count": 40}}),
-        ),
-    )
-    .await;
+    status_dra_gate(&client, pool, &agents_ns).await;
     wait_for(
         "the fallback condition",
         Duration::from_secs(30),
@@ -1297,6 +1304,75 @@ async fn a_dra_gate_falls_back_to_the_node_status_where_dra_extended_resources_a
     )
     .await;
     assert!(slice_of(&client, pool, node).await.is_none(), "no slice");
+
+    // The controller restarts. Until the new replica knows the class falls back it decides
+    // nothing as a DRA gate: the node keeps its status resource throughout (a watch from
+    // before the restart until the new replica has reconciled every node).
+    let withdrawn = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = withdrawn.clone();
+    let watch = tokio::spawn({
+        use futures::StreamExt;
+        use kube::runtime::{WatchStreamExt, watcher};
+        let nodes = Api::<Node>::all(client.clone());
+        async move {
+            let config = watcher::Config::default().fields(&format!("metadata.name={node}"));
+            let stream = watcher(nodes, config).applied_objects();
+            futures::pin_mut!(stream);
+            while let Some(Ok(n)) = stream.next().await {
+                // The fence: every event before it has been seen.
+                if n.metadata
+                    .labels
+                    .as_ref()
+                    .is_some_and(|l| l.contains_key("test.meshgate.dev/fence"))
+                {
+                    return;
+                }
+                let has = n
+                    .status
+                    .and_then(|s| s.capacity)
+                    .is_some_and(|c| c.contains_key(RESOURCE));
+                if !has {
+                    seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+        }
+    });
+    drop(replica);
+    let restarted = Replica::start(
+        cp.kubeconfig_path.clone(),
+        lease("fallback-restarted"),
+        Duration::from_secs(1),
+        None,
+    )
+    .await;
+    let metrics = restarted.metrics.clone();
+    wait_for(
+        "the restarted replica to lead and reconcile every node",
+        Duration::from_secs(60),
+        || {
+            let m = metrics.clone();
+            async move { m.leader.get() == 1 && m.initial_reconcile_done.get() == 1 }
+        },
+    )
+    .await;
+    Api::<Node>::all(client.clone())
+        .patch(
+            node,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"test.meshgate.dev/fence": "1"}}})),
+        )
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(30), watch)
+        .await
+        .expect("the watch saw the fence")
+        .unwrap();
+    assert_eq!(
+        withdrawn.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the node's status resource was withdrawn across the restart"
+    );
+    assert!(slice_of(&client, pool, node).await.is_none(), "no slice");
 }
 
 /// The API server starts serving DRA while the controller runs (a control-plane upgrade, a
@@ -1334,16 +1410,7 @@ async fn a_dra_gate_follows_the_api_server_into_and_out_of_dra() {
     .await;
     let agents_ns = cp.namespace("agents", &[]).await.unwrap();
     let pool = "follows";
-    create_gate(
-        &client,
-        pool,
-        gate_spec(
-            pool,
-            &agents_ns,
-            json!({"taintOnCreate": false, "resource": {"name": RESOURCE, "provider": "DRA", "count": 40}}),
-        ),
-    )
-    .await;
+    status_dra_gate(&client, pool, &agents_ns).await;
     let node = "follows-node";
     node_with_ready_agents(&client, &agents_ns, node, pool, Some(true)).await;
 
