@@ -195,19 +195,9 @@ async fn launched(
     Ok((claim, instance_type, node))
 }
 
-/// The workload leaves: Karpenter's consolidation removes the empty node (nothing of
-/// meshgate's keeps it), then Karpenter, KWOK and their controller manager stop.
-pub async fn scale_down(
-    story: &mut Story,
-    client: &kube::Client,
-    autoscaler: Autoscaler,
-    node: &str,
-) -> anyhow::Result<()> {
-    story.say(&format!(
-        "The workload leaves: Karpenter consolidates the empty node {node}"
-    ));
+/// Deletes every pod on `node` but its DaemonSets' (the agents).
+async fn remove_workload(client: &kube::Client, node: &str) -> anyhow::Result<()> {
     let all: Api<Pod> = Api::all(client.clone());
-    let start = Instant::now();
     for p in all
         .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
         .await?
@@ -220,12 +210,33 @@ pub async fn scale_down(
         let (Some(ns), Some(name)) = (p.metadata.namespace, p.metadata.name) else {
             continue;
         };
-        if !daemon {
-            Api::<Pod>::namespaced(client.clone(), &ns)
+        if !daemon && p.metadata.deletion_timestamp.is_none() {
+            match Api::<Pod>::namespaced(client.clone(), &ns)
                 .delete(&name, &DeleteParams::default().grace_period(0))
-                .await?;
+                .await
+            {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
         }
     }
+    Ok(())
+}
+
+/// The workload leaves: Karpenter's consolidation removes the empty node (nothing of
+/// meshgate's keeps it), then Karpenter, KWOK and their controller manager stop.
+pub async fn scale_down(
+    story: &mut Story,
+    client: &kube::Client,
+    autoscaler: Autoscaler,
+    node: &str,
+) -> anyhow::Result<()> {
+    story.say(&format!(
+        "The workload leaves: Karpenter consolidates the empty node {node}"
+    ));
+    let start = Instant::now();
+    remove_workload(client, node).await?;
     let nodes: Api<Node> = Api::all(client.clone());
     let claims = Api::<DynamicObject>::all_with(client.clone(), &karpenter::node_claims());
     let removed = poll(
@@ -234,6 +245,8 @@ pub async fn scale_down(
         || {
             let (nodes, claims, node) = (nodes.clone(), claims.clone(), node.to_owned());
             async move {
+                // A pod of the steps before that was bound after the first pass leaves too.
+                remove_workload(client, &node).await.ok()?;
                 let gone = nodes.get_opt(&node).await.ok()?.is_none();
                 let none = claims
                     .list(&ListParams::default())
@@ -254,7 +267,7 @@ pub async fn scale_down(
             .filter(|l| l.contains("disrupt") || l.contains("consolidat") || l.contains(node))
             .map(str::to_owned)
             .collect();
-        let left: Vec<String> = all
+        let left: Vec<String> = Api::<Pod>::all(client.clone())
             .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
             .await
             .map(|l| {
