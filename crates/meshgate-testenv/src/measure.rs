@@ -76,3 +76,33 @@ mod tests {
         assert!(cpu_time(std::process::id()) >= Duration::from_millis(10));
     }
 }
+
+/// The API server's Go CPU profile over `seconds` (`/debug/pprof/profile`, gzipped protobuf;
+/// the API server must run with `--profiling=true`). Read it with `go tool pprof`.
+pub async fn apiserver_cpu_profile(
+    client: &kube::Client,
+    seconds: usize,
+) -> Result<Vec<u8>, String> {
+    use http_body_util::BodyExt;
+    let request = http::Request::get(format!("/debug/pprof/profile?seconds={seconds}"))
+        .body(Vec::new())
+        .map_err(|e| e.to_string())?;
+    let response = client
+        .send(request.map(kube::client::Body::from))
+        .await
+        .map_err(|e| format!("API server profile: {e}"))?;
+    let status = response.status();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("API server profile: {e}"))?
+        .to_bytes();
+    if !status.is_success() {
+        return Err(format!(
+            "API server profile: {status}: {}",
+            String::from_utf8_lossy(&body)
+        ));
+    }
+    Ok(body.to_vec())
+}

@@ -335,32 +335,6 @@ async fn settle(pods: &Api<Pod>, pod: &Pod, want: Effect) -> Result<(), String> 
     ))
 }
 
-/// The API server's CPU profile over `seconds` (Go's `/debug/pprof/profile`, gzipped protobuf).
-async fn apiserver_profile(client: &kube::Client, seconds: usize) -> Result<Vec<u8>, String> {
-    use http_body_util::BodyExt;
-    let request = http::Request::get(format!("/debug/pprof/profile?seconds={seconds}"))
-        .body(Vec::new())
-        .map_err(|e| e.to_string())?;
-    let response = client
-        .send(request.map(kube::client::Body::from))
-        .await
-        .map_err(|e| format!("API server profile: {e}"))?;
-    let status = response.status();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| format!("API server profile: {e}"))?
-        .to_bytes();
-    if !status.is_success() {
-        return Err(format!(
-            "API server profile: {status}: {}",
-            String::from_utf8_lossy(&body)
-        ));
-    }
-    Ok(body.to_vec())
-}
-
 async fn round(
     pods: &Api<Pod>,
     pod: &Pod,
@@ -372,7 +346,8 @@ async fn round(
     let profiling = async {
         match (profile, &s.profile) {
             (Some((client, path)), Some((_, seconds))) => {
-                let bytes = apiserver_profile(client, *seconds).await?;
+                let bytes =
+                    meshgate_testenv::measure::apiserver_cpu_profile(client, *seconds).await?;
                 std::fs::write(path, bytes).map_err(|e| format!("{}: {e}", path.display()))
             }
             _ => Ok(()),
