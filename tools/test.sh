@@ -16,9 +16,11 @@
 #    plane's Go build, measured in a cold run);
 # 1d'. builds, once, the real Karpenter (its KWOK provider) and KWOK for the karpenter test
 #    (tools/karpenter/build.sh; about 4-5 min cold);
-# 1e. builds, once, the Kyverno CLI for the kyverno_oracle test (tools/kyverno/build.sh; about
-#    4 min after the Go builds above, measured in a cold run); MESHGATE_KYVERNO_ORACLE=0 skips it
-#    (the test then passes without checking, and says so);
+# 1e. builds, once, the Kyverno CLI for the kyverno_oracle test, and beside it Kyverno's admission
+#    controller for the kyverno_peers benchmark (tools/kyverno/build.sh; the CLI about 4 min after
+#    the Go builds above, measured in a cold run; the admission controller about half a minute
+#    after the CLI, most packages shared); MESHGATE_KYVERNO_ORACLE=0 skips it (the test then
+#    passes without checking, and says so);
 # 2. cargo fmt --check, cargo clippy --all-targets -D warnings, the CRD manifests and the Helm
 #    chart are current;
 # 3. cargo test --workspace: unit tests, the end-to-end tests against the real control plane, and
@@ -90,7 +92,7 @@ MESHGATE_KARPENTER=$(tools/karpenter/build.sh)
 export MESHGATE_KARPENTER
 cat "$MESHGATE_KARPENTER/version"
 
-step "Kyverno CLI (for the kyverno_oracle test; MESHGATE_KYVERNO_ORACLE=0 skips it)"
+step "Kyverno CLI and admission controller (the kyverno_oracle test, the kyverno_peers bench; MESHGATE_KYVERNO_ORACLE=0 skips it)"
 # Measured in a cold CI run at commit bf55032 (2026-12-02, 2 cores): 248 s after the control
 # plane's and Istio's Go builds, so that the whole run took about 43 of its 90 minutes.
 if [ "${MESHGATE_KYVERNO_ORACLE:-1}" != 0 ]; then

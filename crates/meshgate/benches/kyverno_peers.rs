@@ -712,13 +712,14 @@ async fn settle(
     ))
 }
 
-/// Creates pods at a fixed rate; the latencies and the stored pods (normalized, distinct).
+/// Creates pods at a fixed rate; the latencies, the stored pods (normalized, distinct) and the
+/// three slowest creates as `#<index in the schedule> <ms>` (where the tail comes from).
 async fn fixed_rate(
     pods: &Api<Pod>,
     pod: &Pod,
     n: usize,
     rate: f64,
-) -> Result<(Vec<Duration>, Vec<Value>), String> {
+) -> Result<(Vec<Duration>, Vec<Value>, String), String> {
     let start = tokio::time::Instant::now();
     let tasks: Vec<_> = (0..n)
         .map(|i| {
@@ -736,12 +737,25 @@ async fn fixed_rate(
             })
         })
         .collect();
-    collect(
-        futures::future::join_all(tasks)
-            .await
-            .into_iter()
-            .map(|r| r.map_err(|e| format!("create task: {e}")).and_then(|r| r)),
-    )
+    let results: Vec<Result<(Duration, Value), String>> = futures::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(|r| r.map_err(|e| format!("create task: {e}")).and_then(|r| r))
+        .collect();
+    let mut by_index: Vec<(usize, Duration)> = results
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| r.as_ref().ok().map(|(d, _)| (i, *d)))
+        .collect();
+    by_index.sort_by(|a, b| b.1.cmp(&a.1));
+    let slowest = by_index
+        .iter()
+        .take(3)
+        .map(|(i, d)| format!("#{i} {:.1}", ms(*d)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let (latencies, stored) = collect(results.into_iter())?;
+    Ok((latencies, stored, slowest))
 }
 
 fn collect(
@@ -1049,7 +1063,7 @@ async fn run() -> Result<(), String> {
                 };
                 let (cpu_before, api_before) =
                     (cpu_seconds(&pids), cpu_seconds(&[bench.apiserver]));
-                let (fixed, stored_fixed) =
+                let (fixed, stored_fixed, slowest) =
                     fixed_rate(&pods, &pod, settings.fixed_pods, settings.rate).await?;
                 let profile = async {
                     match &settings.profile {
@@ -1100,7 +1114,7 @@ async fn run() -> Result<(), String> {
                     }
                 }
                 println!(
-                    "{:<6} {:<9} {:<16} start {:>7.0} ms  fixed p50 {:>6.1} p99 {:>6.1} ms  saturated p50 {:>6.1} p99 {:>6.1} ms {:>5.0}/s  cpu {:>6.2} s/1000  rss {:>6.1} MiB (peak {:>6.1})  apiserver {:>5.2} ms/create",
+                    "{:<6} {:<9} {:<16} start {:>7.0} ms  fixed p50 {:>6.1} p99 {:>6.1} ms  saturated p50 {:>6.1} p99 {:>6.1} ms {:>5.0}/s  cpu {:>6.2} s/1000  rss {:>6.1} MiB (peak {:>6.1})  apiserver {:>5.2} ms/create  slowest fixed: {slowest} ms",
                     r + 1,
                     config,
                     peer.name(),
