@@ -55,28 +55,6 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn summaries() {
-        let ms = |n| Duration::from_millis(n);
-        let sorted: Vec<Duration> = (1..=100).map(ms).collect();
-        assert_eq!(quantile(&sorted, 0.5), ms(50));
-        assert_eq!(quantile(&sorted, 0.99), ms(99));
-        assert_eq!(quantile(&[], 0.5), Duration::ZERO);
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        let (hwm, rss) = memory(std::process::id()).expect("own memory");
-        assert!(hwm >= rss && rss > 0);
-        let spin = std::time::Instant::now();
-        while cpu_time(std::process::id()) < Duration::from_millis(10)
-            && spin.elapsed() < Duration::from_secs(5)
-        {}
-        assert!(cpu_time(std::process::id()) >= Duration::from_millis(10));
-    }
-}
-
 /// The API server's Go CPU profile over `seconds` (`/debug/pprof/profile`, gzipped protobuf;
 /// the API server must run with `--profiling=true`). Read it with `go tool pprof`.
 pub async fn apiserver_cpu_profile(
@@ -105,4 +83,26 @@ pub async fn apiserver_cpu_profile(
         ));
     }
     Ok(body.to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summaries() {
+        let ms = |n| Duration::from_millis(n);
+        let sorted: Vec<Duration> = (1..=100).map(ms).collect();
+        assert_eq!(quantile(&sorted, 0.5), ms(50));
+        assert_eq!(quantile(&sorted, 0.99), ms(99));
+        assert_eq!(quantile(&[], 0.5), Duration::ZERO);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        let (hwm, rss) = memory(std::process::id()).expect("own memory");
+        assert!(hwm >= rss && rss > 0);
+        let spin = std::time::Instant::now();
+        while cpu_time(std::process::id()) < Duration::from_millis(10)
+            && spin.elapsed() < Duration::from_secs(5)
+        {}
+        assert!(cpu_time(std::process::id()) >= Duration::from_millis(10));
+    }
 }

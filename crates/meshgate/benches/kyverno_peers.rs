@@ -747,7 +747,7 @@ async fn fixed_rate(
         .enumerate()
         .filter_map(|(i, r)| r.as_ref().ok().map(|(d, _)| (i, *d)))
         .collect();
-    by_index.sort_by(|a, b| b.1.cmp(&a.1));
+    by_index.sort_by_key(|b| std::cmp::Reverse(b.1));
     let slowest = by_index
         .iter()
         .take(3)
