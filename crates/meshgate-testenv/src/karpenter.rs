@@ -237,28 +237,14 @@ pub struct Autoscaler {
     _dir: tempfile::TempDir,
 }
 
-fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
-    ApiResource {
-        group: group.into(),
-        version: version.into(),
-        api_version: if group.is_empty() {
-            version.into()
-        } else {
-            format!("{group}/{version}")
-        },
-        kind: kind.into(),
-        plural: plural.into(),
-    }
-}
-
 /// NodeClaims (`karpenter.sh/v1`).
 pub fn node_claims() -> ApiResource {
-    resource("karpenter.sh", "v1", "NodeClaim", "nodeclaims")
+    crate::api_resource("karpenter.sh", "v1", "NodeClaim", "nodeclaims")
 }
 
 /// NodePools (`karpenter.sh/v1`).
 pub fn node_pools() -> ApiResource {
-    resource("karpenter.sh", "v1", "NodePool", "nodepools")
+    crate::api_resource("karpenter.sh", "v1", "NodePool", "nodepools")
 }
 
 async fn apply(client: &kube::Client, ar: &ApiResource, doc: &Value) -> Result<(), Error> {
@@ -306,7 +292,7 @@ impl Autoscaler {
         apply_crds(&client, &bin.join("crds")).await?;
         apply(
             &client,
-            &resource("karpenter.kwok.sh", "v1alpha1", "KWOKNodeClass", "kwoknodeclasses"),
+            &crate::api_resource("karpenter.kwok.sh", "v1alpha1", "KWOKNodeClass", "kwoknodeclasses"),
             &json!({"apiVersion": "karpenter.kwok.sh/v1alpha1", "kind": "KWOKNodeClass", "metadata": {"name": NODE_POOL}}),
         )
         .await?;
@@ -455,7 +441,7 @@ fn node_pool(options: &Options) -> Value {
 
 /// Applies every CRD of `dir` and waits until each is Established.
 async fn apply_crds(client: &kube::Client, dir: &Path) -> Result<(), Error> {
-    let crds = resource(
+    let crds = crate::api_resource(
         "apiextensions.k8s.io",
         "v1",
         "CustomResourceDefinition",

@@ -224,6 +224,41 @@ pub struct Options {
     pub version_defaults: bool,
 }
 
+impl Options {
+    /// The defaults, with the API server's `/debug/pprof` on when `profiling` (the benches'
+    /// `MESHGATE_BENCH_APISERVER_PROFILE`).
+    pub fn profiling(profiling: bool) -> Self {
+        Self {
+            apiserver_flags: if profiling {
+                vec!["--profiling=true".into()]
+            } else {
+                Vec::new()
+            },
+            ..Self::default()
+        }
+    }
+}
+
+/// The resource a kind is served as, named in full (no discovery).
+pub fn api_resource(
+    group: &str,
+    version: &str,
+    kind: &str,
+    plural: &str,
+) -> kube::api::ApiResource {
+    kube::api::ApiResource {
+        group: group.into(),
+        version: version.into(),
+        api_version: if group.is_empty() {
+            version.into()
+        } else {
+            format!("{group}/{version}")
+        },
+        kind: kind.into(),
+        plural: plural.into(),
+    }
+}
+
 /// The host address the API server listens on with [`Options::serve_pods`]: a private address
 /// outside the pods' and Services' ranges, routed to the host from every pod (through the pod
 /// network's gateway); nothing leaves the machine.

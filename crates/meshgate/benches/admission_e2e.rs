@@ -409,13 +409,9 @@ async fn round(
 async fn run() -> Result<(), String> {
     let settings = Settings::from_env()?;
     let started = Instant::now();
-    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
-        apiserver_flags: match &settings.profile {
-            Some(_) => vec!["--profiling=true".into()],
-            None => Vec::new(),
-        },
-        ..Default::default()
-    })
+    let cp = meshgate_testenv::ControlPlane::start(meshgate_testenv::Options::profiling(
+        settings.profile.is_some(),
+    ))
     .await
     .map_err(|e| format!("control plane: {e}"))?;
     let client = cp.client().await.map_err(|e| e.to_string())?;

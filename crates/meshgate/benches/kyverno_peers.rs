@@ -53,9 +53,7 @@ mod common;
 
 use common::{ChildProcess, http_get, meshgate_bin};
 use futures::StreamExt;
-use k8s_openapi::api::admissionregistration::v1::{
-    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
-};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
 use meshgate_testenv::ControlPlane;
@@ -341,20 +339,6 @@ async fn delete_named(
     Ok(())
 }
 
-fn resource(group: &str, version: &str, kind: &str, plural: &str) -> kube::api::ApiResource {
-    kube::api::ApiResource {
-        group: group.into(),
-        version: version.into(),
-        api_version: if group.is_empty() {
-            version.into()
-        } else {
-            format!("{group}/{version}")
-        },
-        kind: kind.into(),
-        plural: plural.into(),
-    }
-}
-
 /// A stored pod as both peers must leave it: what the API server assigns per pod, and what
 /// each tool adds for itself, left out.
 fn normalized(pod: &Pod) -> Value {
@@ -589,27 +573,23 @@ impl Bench {
             Peer::Kyverno => {
                 // Kyverno leaves its webhook configurations behind when it stops (its chart
                 // removes them with a hook); a `Fail` policy would refuse every pod.
-                let mwcs: Api<MutatingWebhookConfiguration> = Api::all(self.client.clone());
-                for w in mwcs
-                    .list(&ListParams::default())
-                    .await
-                    .map_err(|e| e.to_string())?
-                {
-                    let name = w.metadata.name.unwrap_or_default();
-                    if name.starts_with("kyverno-") {
-                        let _ = mwcs.delete(&name, &DeleteParams::default()).await;
-                    }
-                }
-                let vwcs: Api<ValidatingWebhookConfiguration> = Api::all(self.client.clone());
-                for w in vwcs
-                    .list(&ListParams::default())
-                    .await
-                    .map_err(|e| e.to_string())?
-                {
-                    let name = w.metadata.name.unwrap_or_default();
-                    if name.starts_with("kyverno-") {
-                        let _ = vwcs.delete(&name, &DeleteParams::default()).await;
-                    }
+                for (kind, plural) in [
+                    (
+                        "MutatingWebhookConfiguration",
+                        "mutatingwebhookconfigurations",
+                    ),
+                    (
+                        "ValidatingWebhookConfiguration",
+                        "validatingwebhookconfigurations",
+                    ),
+                ] {
+                    let ar = meshgate_testenv::api_resource(
+                        "admissionregistration.k8s.io",
+                        "v1",
+                        kind,
+                        plural,
+                    );
+                    delete_named(&self.client, &ar, None, "kyverno-").await?;
                 }
             }
             Peer::Meshgate | Peer::MeshgateNative => {
@@ -631,7 +611,7 @@ impl Bench {
                     ] {
                         delete_named(
                             &self.client,
-                            &resource(&group, &version, kind, plural),
+                            &meshgate_testenv::api_resource(&group, &version, kind, plural),
                             None,
                             "meshgate-",
                         )
@@ -645,7 +625,7 @@ impl Bench {
             ("EphemeralReport", "ephemeralreports"),
             ("ClusterEphemeralReport", "clusterephemeralreports"),
         ] {
-            let ar = resource("reports.kyverno.io", "v1", kind, plural);
+            let ar = meshgate_testenv::api_resource("reports.kyverno.io", "v1", kind, plural);
             let namespace = (kind == "EphemeralReport").then_some(APPS);
             delete_named(&self.client, &ar, namespace, "").await?;
         }
@@ -916,13 +896,9 @@ async fn run() -> Result<(), String> {
     let settings = Settings::from_env()?;
     let kyverno = kyverno_bin()?;
     let crds = kyverno_crds()?;
-    let cp = ControlPlane::start(meshgate_testenv::Options {
-        apiserver_flags: match &settings.profile {
-            Some(_) => vec!["--profiling=true".into()],
-            None => Vec::new(),
-        },
-        ..Default::default()
-    })
+    let cp = ControlPlane::start(meshgate_testenv::Options::profiling(
+        settings.profile.is_some(),
+    ))
     .await
     .map_err(|e| format!("control plane: {e}"))?;
     let client = cp.client().await.map_err(|e| e.to_string())?;
@@ -984,8 +960,9 @@ async fn run() -> Result<(), String> {
             .await
             .map_err(|e| format!("dry-run create: {e}"))?,
     );
-    let kyverno_policies = resource("kyverno.io", "v1", "ClusterPolicy", "clusterpolicies");
-    let mutation_policies = resource(
+    let kyverno_policies =
+        meshgate_testenv::api_resource("kyverno.io", "v1", "ClusterPolicy", "clusterpolicies");
+    let mutation_policies = meshgate_testenv::api_resource(
         "meshgate.dev",
         "v1alpha1",
         "MutationPolicy",
