@@ -23,7 +23,16 @@
 //! * `RATIO meshgate/istio-untaint-rss-peak-<mode>-<n>`: each process's peak resident memory
 //!   (`VmHWM`) at the round's end, MiB (a fresh process a round);
 //! * `RATIO meshgate/istio-untaint-cpu-<mode>-<n>`: the controller process's CPU seconds for the
-//!   round (`/proc/<pid>/stat`).
+//!   round (`/proc/<pid>/stat`);
+//! * of the last pair, where the cost is: `VALUE requests-by-kind-<mode>-<n>`,
+//!   `VALUE meshgate-counters-per-node-<mode>-<n>` (meshgate's reconciles and writes by
+//!   operation, from its `/metrics`) and `VALUE slowest-lifts-<mode>-<n>` (each peer's slowest
+//!   lifts, with when in the round their agent turned Ready: a periodic stall shows as a
+//!   period).
+//!
+//! The peers take turns going first in a pair. `MESHGATE_BENCH_APISERVER_PROFILE=DIR` writes the
+//! API server's CPU profile over the readies of each peer's first steady round at each scale
+//! (`DIR/steady-<n>-<peer>.pprof`; `go tool pprof -top`).
 //!
 //! The node-readiness-controller (kubernetes-sigs) cannot be built here (its module is refused by
 //! the module proxy); BENCHMARKS.md compares with its published scale-test design instead.
@@ -76,6 +85,12 @@ struct Round {
     /// The process's peak resident memory (`VmHWM`, MiB) at the round's end: its start and
     /// the round (each round starts a fresh process).
     rss_peak_mib: f64,
+    /// The slowest lifts: when the agent's Ready write was answered (from the round's first)
+    /// and the lift, slowest first.
+    slowest: Vec<(Duration, Duration)>,
+    /// meshgate's own counters over the round (its `/metrics`), per node: reconciles run and
+    /// writes by operation. Empty for Istio.
+    own_counters: BTreeMap<String, f64>,
 }
 
 fn env_list(name: &str, default: &[usize]) -> Vec<usize> {
@@ -147,6 +162,33 @@ async fn mutating_requests(client: &kube::Client) -> BTreeMap<String, f64> {
         if let Some(v) = l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()) {
             *out.entry(what).or_insert(0.0) += v;
         }
+    }
+    out
+}
+
+/// meshgate's node-gate counters so far (its `/metrics`): reconciles run and writes by
+/// operation.
+async fn meshgate_counters(port: u16) -> BTreeMap<String, f64> {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let Some((_, text)) = http_get(addr, "/metrics").await else {
+        return BTreeMap::new();
+    };
+    let mut out = BTreeMap::new();
+    for l in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((name, value)) = l.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(v) = value.parse::<f64>() else {
+            continue;
+        };
+        let key = if name == "meshgate_controller_reconciles_total" {
+            "reconciles".to_owned()
+        } else if let Some(labels) = name.strip_prefix("meshgate_controller_operations_total{") {
+            format!("writes {}", labels.trim_end_matches('}'))
+        } else {
+            continue;
+        };
+        *out.entry(key).or_insert(0.0) += v;
     }
     out
 }
@@ -308,7 +350,14 @@ async fn delete_nodes(client: &kube::Client) {
 
 /// One round: `n` nodes, their agents made Ready (`burst` or steadily), until every taint is
 /// gone; the lift times, the API writes per node and the peer's CPU.
-async fn round(client: &kube::Client, pid: u32, n: usize, burst: bool) -> Round {
+async fn round(
+    client: &kube::Client,
+    peer: Peer,
+    (pid, port): (u32, u16),
+    n: usize,
+    burst: bool,
+    profile: Option<&std::path::Path>,
+) -> Round {
     let names = create_nodes(client, n).await;
     let lifted: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
     let seen = lifted.clone();
@@ -328,9 +377,24 @@ async fn round(client: &kube::Client, pid: u32, n: usize, burst: bool) -> Round 
     });
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     let (cpu0, req0) = (cpu_seconds(pid), mutating_requests(client).await);
+    let own0 = match peer {
+        Peer::Meshgate => meshgate_counters(port).await,
+        Peer::Istio => BTreeMap::new(),
+    };
+    let started = Instant::now();
     let ready_at: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
     let parallel = if burst { 32 } else { 1 };
-    futures::stream::iter(names.clone())
+    let profiled = async {
+        if let Some(path) = profile {
+            // The readies take 20 ms each in steady mode: the profile covers them.
+            let seconds = (n / 50).max(1) + 1;
+            let bytes = meshgate_testenv::measure::apiserver_cpu_profile(client, seconds)
+                .await
+                .expect("API server profile");
+            std::fs::write(path, bytes).expect("profile written");
+        }
+    };
+    let readies = futures::stream::iter(names.clone())
         .map(|name| {
             let (pods, ready_at) = (pods.clone(), ready_at.clone());
             async move {
@@ -342,8 +406,8 @@ async fn round(client: &kube::Client, pid: u32, n: usize, burst: bool) -> Round 
             }
         })
         .buffer_unordered(parallel)
-        .collect::<Vec<()>>()
-        .await;
+        .collect::<Vec<()>>();
+    futures::join!(readies, profiled);
     let t = Instant::now();
     while lifted.lock().expect("lifted").len() < n {
         assert!(
@@ -355,12 +419,33 @@ async fn round(client: &kube::Client, pid: u32, n: usize, burst: bool) -> Round 
     }
     let (cpu1, req1) = (cpu_seconds(pid), mutating_requests(client).await);
     let rss_peak = rss_peak_mib(pid);
+    let own1 = match peer {
+        Peer::Meshgate => meshgate_counters(port).await,
+        Peer::Istio => BTreeMap::new(),
+    };
     watch.abort();
     let lifted = lifted.lock().expect("lifted").clone();
     let ready_at = ready_at.lock().expect("ready").clone();
-    let lifts = names
+    let lifts: Vec<Duration> = names
         .iter()
         .map(|n| lifted[n].saturating_duration_since(ready_at[n]))
+        .collect();
+    let mut slowest: Vec<(Duration, Duration)> = names
+        .iter()
+        .zip(&lifts)
+        .map(|(n, l)| (ready_at[n].saturating_duration_since(started), *l))
+        .collect();
+    slowest.sort_by_key(|(_, l)| std::cmp::Reverse(*l));
+    slowest.truncate(8);
+    let own_counters = own1
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                (v - own0.get(k).copied().unwrap_or(0.0)) / n as f64,
+            )
+        })
+        .filter(|(_, v)| *v > 0.0)
         .collect();
     delete_nodes(client).await;
     let requests_by_kind: BTreeMap<String, f64> = req1
@@ -381,6 +466,8 @@ async fn round(client: &kube::Client, pid: u32, n: usize, burst: bool) -> Round 
         requests_by_kind,
         cpu_seconds: cpu1 - cpu0,
         rss_peak_mib: rss_peak,
+        slowest,
+        own_counters,
     }
 }
 
@@ -435,6 +522,26 @@ fn report(label: &str, pairs: &[(Round, Round)]) {
             kinds(m),
             kinds(i)
         );
+        let own = m
+            .own_counters
+            .iter()
+            .map(|(k, v)| format!("{k} {v:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        println!("VALUE meshgate-counters-per-node-{label}: [{own}]");
+        // Where the tail is: each slowest lift with when its agent turned Ready in the round.
+        let slowest = |r: &Round| {
+            r.slowest
+                .iter()
+                .map(|(at, l)| format!("{:.0} ms at {:.2} s", ms(*l), at.as_secs_f64()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        println!(
+            "VALUE slowest-lifts-{label}: meshgate [{}]; istio-untaint [{}]",
+            slowest(m),
+            slowest(i)
+        );
     }
 }
 
@@ -482,7 +589,11 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let cp = ControlPlane::start(meshgate_testenv::Options::default())
+    // MESHGATE_BENCH_APISERVER_PROFILE=DIR: the API server's CPU profile over each peer's first
+    // steady round at each scale, `steady-<n>-<peer>.pprof` in DIR (`go tool pprof -top`).
+    let profile =
+        std::env::var_os("MESHGATE_BENCH_APISERVER_PROFILE").map(std::path::PathBuf::from);
+    let cp = ControlPlane::start(meshgate_testenv::Options::profiling(profile.is_some()))
         .await
         .expect("control plane");
     let client = cp.client().await.expect("client");
@@ -515,22 +626,44 @@ async fn main() -> ExitCode {
         for burst in [true, false] {
             let mode = if burst { "burst" } else { "steady" };
             let mut pairs = Vec::new();
-            for _ in 0..rounds {
-                let mut results = Vec::new();
-                for peer in [Peer::Meshgate, Peer::Istio] {
+            for r in 0..rounds {
+                // Each peer goes first in every other pair: neither always meets the API server
+                // fresh from the cleanup of the other's nodes.
+                let order = if r % 2 == 0 {
+                    [Peer::Meshgate, Peer::Istio]
+                } else {
+                    [Peer::Istio, Peer::Meshgate]
+                };
+                let mut results = HashMap::new();
+                for peer in order {
                     let port = meshgate_testenv::free_port().expect("port");
                     let mut process = match peer {
                         Peer::Meshgate => start_meshgate(&cp, port),
                         Peer::Istio => start_istiod(&cp, &istio, port),
                     };
                     wait_ready(peer, &mut process, port).await;
-                    let r = round(&client, process.pid(), n, burst).await;
+                    // The API server's profile over the readies of each peer's first steady round.
+                    let profile_to = match &profile {
+                        Some(dir) if !burst && r == 0 => {
+                            Some(dir.join(format!("{mode}-{n}-{}.pprof", peer.name())))
+                        }
+                        _ => None,
+                    };
+                    let result = round(
+                        &client,
+                        peer,
+                        (process.pid(), port),
+                        n,
+                        burst,
+                        profile_to.as_deref(),
+                    )
+                    .await;
                     process.assert_running();
                     drop(process);
-                    results.push(r);
+                    results.insert(peer.name(), result);
                 }
-                let istio_round = results.pop().expect("istio");
-                let meshgate_round = results.pop().expect("meshgate");
+                let istio_round = results.remove(Peer::Istio.name()).expect("istio");
+                let meshgate_round = results.remove(Peer::Meshgate.name()).expect("meshgate");
                 pairs.push((meshgate_round, istio_round));
             }
             report(&format!("{mode}-{n}"), &pairs);
