@@ -8,7 +8,9 @@
 //!   annotation for keys outside meshgate's domain is written before a taint is added and after
 //!   it is removed;
 //! * the resource by a merge patch of the `status` subresource, and the gate's node condition
-//!   (`meshgate.dev/<gate>Ready`) by a strategic merge patch of it;
+//!   (`meshgate.dev/<gate>Ready`) by a strategic merge patch of it, written after the
+//!   reconcile by a writer of its own (the newest decision per node, a few at a time), as are
+//!   the Events: a release is one write on the reconcile's path;
 //! * the first-ready time as a node annotation.
 //!
 //! Safety:
@@ -53,6 +55,12 @@ use crate::metrics::{GateStateLabels, Metrics, OperationLabels};
 
 /// The finalizer meshgate puts on every NodeGate.
 pub const FINALIZER: &str = "meshgate.dev/node-gate";
+
+/// Events written at a time ([`event`]).
+const EVENT_WRITES: usize = 2;
+
+/// Node conditions written at a time ([`condition_writer`]).
+const CONDITION_WRITES: usize = 2;
 
 /// Errors of one reconcile; the node is retried with backoff.
 #[derive(Debug, thiserror::Error)]
@@ -135,6 +143,10 @@ struct Ctx {
     agents: AgentIndex,
     leader: Leader,
     events: Events,
+    /// Events in flight ([`event`]).
+    event_slots: Arc<tokio::sync::Semaphore>,
+    /// Node conditions waiting to be written ([`condition_writer`]).
+    conditions: PendingConditions,
     metrics: Metrics,
     settings: Settings,
     /// Set once every cache has its first list.
@@ -240,6 +252,8 @@ pub async fn run(
         agents: agents.clone(),
         leader: leader.clone(),
         events,
+        event_slots: Arc::new(tokio::sync::Semaphore::new(EVENT_WRITES)),
+        conditions: PendingConditions::default(),
         metrics: metrics.clone(),
         settings: settings.clone(),
         synced: AtomicBool::new(false),
@@ -272,6 +286,7 @@ pub async fn run(
         });
 
     let status_loop = status_loop(ctx.clone());
+    let condition_writer = condition_writer(ctx.clone());
     let dra_discovery = follow_dra(
         ctx.clone(),
         trigger_tx.clone(),
@@ -298,6 +313,7 @@ pub async fn run(
         _ = gate_stream => {},
         _ = leadership => {},
         _ = status_loop => {},
+        _ = condition_writer => {},
         _ = sync => {},
         _ = dra_discovery => {},
     }
@@ -603,7 +619,7 @@ async fn reconcile(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> 
             ));
         }
         if gate.spec.dry_run {
-            dry_run_events(&ctx, gate, &node, &decision).await;
+            dry_run_events(&ctx, gate, &node, &decision);
             continue;
         }
         let retaint = decision.retaint && decision.taint == Some(true);
@@ -620,8 +636,7 @@ async fn reconcile(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action, Error> 
                     retainted_count(&ctx, gate),
                     gate.spec.max_retainted
                 ),
-            )
-            .await;
+            );
             decision.taint = None;
             decision.resource = None;
             requeue = requeue.min(Duration::from_secs(u64::from(
@@ -767,7 +782,7 @@ fn release_retaint(ctx: &Ctx, gate: &NodeGate, node: &str) {
     }
 }
 
-async fn dry_run_events(ctx: &Ctx, gate: &NodeGate, node: &GateNode, d: &NodeDecision) {
+fn dry_run_events(ctx: &Ctx, gate: &NodeGate, node: &GateNode, d: &NodeDecision) {
     let what = match d.taint {
         Some(true) => "would add",
         Some(false) => "would remove",
@@ -783,8 +798,7 @@ async fn dry_run_events(ctx: &Ctx, gate: &NodeGate, node: &GateNode, d: &NodeDec
             gate.name_any(),
             gate.spec.taint.key
         ),
-    )
-    .await;
+    );
 }
 
 async fn remove_taint(
@@ -884,7 +898,7 @@ async fn apply(
     node = apply_taint(ctx, api, gate, node, taints, d, &marks).await?;
     node = apply_resource(ctx, api, gate, node, d).await?;
     if d.state != NodeState::Ignored {
-        node = publish_condition(ctx, api, gate, node, states, d).await?;
+        publish_condition(ctx, gate, &node, states, d);
     }
     Ok(node)
 }
@@ -996,7 +1010,7 @@ async fn apply_taint(
                 ),
             )
         };
-        event(ctx, &node.object_ref(&()), EventType::Normal, reason, note).await;
+        event(ctx, &node.object_ref(&()), EventType::Normal, reason, note);
     }
     Ok(node)
 }
@@ -1081,72 +1095,209 @@ async fn apply_resource(
                 format!("node gate {}: withdrew {}{via}", gate.name_any(), res.name),
             )
         };
-        event(ctx, &node.object_ref(&()), EventType::Normal, reason, note).await;
+        event(ctx, &node.object_ref(&()), EventType::Normal, reason, note);
     }
     Ok(node)
 }
 
-/// Keeps the gate's node condition current (written only when it changes).
-async fn publish_condition(
-    ctx: &Ctx,
-    api: &Api<GateNode>,
-    gate: &NodeGate,
-    node: GateNode,
-    states: &[AgentState],
-    d: &NodeDecision,
-) -> Result<GateNode, Error> {
-    let (ctype, status, reason, message) = node_condition(&gate.spec, &gate.name_any(), states, d);
-    let current = node
-        .status
+/// A gate's node condition as decided: type, status, reason, message.
+#[derive(Clone, Debug, PartialEq)]
+struct NodeCondition {
+    type_: String,
+    status: &'static str,
+    reason: &'static str,
+    message: String,
+}
+
+impl NodeCondition {
+    /// Whether `node` (as cached) carries it already.
+    fn on(&self, node: &GateNode) -> bool {
+        current_condition(node, &self.type_).is_some_and(|c| {
+            c.status == self.status
+                && c.reason.as_deref() == Some(self.reason)
+                && c.message.as_deref() == Some(self.message.as_str())
+        })
+    }
+}
+
+fn current_condition<'n>(
+    node: &'n GateNode,
+    type_: &str,
+) -> Option<&'n k8s_openapi::api::core::v1::NodeCondition> {
+    node.status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == ctype));
-    if current.is_some_and(|c| {
-        c.status == status
-            && c.reason.as_deref() == Some(reason)
-            && c.message.as_deref() == Some(message.as_str())
-    }) {
-        return Ok(node);
+        .and_then(|cs| cs.iter().find(|c| c.type_ == type_))
+}
+
+/// Node conditions decided and not yet written: the newest per node and type.
+#[derive(Default)]
+struct PendingConditions {
+    queue: Mutex<std::collections::HashMap<(String, String), NodeCondition>>,
+    wake: tokio::sync::Notify,
+}
+
+/// Keeps the gate's node condition current (written only when it changes): queued for
+/// [`condition_writer`], off the reconcile's path.
+fn publish_condition(
+    ctx: &Ctx,
+    gate: &NodeGate,
+    node: &GateNode,
+    states: &[AgentState],
+    d: &NodeDecision,
+) {
+    let (type_, status, reason, message) = node_condition(&gate.spec, &gate.name_any(), states, d);
+    let want = NodeCondition {
+        type_,
+        status,
+        reason,
+        message,
+    };
+    let key = (node.name_any(), want.type_.clone());
+    let mut queue = ctx
+        .conditions
+        .queue
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if want.on(node) {
+        // A newer decision stands: nothing older may be written after it.
+        queue.remove(&key);
+        return;
+    }
+    queue.insert(key, want);
+    ctx.conditions.wake.notify_one();
+}
+
+/// Writes the queued node conditions, [`CONDITION_WRITES`] at a time, the newest decision per
+/// node and type, each only where the cached node does not carry it already. A release is then
+/// one write in its reconcile (the condition follows), and in a burst the releases go first.
+/// A node's condition is written once at a time (a batch holds each node and type once), so an
+/// older decision never lands after a newer one. Not the leader: nothing is written (the
+/// leader's reconciles decide again). A failed write is queued again unless a newer decision
+/// came, after a pause.
+async fn condition_writer(ctx: Arc<Ctx>) {
+    // Batches in a row with a failed write: the third warns (once a streak).
+    let mut failing = 0u32;
+    loop {
+        ctx.conditions.wake.notified().await;
+        loop {
+            let batch: Vec<((String, String), NodeCondition)> = std::mem::take(
+                &mut *ctx
+                    .conditions
+                    .queue
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+            )
+            .into_iter()
+            .collect();
+            if batch.is_empty() {
+                break;
+            }
+            if !ctx.ready() {
+                continue;
+            }
+            let failed = futures::stream::iter(batch)
+                .map(|((node, type_), want)| {
+                    let ctx = ctx.clone();
+                    async move {
+                        match write_condition(&ctx, &node, &want).await {
+                            Ok(()) => None,
+                            Err(e) => {
+                                tracing::debug!(%node, error = %e, "node condition not written; retrying");
+                                Some(((node, type_), want))
+                            }
+                        }
+                    }
+                })
+                .buffer_unordered(CONDITION_WRITES)
+                .filter_map(futures::future::ready)
+                .collect::<Vec<_>>()
+                .await;
+            if failed.is_empty() {
+                failing = 0;
+            } else {
+                failing += 1;
+                if failing == 3 {
+                    tracing::warn!(
+                        nodes = failed.len(),
+                        "node conditions not written three times in a row; retrying every second"
+                    );
+                }
+                {
+                    let mut queue = ctx
+                        .conditions
+                        .queue
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    for (key, want) in failed {
+                        queue.entry(key).or_insert(want);
+                    }
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// Writes one node condition by a strategic merge patch of the node's status (its type is the
+/// merge key: no other condition is touched), keeping its transition time where the status is
+/// unchanged. A node gone, or carrying it already, is left alone.
+async fn write_condition(ctx: &Ctx, name: &str, want: &NodeCondition) -> Result<(), kube::Error> {
+    let Some(node) = ctx.nodes.get(&ObjectRef::new(name)) else {
+        return Ok(());
+    };
+    if want.on(&node) {
+        return Ok(());
     }
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    let transition = current
-        .filter(|c| c.status == status)
+    let transition = current_condition(&node, &want.type_)
+        .filter(|c| c.status == want.status)
         .and_then(|c| c.last_transition_time.as_ref())
         .map_or_else(|| now.clone(), |t| t.0.to_string());
     let patch = serde_json::json!({"status": {"conditions": [{
-        "type": ctype, "status": status, "reason": reason, "message": message,
-        "lastHeartbeatTime": now, "lastTransitionTime": transition,
+        "type": want.type_, "status": want.status, "reason": want.reason,
+        "message": want.message, "lastHeartbeatTime": now, "lastTransitionTime": transition,
     }]}});
-    let name = node.name_any();
-    let mut updated = api
-        .patch_status(&name, &PatchParams::default(), &Patch::Strategic(&patch))
+    match Api::<GateNode>::all(ctx.client.clone())
+        .patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch))
         .await
-        .map_err(|source| {
+    {
+        Ok(_) => {
+            count(ctx, false, "condition");
+            Ok(())
+        }
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => {
             count(ctx, true, "condition");
-            Error::Write {
-                node: name.clone(),
-                source,
-            }
-        })?;
-    count(ctx, false, "condition");
-    updated.slim();
-    Ok(updated)
+            Err(e)
+        }
+    }
 }
 
-async fn event(
+/// Records an Event off the caller's path, at most [`EVENT_WRITES`] at a time (in the order
+/// asked): a release is not held behind its own Event, and in a burst the releases go before
+/// the Events that follow them. Best effort, as Events are: one not written when the process
+/// stops is lost.
+fn event(
     ctx: &Ctx,
     object: &k8s_openapi::api::core::v1::ObjectReference,
     type_: EventType,
     reason: &str,
     note: String,
 ) {
-    if let Err(e) = ctx
-        .events
-        .publish(type_, "Reconcile", reason, &note, object)
-        .await
-    {
-        tracing::debug!(error = %e, "event not recorded");
-    }
+    let (events, slots) = (ctx.events.clone(), ctx.event_slots.clone());
+    let (object, reason) = (object.clone(), reason.to_owned());
+    tokio::spawn(async move {
+        let Ok(_slot) = slots.acquire_owned().await else {
+            return;
+        };
+        if let Err(e) = events
+            .publish(type_, "Reconcile", &reason, &note, &object)
+            .await
+        {
+            tracing::debug!(error = %e, "event not recorded");
+        }
+    });
 }
 
 /// A deleted gate: its taints (owned, not held by another live gate with the same key) and its
@@ -1190,8 +1341,7 @@ async fn finalize(ctx: &Ctx, gate: &NodeGate) -> Result<(), Error> {
                     gate.name_any(),
                     gate.spec.taint.key
                 ),
-            )
-            .await;
+            );
         }
         if let Some(res) = &gate.spec.resource {
             let advertised = node.advertises(&res.name);
@@ -1341,11 +1491,10 @@ async fn status_loop(ctx: Arc<Ctx>) {
                     EventType::Warning,
                     "Degraded",
                     c.message.clone(),
-                )
-                .await;
+                );
             }
             if let Some((type_, reason, message)) = provider_change(&old, &status) {
-                event(&ctx, &gate.object_ref(&()), type_, reason, message).await;
+                event(&ctx, &gate.object_ref(&()), type_, reason, message);
             }
             let same = |a: &NodeGateStatus, b: &NodeGateStatus| {
                 let key = |s: &NodeGateStatus| {
