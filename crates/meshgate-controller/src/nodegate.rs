@@ -1135,7 +1135,16 @@ fn current_condition<'n>(
 struct PendingConditions {
     queue: Mutex<std::collections::HashMap<(String, String), NodeCondition>>,
     wake: tokio::sync::Notify,
+    /// What the writer wrote in the last [`WRITTEN_TRUSTED`], per node and type: a reconcile
+    /// that ran before the node cache saw the write decides the same again, and is not
+    /// written twice.
+    written:
+        Mutex<std::collections::HashMap<(String, String), (NodeCondition, std::time::Instant)>>,
 }
+
+/// How long the writer trusts its own record of a write over the node cache (which shows it
+/// within milliseconds; a write by another leader since is caught by the next decision).
+const WRITTEN_TRUSTED: Duration = Duration::from_secs(10);
 
 /// Keeps the gate's node condition current (written only when it changes): queued for
 /// [`condition_writer`], off the reconcile's path.
@@ -1194,8 +1203,18 @@ async fn condition_writer(ctx: Arc<Ctx>) {
                 break;
             }
             if !ctx.ready() {
+                ctx.conditions
+                    .written
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .clear();
                 continue;
             }
+            ctx.conditions
+                .written
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .retain(|_, (_, at)| at.elapsed() < WRITTEN_TRUSTED);
             let failed = futures::stream::iter(batch)
                 .map(|((node, type_), want)| {
                     let ctx = ctx.clone();
@@ -1246,7 +1265,15 @@ async fn write_condition(ctx: &Ctx, name: &str, want: &NodeCondition) -> Result<
     let Some(node) = ctx.nodes.get(&ObjectRef::new(name)) else {
         return Ok(());
     };
-    if want.on(&node) {
+    let key = (name.to_owned(), want.type_.clone());
+    let written_now = ctx
+        .conditions
+        .written
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&key)
+        .is_some_and(|(w, at)| w == want && at.elapsed() < WRITTEN_TRUSTED);
+    if want.on(&node) || written_now {
         return Ok(());
     }
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
@@ -1264,6 +1291,11 @@ async fn write_condition(ctx: &Ctx, name: &str, want: &NodeCondition) -> Result<
     {
         Ok(_) => {
             count(ctx, false, "condition");
+            ctx.conditions
+                .written
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(key, (want.clone(), std::time::Instant::now()));
             Ok(())
         }
         Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
