@@ -19,7 +19,9 @@
 //!   answered to the taint seen gone by a watch, median of the per-pair ratios, with the spread;
 //!   `VALUE` lines with each peer's own figures;
 //! * `RATIO meshgate/istio-untaint-requests-<mode>-<n>`: the API server's mutating requests per node
-//!   lifted (its `apiserver_request_total`, less this benchmark's own writes);
+//!   lifted (its `apiserver_request_total`, less this benchmark's own writes), from a quiet API
+//!   server before the readies to a quiet one after the last lift (what a peer writes after
+//!   its lifts is its round's);
 //! * `RATIO meshgate/istio-untaint-rss-peak-<mode>-<n>`: each process's peak resident memory
 //!   (`VmHWM`) at the round's end, MiB (a fresh process a round);
 //! * `RATIO meshgate/istio-untaint-cpu-<mode>-<n>`: the controller process's CPU seconds for the
@@ -191,6 +193,34 @@ async fn meshgate_counters(port: u16) -> BTreeMap<String, f64> {
         *out.entry(key).or_insert(0.0) += v;
     }
     out
+}
+
+/// Waits until the API server has seen no mutating request but lease renewals for 600 ms (at
+/// most 60 s): what a peer writes after its lifts (meshgate's node conditions and Events come
+/// after the release) is counted in its round, and nothing of the nodes' creation is.
+async fn settled(client: &kube::Client) -> BTreeMap<String, f64> {
+    let writes = |m: &BTreeMap<String, f64>| -> f64 {
+        m.iter()
+            .filter(|(k, _)| !k.starts_with("leases "))
+            .map(|(_, v)| v)
+            .sum()
+    };
+    let t = Instant::now();
+    let mut last = mutating_requests(client).await;
+    let mut quiet_since = Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = mutating_requests(client).await;
+        if writes(&now) != writes(&last) {
+            quiet_since = Instant::now();
+        }
+        last = now;
+        if quiet_since.elapsed() >= Duration::from_millis(600)
+            || t.elapsed() > Duration::from_secs(60)
+        {
+            return last;
+        }
+    }
 }
 
 fn start_meshgate(cp: &ControlPlane, port: u16) -> ChildProcess {
@@ -376,7 +406,8 @@ async fn round(
         }
     });
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    let (cpu0, req0) = (cpu_seconds(pid), mutating_requests(client).await);
+    let req0 = settled(client).await;
+    let cpu0 = cpu_seconds(pid);
     let own0 = match peer {
         Peer::Meshgate => meshgate_counters(port).await,
         Peer::Istio => BTreeMap::new(),
@@ -417,7 +448,8 @@ async fn round(
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let (cpu1, req1) = (cpu_seconds(pid), mutating_requests(client).await);
+    let req1 = settled(client).await;
+    let cpu1 = cpu_seconds(pid);
     let rss_peak = rss_peak_mib(pid);
     let own1 = match peer {
         Peer::Meshgate => meshgate_counters(port).await,
