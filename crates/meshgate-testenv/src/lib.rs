@@ -889,3 +889,32 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A webhook's serving files for `127.0.0.1`: a CA (an hour), and the certificate and key it
+/// issued, written as `tls.crt` and `tls.key` in a new temporary directory (gone when dropped).
+pub struct LoopbackServing {
+    pub ca: meshgate_pki::Ca,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl LoopbackServing {
+    pub fn new() -> Result<Self, String> {
+        let hour = std::time::Duration::from_secs(3600);
+        let ca = meshgate_pki::Ca::new("meshgate-bench-ca", hour).map_err(|e| e.to_string())?;
+        let serving = ca
+            .issue_server(&["127.0.0.1"], hour)
+            .map_err(|e| e.to_string())?;
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+        std::fs::write(&cert, &serving.cert_pem).map_err(|e| e.to_string())?;
+        std::fs::write(&key, &serving.key_pem).map_err(|e| e.to_string())?;
+        Ok(Self {
+            ca,
+            cert,
+            key,
+            _dir: dir,
+        })
+    }
+}

@@ -425,15 +425,8 @@ async fn run() -> Result<(), String> {
         .map_err(|e| e.to_string())?;
 
     // The webhook, as `meshgate webhook` runs it.
-    let ca = meshgate_pki::Ca::new("meshgate-bench-ca", Duration::from_secs(3600))
-        .map_err(|e| e.to_string())?;
-    let serving = ca
-        .issue_server(&["127.0.0.1"], Duration::from_secs(3600))
-        .map_err(|e| e.to_string())?;
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    std::fs::write(&cert, &serving.cert_pem).map_err(|e| e.to_string())?;
-    std::fs::write(&key, &serving.key_pem).map_err(|e| e.to_string())?;
+    let serving = meshgate_testenv::LoopbackServing::new()?;
+    let (ca, cert, key) = (&serving.ca, serving.cert.clone(), serving.key.clone());
     let config = GateConfig {
         profiles: vec![Profile::IstioAmbient],
         ..GateConfig::default()
@@ -496,8 +489,8 @@ async fn run() -> Result<(), String> {
     let pods = Api::<Pod>::namespaced(client.clone(), &namespace);
     let pod = pod_template(&namespace)?;
     let minimal = start_minimal(
-        &dir.path().join("tls.crt"),
-        &dir.path().join("tls.key"),
+        &serving.cert,
+        &serving.key,
         canned(&config, &pod, &namespace)?,
     )
     .await?;

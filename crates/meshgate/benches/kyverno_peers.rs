@@ -415,7 +415,7 @@ struct Bench {
     /// meshgate's serving certificate and key, and the registration naming its CA.
     tls: (PathBuf, PathBuf),
     ca_pem: String,
-    _dir: tempfile::TempDir,
+    _serving: meshgate_testenv::LoopbackServing,
     apiserver: u32,
 }
 
@@ -920,15 +920,8 @@ async fn run() -> Result<(), String> {
     )
     .await
     .map_err(|e| format!("{}: {e}", chart_config.display()))?;
-    let ca = meshgate_pki::Ca::new("meshgate-bench-ca", Duration::from_secs(3600))
-        .map_err(|e| e.to_string())?;
-    let serving = ca
-        .issue_server(&["127.0.0.1"], Duration::from_secs(3600))
-        .map_err(|e| e.to_string())?;
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    std::fs::write(&cert, &serving.cert_pem).map_err(|e| e.to_string())?;
-    std::fs::write(&key, &serving.key_pem).map_err(|e| e.to_string())?;
+    let serving = meshgate_testenv::LoopbackServing::new()?;
+    let (ca, cert, key) = (&serving.ca, serving.cert.clone(), serving.key.clone());
     let apiserver = cp.pids()[1];
     let bench = Bench {
         cp,
@@ -936,7 +929,7 @@ async fn run() -> Result<(), String> {
         kyverno,
         tls: (cert, key),
         ca_pem: ca.certificate().cert_pem.clone(),
-        _dir: dir,
+        _serving: serving,
         apiserver,
     };
     let pods: Api<Pod> = Api::namespaced(client.clone(), APPS);
