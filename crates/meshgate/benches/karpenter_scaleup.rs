@@ -66,6 +66,24 @@ fn report(name: &str, pairs: &[(Round, Round)]) {
         median(claims.clone()),
         pairs.len()
     );
+    // Each pair's launches, and how many came after the scheduler had started binding the
+    // round's pods (Karpenter re-plans around the scheduler's placements: its own variation).
+    let per_pair: Vec<String> = pairs
+        .iter()
+        .map(|(w, n)| {
+            format!(
+                "{}/{} ({}/{} after a binding)",
+                w.launched.len(),
+                n.launched.len(),
+                w.launched_after_binding,
+                n.launched_after_binding
+            )
+        })
+        .collect();
+    println!(
+        "VALUE nodeclaims-per-pair-{name} (with/without): {}",
+        per_pair.join(", ")
+    );
     let scaleup = ratio(&|r| r.elapsed.as_secs_f64());
     let (lo, hi) = spread(&scaleup);
     println!(

@@ -457,17 +457,27 @@ async fn meshgate_beside_the_real_karpenter() {
         "the burst takes many nodes: {with:?}"
     );
     // Karpenter packs a burst by its batches (pods arrive over seconds, as the ReplicaSet
-    // controller creates them), so two bursts of the same pods can differ by a node either way
-    // (31 and 32 NodeClaims of the same 232 CPUs were seen): meshgate must not add capacity.
+    // controller creates them, and it re-plans around the pods the scheduler has already
+    // placed), so two bursts of the same pods differ by a node either way: 30 and 31 NodeClaims
+    // over five rounds of Karpenter alone, and pairs of 31/30 and 30/31 with and without
+    // meshgate (`karpenter_scaleup`, BENCHMARKS.md). meshgate must add no more than that one
+    // node of Karpenter's own variation; a launch loop (a node every 10 s per tainted node, as
+    // with a key Karpenter does not know) adds many.
     let cpus = |r: &Round| -> u32 {
         r.launched
             .iter()
             .filter_map(|t| t.strip_prefix("c-")?.split('x').next()?.parse::<u32>().ok())
             .sum()
     };
+    let largest = karpenter::Options::default()
+        .instance_types
+        .iter()
+        .map(|t| t.cpu)
+        .max()
+        .unwrap_or(0);
     assert!(
-        cpus(&with) <= cpus(&without),
-        "the burst: no more capacity than Karpenter alone launched: {} against {} CPUs ({:?} / {:?})",
+        cpus(&with) <= cpus(&without) + largest,
+        "the burst: no more capacity than Karpenter alone launched, give or take its own one node: {} against {} CPUs ({:?} / {:?})",
         cpus(&with),
         cpus(&without),
         with.launched,

@@ -441,6 +441,9 @@ pub struct Round {
     pub from_schedulable: Vec<Duration>,
     /// NodeClaims Initialized before meshgate lifted the taint of their node.
     pub initialized_early: usize,
+    /// NodeClaims created after the round's first mesh pod was seen bound: launched while the
+    /// scheduler was already placing pods on the round's first nodes.
+    pub launched_after_binding: usize,
     /// From the Deployment's creation to its last pod Running.
     pub elapsed: Duration,
 }
@@ -583,12 +586,21 @@ pub async fn round(
                 }
             }
         }
+        let first_bound = uids
+            .iter()
+            .filter_map(|uid| s.bound.get(uid).map(|b| b.3))
+            .min();
         for claim in s
             .claims
             .values()
             .filter(|c| c.created.is_some_and(|c| c >= started))
         {
             out.launched.push(claim.instance_type.clone());
+            if let (Some(created), Some(first)) = (claim.created, first_bound)
+                && created > first
+            {
+                out.launched_after_binding += 1;
+            }
             if let (Some(init), Some((lifted, _))) = (claim.initialized, s.lifted.get(&claim.node))
                 && init < *lifted
             {
