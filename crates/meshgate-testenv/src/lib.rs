@@ -209,6 +209,8 @@ pub struct Options {
     pub scheduler: bool,
     /// Extra kube-apiserver flags (`--name=value`).
     pub apiserver_flags: Vec<String>,
+    /// Extra kube-scheduler flags (`--name=value`), e.g. its client's `--kube-api-qps`.
+    pub scheduler_flags: Vec<String>,
     /// Serve the pods of a real node ([`node::RealNode`]) as a cluster's API server does, for
     /// components installed in the cluster: the API server listens on [`POD_API_ADDRESS`] (on a
     /// link of its own, see [`host::ApiLink`]; needs root) instead of loopback, publishes it as
@@ -289,6 +291,7 @@ pub struct ControlPlane {
     etcd_url: String,
     etcd_args: Vec<String>,
     apiserver_args: Vec<String>,
+    scheduler_flags: Vec<String>,
     /// How many of `apiserver_args` (the last) are [`Options::apiserver_flags`].
     extra_flags: usize,
 }
@@ -475,6 +478,7 @@ impl ControlPlane {
             etcd_url,
             etcd_args,
             apiserver_args,
+            scheduler_flags: options.scheduler_flags.clone(),
             extra_flags: options.apiserver_flags.len(),
         };
         cp.wait_ready(Duration::from_secs(90)).await?;
@@ -537,28 +541,32 @@ impl ControlPlane {
             return Ok(());
         }
         let port = free_port()?;
+        let args: Vec<String> = [
+            format!("--kubeconfig={}", self.kubeconfig_path.display()),
+            format!(
+                "--authentication-kubeconfig={}",
+                self.kubeconfig_path.display()
+            ),
+            format!(
+                "--authorization-kubeconfig={}",
+                self.kubeconfig_path.display()
+            ),
+            "--bind-address=127.0.0.1".into(),
+            format!("--secure-port={port}"),
+            format!(
+                "--cert-dir={}",
+                self.dir().join("scheduler-certs").display()
+            ),
+            "--leader-elect=false".into(),
+            "--v=2".into(),
+        ]
+        .into_iter()
+        .chain(self.scheduler_flags.iter().cloned())
+        .collect();
         let p = Process::spawn(
             "kube-scheduler",
             &self.bin.join("kube-scheduler"),
-            &[
-                format!("--kubeconfig={}", self.kubeconfig_path.display()),
-                format!(
-                    "--authentication-kubeconfig={}",
-                    self.kubeconfig_path.display()
-                ),
-                format!(
-                    "--authorization-kubeconfig={}",
-                    self.kubeconfig_path.display()
-                ),
-                "--bind-address=127.0.0.1".into(),
-                format!("--secure-port={port}"),
-                format!(
-                    "--cert-dir={}",
-                    self.dir().join("scheduler-certs").display()
-                ),
-                "--leader-elect=false".into(),
-                "--v=2".into(),
-            ],
+            &args,
             &self.dir().join("kube-scheduler.log"),
         )?;
         wait_http(

@@ -21,7 +21,8 @@
 //!   Running, with over without meshgate (the agents' start, 5 s here, is what meshgate waits for).
 //!
 //! Run: `MESHGATE_CONTROLPLANE_BIN=... MESHGATE_NODE_BIN=... MESHGATE_KARPENTER=... cargo bench -p
-//! meshgate --bench karpenter_scaleup` (BENCHMARKS.md).
+//! meshgate --bench karpenter_scaleup` (BENCHMARKS.md); `MESHGATE_BENCH_SCHEDULER_FLAGS` adds
+//! kube-scheduler flags (e.g. `--kube-api-qps=200 --kube-api-burst=400`).
 
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -146,8 +147,25 @@ async fn main() -> ExitCode {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let rounds = env_count("MESHGATE_BENCH_ROUNDS", 5).max(1);
     let bursts = env_count("MESHGATE_BENCH_BURST_ROUNDS", 1);
+    // Extra kube-scheduler flags, e.g. its client's rate limit (`--kube-api-qps=200
+    // --kube-api-burst=400`): the scheduler's status patch of every failed attempt and its
+    // bindings share that limit, which a burst's release waits on (docs/design.md, "Autoscalers").
+    let scheduler_flags: Vec<String> = std::env::var("MESHGATE_BENCH_SCHEDULER_FLAGS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    println!(
+        "VALUE scheduler-flags: {}",
+        if scheduler_flags.is_empty() {
+            "(defaults)".to_string()
+        } else {
+            scheduler_flags.join(" ")
+        }
+    );
     let cp = match meshgate_testenv::ControlPlane::start(meshgate_testenv::Options {
         scheduler: true,
+        scheduler_flags,
         ..Default::default()
     })
     .await
