@@ -162,7 +162,7 @@ struct Ctx {
     retaints: Mutex<std::collections::HashMap<String, HashSet<String>>>,
     /// Nodes whose reconcile failed, with their failures in a row (backoff and one warning per
     /// streak, `meshgate_core::node_gate::retry`).
-    failures: Mutex<std::collections::HashMap<String, u32>>,
+    failures: Mutex<std::collections::HashMap<String, meshgate_core::node_gate::retry::Streak>>,
 }
 
 impl Ctx {
@@ -530,26 +530,56 @@ async fn follow_leadership(
     }
 }
 
-/// Retries a failed node with capped exponential backoff; warns once per streak of failures.
+/// Retries a failed node with capped exponential backoff; warns once per streak of failures
+/// (a stale refusal only when it persists: `meshgate_core::node_gate::retry`).
 fn error_policy(node: Arc<GateNode>, err: &Error, ctx: Arc<Ctx>) -> Action {
-    use meshgate_core::node_gate::retry::{retry_after, warn_on};
+    use meshgate_core::node_gate::retry::Failure;
     let name = node.name_any();
-    let failures = {
-        let mut failures = ctx
+    let kind = if stale(err) {
+        Failure::Stale
+    } else {
+        Failure::Other
+    };
+    let (failures, retry, warn) = {
+        let mut streaks = ctx
             .failures
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let n = failures.entry(name.clone()).or_insert(0);
-        *n = n.saturating_add(1);
-        *n
+        let streak = streaks.entry(name.clone()).or_default();
+        let (retry, warn) = streak.fail(kind);
+        (streak.failures, retry, warn)
     };
-    let retry = retry_after(failures);
-    if warn_on(failures) {
-        tracing::warn!(node = %name, error = %err, retry_in = ?retry, "node reconcile failed; retrying with backoff (further failures of this node are logged at debug level until it succeeds)");
+    if warn {
+        tracing::warn!(node = %name, error = %err, failures, retry_in = ?retry, "node reconcile failed; retrying with backoff (further failures of this node are logged at debug level until it succeeds)");
+    } else if kind == Failure::Stale {
+        tracing::debug!(node = %name, error = %err, failures, retry_in = ?retry, "the node changed since it was read; reconciling it again from the newer copy");
     } else {
         tracing::debug!(node = %name, error = %err, failures, retry_in = ?retry, "node reconcile failed again");
     }
     Action::requeue(retry)
+}
+
+/// Whether the API server refused a conditional write because the node changed since it was
+/// read: a JSON patch whose `test` operation (on the taints, the ownership record or the
+/// resourceVersion read) no longer holds does not apply, and the server answers 422 `Invalid`
+/// with no kind and no causes (`apiserver/pkg/endpoints/handlers/patch.go`), where a node that
+/// fails validation is answered with its kind and the causes; or 409 `Conflict`, a write
+/// conditional on a resourceVersion.
+fn stale(err: &Error) -> bool {
+    let Error::Write {
+        source: kube::Error::Api(status),
+        ..
+    } = err
+    else {
+        return false;
+    };
+    status.code == 409
+        || status.code == 422
+            && status.reason == "Invalid"
+            && status
+                .details
+                .as_ref()
+                .is_none_or(|d| d.kind.is_empty() && d.causes.is_empty())
 }
 
 /// [`reconcile`], ending a node's streak of failures when it succeeds.
@@ -562,8 +592,14 @@ async fn reconcile_counted(node: Arc<GateNode>, ctx: Arc<Ctx>) -> Result<Action,
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .remove(&name);
-        if let Some(failures) = ended {
-            tracing::info!(node = %name, failures, "node reconcile succeeded after failing");
+        match ended {
+            Some(streak) if streak.warned => {
+                tracing::info!(node = %name, failures = streak.failures, "node reconcile succeeded after failing");
+            }
+            Some(streak) => {
+                tracing::debug!(node = %name, failures = streak.failures, "node reconcile succeeded after stale refusals");
+            }
+            None => {}
         }
     }
     result
@@ -1846,4 +1882,46 @@ fn resource_provider(
         message,
         generation,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(body: serde_json::Value) -> Error {
+        Error::Write {
+            node: "n".into(),
+            source: kube::Error::Api(
+                serde_json::from_value::<kube::core::Status>(body)
+                    .expect("a Status")
+                    .boxed(),
+            ),
+        }
+    }
+
+    #[test]
+    fn a_json_patch_whose_test_failed_is_a_stale_refusal_and_a_validation_error_is_not() {
+        // What kube-apiserver answers when a JSON patch does not apply (its `test` failed).
+        let not_applied = refused(serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": "the server rejected our request due to an error in our request",
+            "reason": "Invalid", "details": {}, "code": 422
+        }));
+        assert!(stale(&not_applied));
+        // A node the patch made invalid: the kind, the name and the causes.
+        let invalid = refused(serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": "Node \"n\" is invalid: spec.taints[0].effect: Unsupported value",
+            "reason": "Invalid", "code": 422,
+            "details": {"name": "n", "kind": "Node", "causes": [
+                {"reason": "FieldValueNotSupported", "message": "Unsupported value", "field": "spec.taints[0].effect"}]}
+        }));
+        assert!(!stale(&invalid));
+        let conflict = refused(serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": "Operation cannot be fulfilled", "reason": "Conflict", "code": 409
+        }));
+        assert!(stale(&conflict));
+        assert!(!stale(&Error::Patch("x".into())));
+    }
 }
