@@ -22,7 +22,7 @@
 //!
 //! Run: `MESHGATE_CONTROLPLANE_BIN=... MESHGATE_NODE_BIN=... MESHGATE_KARPENTER=... cargo bench -p
 //! meshgate --bench karpenter_scaleup` (BENCHMARKS.md); `MESHGATE_BENCH_SCHEDULER_FLAGS` adds
-//! kube-scheduler flags (e.g. `--kube-api-qps=200 --kube-api-burst=400`).
+//! kube-scheduler flags (e.g. `--kube-api-qps=500 --kube-api-burst=1000`).
 
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -147,9 +147,10 @@ async fn main() -> ExitCode {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let rounds = env_count("MESHGATE_BENCH_ROUNDS", 5).max(1);
     let bursts = env_count("MESHGATE_BENCH_BURST_ROUNDS", 1);
-    // Extra kube-scheduler flags, e.g. its client's rate limit (`--kube-api-qps=200
-    // --kube-api-burst=400`): the scheduler's status patch of every failed attempt and its
-    // bindings share that limit, which a burst's release waits on (docs/design.md, "Autoscalers").
+    // Extra kube-scheduler flags, e.g. its client's rate limit (`--kube-api-qps=500
+    // --kube-api-burst=1000`): the scheduler's status patch of every failed attempt and its
+    // bindings share that limit (on 2 shared cores raising it did not shorten a burst's
+    // release: docs/design.md, "Autoscalers").
     let scheduler_flags: Vec<String> = std::env::var("MESHGATE_BENCH_SCHEDULER_FLAGS")
         .unwrap_or_default()
         .split_whitespace()
