@@ -13,8 +13,13 @@ pub const MAX: Duration = Duration::from_secs(60);
 /// How long to wait before the next try after `failures` failures in a row (1 for the first):
 /// 500 ms, doubling, at most 60 s.
 pub fn retry_after(failures: u32) -> Duration {
+    doubled(FIRST, failures)
+}
+
+/// `first`, doubled for each failure after the first, at most [`MAX`].
+fn doubled(first: Duration, failures: u32) -> Duration {
     let doublings = failures.saturating_sub(1).min(16);
-    FIRST.saturating_mul(1 << doublings).min(MAX)
+    first.saturating_mul(1 << doublings).min(MAX)
 }
 
 /// Whether the failure that makes `failures` in a row is logged as a warning: only the first
@@ -59,8 +64,7 @@ impl Streak {
             Failure::Stale => STALE_FIRST,
             Failure::Other => FIRST,
         };
-        let doublings = self.failures.saturating_sub(1).min(16);
-        let delay = first.saturating_mul(1 << doublings).min(MAX);
+        let delay = doubled(first, self.failures);
         let warn = !self.warned && (kind == Failure::Other || self.failures >= STALE_WARN_AFTER);
         self.warned |= warn;
         (delay, warn)
