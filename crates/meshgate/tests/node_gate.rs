@@ -1277,17 +1277,7 @@ async fn a_dra_gate_falls_back_to_the_node_status_where_dra_extended_resources_a
         },
     )
     .await;
-    let events = Api::<k8s_openapi::api::events::v1::Event>::all(client.clone())
-        .list(&Default::default())
-        .await
-        .unwrap();
-    assert!(
-        events
-            .items
-            .iter()
-            .any(|e| e.reason.as_deref() == Some("DRAUnavailable")),
-        "an Event says so"
-    );
+    wait_for_event(&client, Some(pool), "DRAUnavailable").await;
     let node = "fallback-node";
     node_with_ready_agents(&client, &agents_ns, node, pool, None).await;
     wait_for(
@@ -1442,17 +1432,7 @@ async fn a_dra_gate_follows_the_api_server_into_and_out_of_dra() {
     let event = |reason: &'static str| {
         let client = client.clone();
         async move {
-            wait_for(
-                &format!("an Event {reason}"),
-                Duration::from_secs(30),
-                || async {
-                    Api::<k8s_openapi::api::events::v1::Event>::all(client.clone())
-                        .list(&Default::default())
-                        .await
-                        .is_ok_and(|l| l.items.iter().any(|e| e.reason.as_deref() == Some(reason)))
-                },
-            )
-            .await;
+            wait_for_event(&client, None, reason).await;
         }
     };
 
@@ -1588,15 +1568,23 @@ async fn a_dra_gate_serves_an_older_kubelet_through_the_node_status() {
         },
     )
     .await;
-    let said = Api::<k8s_openapi::api::events::v1::Event>::all(client.clone())
-        .list(&Default::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.as_str()))
-        .filter_map(|e| e.note)
-        .find(|n| n.contains("in the node status"));
+    // An Event on the node names its kubelet (Events are recorded off the reconcile's path).
+    let said = || async {
+        Api::<k8s_openapi::api::events::v1::Event>::all(client.clone())
+            .list(&Default::default())
+            .await
+            .map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.as_str()))
+            .filter_map(|e| e.note)
+            .find(|n| n.contains("in the node status"))
+    };
+    wait_for("an Event on the node", Duration::from_secs(30), || async {
+        said().await.is_some()
+    })
+    .await;
+    let said = said().await;
     assert!(
         said.as_deref().is_some_and(|n| n.contains("v1.35.4")),
         "an Event on the node names its kubelet: {said:?}"

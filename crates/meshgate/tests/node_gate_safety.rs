@@ -776,18 +776,7 @@ async fn a_missing_agent_daemonset_degrades_the_gate_and_never_holds_a_node_past
         held_for < f64::from(timeout) + 10.0,
         "not held past the timeout: {held_for}"
     );
-    let events = Api::<k8s_openapi::api::events::v1::Event>::all(client.clone())
-        .list(&Default::default())
-        .await
-        .expect("events");
-    assert!(
-        events
-            .items
-            .iter()
-            .any(|e| e.reason.as_deref() == Some("Degraded")
-                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pool.as_str())),
-        "an Event says the gate is Degraded"
-    );
+    wait_for_event(client, Some(&pool), "Degraded").await;
     wait_status(
         client,
         &pool,
@@ -879,20 +868,10 @@ async fn dry_run_writes_nothing_to_nodes_and_reports_what_it_would_do() {
         entries.is_empty(),
         "a dry-run gate wrote to its nodes: {entries:?}"
     );
-    let events = Api::<k8s_openapi::api::events::v1::Event>::all(client.clone())
-        .list(&Default::default())
-        .await
-        .expect("events");
     for n in &nodes {
         assert!(!has_taint(client, n, names::DEFAULT_TAINT_KEY).await);
-        assert!(
-            events
-                .items
-                .iter()
-                .any(|e| e.reason.as_deref() == Some("DryRun")
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(n.as_str())),
-            "{n}: an Event says what the gate would do"
-        );
+        // An Event says what the gate would do.
+        wait_for_event(client, Some(n), "DryRun").await;
     }
 }
 

@@ -380,7 +380,7 @@ async fn existing_deployment_gets_the_mutation_and_the_policy_reports_it() {
     );
     let note = wait_for_event(
         &client,
-        "kyverno-outbound-existing",
+        Some("kyverno-outbound-existing"),
         "ExistingWorkloadsMutated",
     )
     .await;
@@ -445,7 +445,7 @@ async fn dry_run_reports_and_changes_nothing() {
         ("True", "DryRun"),
         "{ready:?}"
     );
-    let note = wait_for_event(&client, "dry-run-outbound", "ExistingWorkloadsDryRun").await;
+    let note = wait_for_event(&client, Some("dry-run-outbound"), "ExistingWorkloadsDryRun").await;
     assert!(note.contains("1 would be mutated"), "{note}");
 
     let now = Api::<Deployment>::namespaced(client.clone(), &ns)

@@ -153,7 +153,7 @@ async fn the_backfill_mutates_existing_objects_of_the_kinds_it_was_granted() {
         "{}",
         ready.message
     );
-    let note = wait_for_event(&client, "backfill-kinds", "ExistingWorkloadsMutated").await;
+    let note = wait_for_event(&client, Some("backfill-kinds"), "ExistingWorkloadsMutated").await;
     assert!(
         note.contains("1 failed"),
         "the Event says the pass had a failure: {note}"

@@ -888,11 +888,16 @@ impl Drop for ControllerTask {
     }
 }
 
-/// Waits for an Event on the policy with this reason; returns its note. (Events about
-/// cluster-scoped objects go to the `default` namespace.)
-pub async fn wait_for_event(client: &kube::Client, policy: &str, reason: &str) -> String {
+/// Waits for an Event with this reason, about the object named `regarding` when given (any
+/// namespace: Events about cluster-scoped objects go to `default`); returns its note. Events
+/// are recorded off the path that decided them, so they are waited for, never read once.
+pub async fn wait_for_event(
+    client: &kube::Client,
+    regarding: Option<&str>,
+    reason: &str,
+) -> String {
     let api: kube::api::Api<k8s_openapi::api::events::v1::Event> =
-        kube::api::Api::namespaced(client.clone(), "default");
+        kube::api::Api::all(client.clone());
     let find = |api: kube::api::Api<k8s_openapi::api::events::v1::Event>| async move {
         api.list(&kube::api::ListParams::default())
             .await
@@ -901,12 +906,17 @@ pub async fn wait_for_event(client: &kube::Client, policy: &str, reason: &str) -
             .into_iter()
             .find(|e| {
                 e.reason.as_deref() == Some(reason)
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(policy)
+                    && regarding.is_none_or(|name| {
+                        e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+                    })
             })
-            .and_then(|e| e.note)
+            .map(|e| e.note.unwrap_or_default())
     };
     wait_for(
-        &format!("event {reason} on policy {policy}"),
+        &format!(
+            "an Event {reason} about {}",
+            regarding.unwrap_or("anything")
+        ),
         Duration::from_secs(30),
         || {
             let api = api.clone();
@@ -914,5 +924,5 @@ pub async fn wait_for_event(client: &kube::Client, policy: &str, reason: &str) -
         },
     )
     .await;
-    find(api).await.expect("event")
+    find(api).await.expect("the Event just seen")
 }
