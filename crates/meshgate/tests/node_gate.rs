@@ -141,6 +141,61 @@ async fn create_node(
     created
 }
 
+/// Waits until the webhook's cache holds the gate of `pool`: a node of the pool, created as a
+/// dry run (the webhook has no side effects, so it is called), comes back tainted.
+async fn wait_webhook_taints(client: &kube::Client, pool: &str) {
+    let probe: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": format!("{pool}-probe"), "labels": {"pool": pool}},
+    }))
+    .expect("node");
+    let dry_run = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    wait_for(
+        "the webhook to know the gate",
+        Duration::from_secs(30),
+        || async {
+            Api::<Node>::all(client.clone())
+                .create(&dry_run, &probe)
+                .await
+                .is_ok_and(|n| taint_keys(&n).contains(&TAINT.to_owned()))
+        },
+    )
+    .await;
+}
+
+/// Waits until the webhook's cache holds the resource gate of `pool`: a mesh pod for the pool,
+/// created as a dry run in `ns`, comes back requesting the resource.
+async fn wait_webhook_requests(client: &kube::Client, ns: &str, pool: &str) {
+    let probe = mesh_pod("probe", pool);
+    let dry_run = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    wait_for(
+        "the webhook to know the resource gate",
+        Duration::from_secs(30),
+        || async {
+            Api::<Pod>::namespaced(client.clone(), ns)
+                .create(&dry_run, &probe)
+                .await
+                .is_ok_and(|p| {
+                    p.spec.is_some_and(|s| {
+                        s.containers.iter().any(|c| {
+                            c.resources
+                                .as_ref()
+                                .and_then(|r| r.requests.as_ref())
+                                .is_some_and(|r| r.contains_key(RESOURCE))
+                        })
+                    })
+                })
+        },
+    )
+    .await;
+}
+
 async fn node_has_taint(client: &kube::Client, name: &str) -> bool {
     let node = Api::<Node>::all(client.clone())
         .get(name)
@@ -283,7 +338,7 @@ async fn new_node_is_tainted_until_its_agents_are_ready_then_the_pod_binds() {
     let pool = format!("untaint-{agents_ns}");
     create_gate(&client, &pool, gate_spec(&pool, &agents_ns, json!({}))).await;
     // The gate must be in the webhook's cache before the node registers.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_webhook_taints(&client, &pool).await;
 
     let node = format!("{pool}-node");
     let created = create_node(&client, &node, &pool, &[]).await;
@@ -467,7 +522,7 @@ async fn continuous_mode_puts_the_taint_back_and_bootstrap_mode_does_not() {
             ),
         )
         .await;
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        wait_webhook_taints(&client, &pool).await;
         let node = format!("{pool}-node");
         create_node(&client, &node, &pool, &[]).await;
         let (cni, proxy) = (format!("{pool}-cni"), format!("{pool}-proxy"));
@@ -606,7 +661,7 @@ async fn resource_gate_holds_pods_until_the_node_advertises_the_resource() {
         ),
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_webhook_requests(&client, &mesh_ns, &pool).await;
     let node = format!("{pool}-node");
     create_node(&client, &node, &pool, &[]).await;
     // The webhook's resource gate gives mesh pods a request for the resource.
@@ -703,7 +758,7 @@ async fn a_node_the_agent_daemonset_cannot_target_is_not_held() {
     }))
     .unwrap();
     create_gate(&client, &pool, spec).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_webhook_taints(&client, &pool).await;
     // A Windows node: the Linux-only agent will never run there.
     let windows = format!("{pool}-windows");
     let created = create_node(&client, &windows, &pool, &[("kubernetes.io/os", "windows")]).await;
@@ -757,7 +812,7 @@ async fn only_the_leader_writes_and_the_other_replica_takes_over() {
     let agents_ns = cp.namespace("agents-lease", &[]).await.unwrap();
     let pool = format!("lease-{agents_ns}");
     create_gate(&client, &pool, gate_spec(&pool, &agents_ns, json!({}))).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_webhook_taints(&client, &pool).await;
     let node = format!("{pool}-node");
     node_with_ready_agents(&client, &agents_ns, &node, &pool, None).await;
     wait_for("untaint", Duration::from_secs(30), || async {
