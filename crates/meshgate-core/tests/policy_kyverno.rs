@@ -7,11 +7,15 @@ use meshgate_core::policy::kyverno::{KyvernoError, import};
 use meshgate_core::policy::{MatchContext, apply, validate};
 use serde_json::{Value, json};
 
+/// This crate's directory: `CARGO_MANIFEST_DIR` as Cargo sets it when it runs the test, else
+/// where the test was compiled (a build directory shared between clones may hold a binary
+/// compiled in another clone).
+fn crate_dir() -> String {
+    std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").to_owned())
+}
+
 fn fixture(name: &str) -> Value {
-    let path = format!(
-        "{}/tests/fixtures/policy/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let path = format!("{}/tests/fixtures/policy/{name}", crate_dir());
     let text = std::fs::read_to_string(&path).expect("fixture readable");
     serde_saphyr::from_str(&text).expect("fixture is YAML")
 }
@@ -1046,10 +1050,7 @@ spec:
 /// and then applies without error, or is refused with a note naming the exact field.
 #[test]
 fn library_style_policies_convert_or_name_the_field_they_cannot() {
-    let dir = format!(
-        "{}/tests/fixtures/policy/kyverno-library",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let dir = format!("{}/tests/fixtures/policy/kyverno-library", crate_dir());
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .expect("corpus")
         .map(|e| e.expect("entry").path())

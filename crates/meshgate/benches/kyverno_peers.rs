@@ -200,7 +200,7 @@ struct Round {
 }
 
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    meshgate_testenv::workspace_dir()
 }
 
 /// Kyverno's admission controller: `MESHGATE_KYVERNO_ADMISSION`, else beside the CLI that

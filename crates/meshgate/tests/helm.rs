@@ -31,7 +31,7 @@ fn helm() -> PathBuf {
 }
 
 fn chart() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/helm/meshgate")
+    meshgate_testenv::workspace_dir().join("deploy/helm/meshgate")
 }
 
 fn output(program: &Path, args: &[&str]) -> std::process::Output {
@@ -878,7 +878,7 @@ async fn upgrade_from_the_chart_at_481bbe6_keeps_nodes_held_and_upgrades_the_crd
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     let helm = helm();
     let old = tempfile::tempdir().expect("dir");
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let repo = meshgate_testenv::workspace_dir();
     let archive = Command::new("git")
         .current_dir(&repo)
         .args(["archive", "--format=tar", "481bbe6", "deploy/helm/meshgate"])

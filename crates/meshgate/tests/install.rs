@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use meshgate::install::{InstallOptions, NodeTaint, PROFILES, RepairAction, apply, masked, render};
 use meshgate_core::registration::PolicyApi;
 
@@ -32,7 +30,7 @@ fn options(profile: &str) -> InstallOptions {
 
 #[test]
 fn golden_manifests() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/golden");
+    let dir = meshgate_testenv::workspace_dir().join("deploy/golden");
     for profile in PROFILES {
         let docs = render(&options(profile)).unwrap();
         let text = meshgate::render::to_yaml_stream(&masked(&docs)).unwrap();

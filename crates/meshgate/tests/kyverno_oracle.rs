@@ -57,7 +57,7 @@ use serde_json::Value;
 
 /// The workspace root.
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    meshgate_testenv::workspace_dir()
 }
 
 /// The Kyverno CLI, or why there is none.

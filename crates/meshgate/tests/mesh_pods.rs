@@ -81,7 +81,7 @@ const POLICIES: [&str; 2] = [
 ];
 
 fn policy_files() -> Vec<std::path::PathBuf> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/policies");
+    let dir = meshgate_testenv::workspace_dir().join("deploy/policies");
     vec![
         dir.join("kubeflow.yaml"),
         dir.join("exclude-all-outbound.yaml"),

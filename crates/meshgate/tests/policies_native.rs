@@ -47,10 +47,8 @@ impl Case {
 }
 
 fn corpus() -> Corpus {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/policies_native.yaml"
-    );
+    let path = meshgate_testenv::workspace_dir()
+        .join("crates/meshgate/tests/fixtures/policies_native.yaml");
     let text = std::fs::read_to_string(path).expect("corpus readable");
     meshgate_api::yaml::from_str(&text).expect("corpus parses")
 }

@@ -14,8 +14,8 @@ const RANGES: &str = "traffic.sidecar.istio.io/excludeOutboundIPRanges";
 const PORTS: &str = "traffic.sidecar.istio.io/excludeOutboundPorts";
 
 fn policy_file(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../deploy/policies")
+    meshgate_testenv::workspace_dir()
+        .join("deploy/policies")
         .join(name)
 }
 

@@ -2404,8 +2404,7 @@ async fn helm_uninstall_takes_the_gate_off_the_nodes_before_it_deletes_the_contr
     let _serial = SERIAL.lock().await;
     let cp = serving_control_plane().await;
     let client = cp.client().await.expect("client");
-    let chart =
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/helm/meshgate");
+    let chart = meshgate_testenv::workspace_dir().join("deploy/helm/meshgate");
     let (registry, rest) = MESHGATE_IMAGE
         .split_once('/')
         .expect("registry/repository:tag");

@@ -105,7 +105,7 @@ fn yamlcheck() -> PathBuf {
     if let Some(p) = std::env::var_os("MESHGATE_YAMLCHECK") {
         return PathBuf::from(p);
     }
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tools/yamlcheck/build.sh");
+    let script = meshgate_testenv::workspace_dir().join("tools/yamlcheck/build.sh");
     let out = Command::new("bash")
         .arg(&script)
         .stderr(Stdio::inherit())

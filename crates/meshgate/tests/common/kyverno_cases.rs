@@ -34,7 +34,8 @@ pub struct Case {
 
 /// Every case of `tests/fixtures/kyverno_oracle`, in file order.
 pub fn read_cases() -> Vec<Case> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kyverno_oracle");
+    let dir =
+        meshgate_testenv::workspace_dir().join("crates/meshgate/tests/fixtures/kyverno_oracle");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.expect("directory entry").path())
