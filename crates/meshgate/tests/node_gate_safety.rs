@@ -255,69 +255,97 @@ impl NodeLog {
 
 /// `meshgate status` and the controller agree on every node of the gate: tainted or not, and
 /// ready or not (the controller's node condition `meshgate.dev/<gate>Ready`), and the gate's
-/// counts.
+/// counts. Waited for: the controller writes node conditions and the gate's status off the
+/// reconcile's path, so each may trail the taint it describes by a write; a disagreement that
+/// outlasts 30 s fails the test with what disagreed.
 async fn assert_status_agrees(client: &kube::Client, gate_name: &str) {
+    let began = Instant::now();
+    loop {
+        let Err(why) = status_agrees(client, gate_name).await else {
+            return;
+        };
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "meshgate status and the controller disagree after 30 s: {why}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether `meshgate status` and the controller agree now; else what disagrees.
+async fn status_agrees(client: &kube::Client, gate_name: &str) -> Result<(), String> {
     let gates = Api::<NodeGate>::all(client.clone())
         .list(&Default::default())
         .await
-        .expect("gates");
+        .map_err(|e| format!("gates: {e}"))?;
     let gate: Vec<NodeGate> = gates
         .items
         .into_iter()
         .filter(|g| g.metadata.name.as_deref() == Some(gate_name))
         .collect();
+    let Some(first) = gate.first() else {
+        return Err(format!("no gate {gate_name}"));
+    };
     let nodes = Api::<meshgate_api::GateNode>::all(client.clone())
         .list(&Default::default())
         .await
-        .expect("nodes")
+        .map_err(|e| format!("nodes: {e}"))?
         .items;
     let rows = meshgate::status::node_rows(client, &gate, &nodes, meshgate_controller::now())
         .await
-        .expect("status rows");
-    assert!(!rows.is_empty(), "the gate selects nodes");
+        .map_err(|e| format!("status rows: {e}"))?;
+    if rows.is_empty() {
+        return Err("the gate selects no node".into());
+    }
     let ctype = format!("meshgate.dev/{gate_name}Ready");
     for row in &rows {
         let node = nodes
             .iter()
             .find(|n| n.metadata.name.as_deref() == Some(row.node.as_str()))
-            .expect("node");
+            .ok_or_else(|| format!("{}: no such node", row.node))?;
         let cond = node
             .status
             .as_ref()
             .and_then(|s| s.conditions.as_ref())
             .and_then(|cs| cs.iter().find(|c| c.type_ == ctype))
-            .unwrap_or_else(|| panic!("{}: no condition {ctype}", row.node));
+            .ok_or_else(|| format!("{}: no condition {ctype}", row.node))?;
         let status_ready = matches!(row.state.as_str(), "ready" | "released" | "releasing");
-        assert_eq!(
-            status_ready,
-            cond.status == "True",
-            "{}: meshgate status says {}, the controller's condition says {} ({})",
-            row.node,
-            row.state,
-            cond.status,
-            cond.message.as_deref().unwrap_or_default()
-        );
-        assert_eq!(
-            row.tainted,
-            node.taints()
-                .iter()
-                .any(|t| t.key == gate[0].spec.taint.key),
-            "{}",
-            row.node
-        );
+        if status_ready != (cond.status == "True") {
+            return Err(format!(
+                "{}: meshgate status says {}, the controller's condition says {} ({})",
+                row.node,
+                row.state,
+                cond.status,
+                cond.message.as_deref().unwrap_or_default()
+            ));
+        }
+        let tainted = node.taints().iter().any(|t| t.key == first.spec.taint.key);
+        if row.tainted != tainted {
+            return Err(format!(
+                "{}: meshgate status says tainted {}, the node {}",
+                row.node, row.tainted, tainted
+            ));
+        }
     }
-    let s = gate[0].status.clone().unwrap_or_default();
-    assert_eq!(s.nodes as usize, rows.len());
-    assert_eq!(
+    let s = first.status.clone().unwrap_or_default();
+    let counts = (
+        s.nodes as usize,
         s.held_nodes as usize,
-        rows.iter().filter(|r| r.tainted).count()
-    );
-    assert_eq!(
         s.ready_nodes as usize,
+    );
+    let from_rows = (
+        rows.len(),
+        rows.iter().filter(|r| r.tainted).count(),
         rows.iter()
             .filter(|r| matches!(r.state.as_str(), "ready" | "released" | "releasing"))
-            .count()
+            .count(),
     );
+    if counts != from_rows {
+        return Err(format!(
+            "the gate's status counts (nodes, held, ready) {counts:?}, meshgate status {from_rows:?}"
+        ));
+    }
+    Ok(())
 }
 
 /// Waits until the gate's status matches the nodes (the status loop has seen the last change).
