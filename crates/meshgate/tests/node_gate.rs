@@ -141,56 +141,58 @@ async fn create_node(
     created
 }
 
-/// Waits until the webhook's cache holds the gate of `pool`: a node of the pool, created as a
-/// dry run (the webhook has no side effects, so it is called), comes back tainted.
+/// Waits until `probe`, created through `api` as a dry run, comes back as `done` says: the
+/// webhook has no side effects, so a dry run reaches it and stores nothing. How a test knows
+/// the webhook's cache holds a gate it just created.
+async fn wait_webhook<K>(what: &str, api: Api<K>, probe: K, done: impl Fn(K) -> bool)
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let dry_run = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let (api, probe, done) = (&api, &probe, &done);
+    wait_for(what, Duration::from_secs(30), || async {
+        api.create(&dry_run, probe).await.is_ok_and(done)
+    })
+    .await;
+}
+
+/// Waits until the webhook's cache holds the gate of `pool`: a node of the pool comes back
+/// tainted.
 async fn wait_webhook_taints(client: &kube::Client, pool: &str) {
     let probe: Node = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": format!("{pool}-probe"), "labels": {"pool": pool}},
     }))
     .expect("node");
-    let dry_run = PostParams {
-        dry_run: true,
-        ..Default::default()
-    };
-    wait_for(
+    wait_webhook(
         "the webhook to know the gate",
-        Duration::from_secs(30),
-        || async {
-            Api::<Node>::all(client.clone())
-                .create(&dry_run, &probe)
-                .await
-                .is_ok_and(|n| taint_keys(&n).contains(&TAINT.to_owned()))
-        },
+        Api::all(client.clone()),
+        probe,
+        |n| taint_keys(&n).contains(&TAINT.to_owned()),
     )
     .await;
 }
 
 /// Waits until the webhook's cache holds the resource gate of `pool`: a mesh pod for the pool,
-/// created as a dry run in `ns`, comes back requesting the resource.
+/// in `ns`, comes back requesting the resource.
 async fn wait_webhook_requests(client: &kube::Client, ns: &str, pool: &str) {
-    let probe = mesh_pod("probe", pool);
-    let dry_run = PostParams {
-        dry_run: true,
-        ..Default::default()
-    };
-    wait_for(
+    let api = Api::<Pod>::namespaced(client.clone(), ns);
+    wait_webhook(
         "the webhook to know the resource gate",
-        Duration::from_secs(30),
-        || async {
-            Api::<Pod>::namespaced(client.clone(), ns)
-                .create(&dry_run, &probe)
-                .await
-                .is_ok_and(|p| {
-                    p.spec.is_some_and(|s| {
-                        s.containers.iter().any(|c| {
-                            c.resources
-                                .as_ref()
-                                .and_then(|r| r.requests.as_ref())
-                                .is_some_and(|r| r.contains_key(RESOURCE))
-                        })
-                    })
+        api,
+        mesh_pod("probe", pool),
+        |p| {
+            p.spec.is_some_and(|s| {
+                s.containers.iter().any(|c| {
+                    c.resources
+                        .as_ref()
+                        .and_then(|r| r.requests.as_ref())
+                        .is_some_and(|r| r.contains_key(RESOURCE))
                 })
+            })
         },
     )
     .await;
