@@ -343,14 +343,14 @@ impl Dra {
 /// longer pins every DRA gate to the node status for the life of the process. Nothing is decided
 /// for any node before this returns (the node gate waits for it before it syncs).
 pub async fn served(client: &kube::Client) -> bool {
-    use meshgate_core::node_gate::retry::{retry_after, warn_on};
-    let mut failures = 0u32;
+    use meshgate_core::node_gate::retry::{Failure, Streak};
+    let mut streak = Streak::default();
     loop {
         match client.list_api_group_resources("resource.k8s.io/v1").await {
             Ok(list) => {
-                if failures > 0 {
+                if streak.failures > 0 {
                     tracing::info!(
-                        failures,
+                        failures = streak.failures,
                         "asked again: the API server answered whether it serves resource.k8s.io/v1"
                     );
                 }
@@ -365,12 +365,11 @@ pub async fn served(client: &kube::Client) -> bool {
                 return false;
             }
             Err(e) => {
-                failures = failures.saturating_add(1);
-                let wait = retry_after(failures);
-                if warn_on(failures) {
+                let (wait, warn) = streak.fail(Failure::Other);
+                if warn {
                     tracing::warn!(error = %e, retry_in = ?wait, "could not ask whether resource.k8s.io/v1 is served; asking again");
                 } else {
-                    tracing::debug!(error = %e, failures, retry_in = ?wait, "could not ask whether resource.k8s.io/v1 is served");
+                    tracing::debug!(error = %e, failures = streak.failures, retry_in = ?wait, "could not ask whether resource.k8s.io/v1 is served");
                 }
                 tokio::time::sleep(wait).await;
             }

@@ -1,7 +1,7 @@
-//! How a node whose reconcile keeps failing is retried: with capped exponential backoff, and
-//! one warning per streak of failures, not one per try. A stale refusal (a conditional write
-//! refused because the node changed since it was read) is retried sooner and warned about only
-//! when it persists.
+//! How work that keeps failing (a node's reconcile, asking whether DRA is served) is retried:
+//! with capped exponential backoff, and one warning per streak of failures, not one per try. A
+//! stale refusal (a conditional write refused because the node changed since it was read) is
+//! retried sooner and warned about only when it persists.
 
 use std::time::Duration;
 
@@ -10,22 +10,10 @@ pub const FIRST: Duration = Duration::from_millis(500);
 /// The longest delay between two tries.
 pub const MAX: Duration = Duration::from_secs(60);
 
-/// How long to wait before the next try after `failures` failures in a row (1 for the first):
-/// 500 ms, doubling, at most 60 s.
-pub fn retry_after(failures: u32) -> Duration {
-    doubled(FIRST, failures)
-}
-
 /// `first`, doubled for each failure after the first, at most [`MAX`].
 fn doubled(first: Duration, failures: u32) -> Duration {
     let doublings = failures.saturating_sub(1).min(16);
     first.saturating_mul(1 << doublings).min(MAX)
-}
-
-/// Whether the failure that makes `failures` in a row is logged as a warning: only the first
-/// of a streak (the others are counted, and logged at debug level).
-pub fn warn_on(failures: u32) -> bool {
-    failures == 1
 }
 
 /// Why a node's reconcile failed, as far as retrying it goes.
@@ -76,20 +64,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_doubles_up_to_a_minute() {
-        let delays: Vec<u64> = (1..=9).map(|n| retry_after(n).as_millis() as u64).collect();
+    fn backoff_doubles_up_to_a_minute_and_warns_once_a_streak() {
+        let mut s = Streak::default();
+        let tries: Vec<(u64, bool)> = (0..9)
+            .map(|_| {
+                let (d, w) = s.fail(Failure::Other);
+                (d.as_millis() as u64, w)
+            })
+            .collect();
         assert_eq!(
-            delays,
-            [500, 1000, 2000, 4000, 8000, 16000, 32000, 60000, 60000]
+            tries,
+            [
+                (500, true),
+                (1000, false),
+                (2000, false),
+                (4000, false),
+                (8000, false),
+                (16000, false),
+                (32000, false),
+                (60000, false),
+                (60000, false)
+            ]
         );
-        assert_eq!(retry_after(u32::MAX), MAX);
-        assert_eq!(retry_after(0), FIRST);
-    }
-
-    #[test]
-    fn one_warning_per_streak() {
-        assert!(warn_on(1));
-        assert!(!(2..100).any(warn_on));
+        assert!(!(0..100).any(|_| s.fail(Failure::Other).1));
+        let mut long = Streak {
+            failures: u32::MAX - 1,
+            warned: true,
+        };
+        assert_eq!(long.fail(Failure::Other).0, MAX);
+        assert_eq!(long.fail(Failure::Other).0, MAX, "the count saturates");
     }
 
     #[test]
