@@ -63,17 +63,21 @@ impl Streak {
 mod tests {
     use super::*;
 
+    /// `n` failures of `kind` in a row: each one's delay in ms and whether it warned.
+    fn tries(s: &mut Streak, kind: Failure, n: usize) -> Vec<(u64, bool)> {
+        (0..n)
+            .map(|_| {
+                let (d, w) = s.fail(kind);
+                (d.as_millis() as u64, w)
+            })
+            .collect()
+    }
+
     #[test]
     fn backoff_doubles_up_to_a_minute_and_warns_once_a_streak() {
         let mut s = Streak::default();
-        let tries: Vec<(u64, bool)> = (0..9)
-            .map(|_| {
-                let (d, w) = s.fail(Failure::Other);
-                (d.as_millis() as u64, w)
-            })
-            .collect();
         assert_eq!(
-            tries,
+            tries(&mut s, Failure::Other, 9),
             [
                 (500, true),
                 (1000, false),
@@ -97,15 +101,8 @@ mod tests {
 
     #[test]
     fn stale_refusals_retry_soon_and_warn_only_when_they_persist() {
-        let mut s = Streak::default();
-        let tries: Vec<(u64, bool)> = (0..6)
-            .map(|_| {
-                let (d, w) = s.fail(Failure::Stale);
-                (d.as_millis() as u64, w)
-            })
-            .collect();
         assert_eq!(
-            tries,
+            tries(&mut Streak::default(), Failure::Stale, 6),
             [
                 (50, false),
                 (100, false),
