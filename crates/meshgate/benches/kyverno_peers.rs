@@ -203,22 +203,23 @@ fn repo_root() -> PathBuf {
     meshgate_testenv::workspace_dir()
 }
 
-/// Kyverno's admission controller: `MESHGATE_KYVERNO_ADMISSION`, else beside the CLI that
-/// `tools/kyverno/build.sh` builds (and builds when missing).
+/// Kyverno's admission controller: `MESHGATE_KYVERNO_ADMISSION`, else what
+/// `tools/kyverno/build.sh --admission-controller` prints (it builds it when missing; only this
+/// benchmark asks for it, so `tools/test.sh` never builds it).
 fn kyverno_bin() -> Result<PathBuf, String> {
     if let Some(p) = std::env::var_os("MESHGATE_KYVERNO_ADMISSION").filter(|p| !p.is_empty()) {
         return Ok(PathBuf::from(p));
     }
     let script = repo_root().join("tools/kyverno/build.sh");
     let out = std::process::Command::new(&script)
+        .arg("--admission-controller")
         .stderr(std::process::Stdio::inherit())
         .output()
         .map_err(|e| format!("{}: {e}", script.display()))?;
     if !out.status.success() {
         return Err(format!("{} failed", script.display()));
     }
-    let cli = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    let bin = cli.with_file_name("kyverno-admission-controller");
+    let bin = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     if bin.exists() {
         Ok(bin)
     } else {
