@@ -205,15 +205,39 @@ fn collect_sources(workspace: &Path, rel: &Path, out: &mut Vec<PathBuf>) -> Resu
     Ok(())
 }
 
-/// The static binaries, when they were built from the current source state ([`source_state`]);
-/// `None` when [`static_binaries`] would build. Runs no build.
+/// The static binaries given by `MESHGATE_STATIC_BIN`, or else when they were built from the
+/// current source state ([`source_state`]); `None` when [`static_binaries`] would build. Runs no
+/// build.
 pub fn current_static_binaries() -> Option<StaticBinaries> {
+    if let Some(bins) = given_static_binaries() {
+        return bins.ok();
+    }
     let bins = StaticBinaries {
         dir: static_bin_dir(),
     };
     let recorded = std::fs::read_to_string(bins.dir.join(SOURCE_STATE_FILE)).ok()?;
     (first_missing(&bins).is_none() && source_state().ok()? == recorded.trim()).then_some(bins)
 }
+
+/// The static binaries in the directory `MESHGATE_STATIC_BIN` names, when it is set:
+/// `tools/test.sh` builds its tests static (the same target and flags as here), so that the
+/// binaries of that one build are the images' too.
+fn given_static_binaries() -> Option<Result<StaticBinaries, Error>> {
+    let dir = std::env::var_os(STATIC_BIN_ENV)?;
+    let bins = StaticBinaries {
+        dir: PathBuf::from(dir),
+    };
+    Some(match first_missing(&bins) {
+        Some(p) => Err(Error::Build {
+            script: STATIC_BIN_ENV.into(),
+            message: format!("{} is missing", p.display()),
+        }),
+        None => Ok(bins),
+    })
+}
+
+/// Names a directory that holds every static binary ([`first_missing`]): no build then.
+pub const STATIC_BIN_ENV: &str = "MESHGATE_STATIC_BIN";
 
 /// Builds `meshgate`, `meshgate-wait`, `pause`, `app` and the stand-ins as static executables
 /// (glibc, static PIE, as crates/meshgate-wait/README.md describes) into `<cache>/static-target`,
@@ -227,17 +251,8 @@ pub fn static_binaries() -> Result<StaticBinaries, Error> {
 /// [`static_binaries`], with Cargo's output appended to `log` when given (the demo keeps it out
 /// of its story).
 pub fn static_binaries_logged(log: Option<&Path>) -> Result<StaticBinaries, Error> {
-    if let Some(dir) = std::env::var_os("MESHGATE_STATIC_BIN") {
-        let bins = StaticBinaries {
-            dir: PathBuf::from(dir),
-        };
-        if let Some(p) = first_missing(&bins) {
-            return Err(Error::Build {
-                script: "MESHGATE_STATIC_BIN".into(),
-                message: format!("{} is missing", p.display()),
-            });
-        }
-        return Ok(bins);
+    if let Some(bins) = given_static_binaries() {
+        return bins;
     }
     if let Some(bins) = current_static_binaries() {
         return Ok(bins);

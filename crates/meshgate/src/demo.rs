@@ -131,7 +131,11 @@ async fn build_static_binaries(log: &std::path::Path) -> anyhow::Result<bool> {
         .await?
         .is_some()
     {
-        println!("current (built from this source state)");
+        if std::env::var_os(meshgate_testenv::image::STATIC_BIN_ENV).is_some() {
+            println!("given ({})", meshgate_testenv::image::STATIC_BIN_ENV);
+        } else {
+            println!("current (built from this source state)");
+        }
         return Ok(false);
     }
     let start = Instant::now();
