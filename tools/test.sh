@@ -3,45 +3,41 @@
 #
 #   tools/test.sh
 #
-# 0. installs the Debian packages the tests need when missing (tools/packages.sh; root);
-# 1. builds (once, cached outside the clone) etcd, kube-apiserver and kube-scheduler from the Go
-#    module proxy: tools/controlplane/build.sh;
-# 1b. for the real node of the real_node test: installs containerd, runc, the CNI plugins and
-#    iptables when missing (tools/node/packages.sh; root) and builds, once, kubelet,
-#    kube-controller-manager and kube-proxy (tools/node/build.sh);
-# 1c. builds yamlcheck (kubectl's YAML reader, sigs.k8s.io/yaml) for the yaml_readback test
-#    (tools/yamlcheck/build.sh) and Helm for the helm and real_istio tests (tools/helm/build.sh);
-# 1d. builds, once, the real Istio (istiod, pilot-agent, the istio-cni node agent and plugin,
-#    and its charts) for the real_istio test (tools/istio/build.sh; about 4 min after the control
-#    plane's Go build, measured in a cold run);
-# 1d'. builds, once, the real Karpenter (its KWOK provider) and KWOK for the karpenter test
-#    (tools/karpenter/build.sh; about 4-5 min cold);
-# 1e. builds, once, the Kyverno CLI for the kyverno_oracle test, and beside it Kyverno's admission
-#    controller for the kyverno_peers benchmark (tools/kyverno/build.sh; the CLI about 4 min after
-#    the Go builds above, measured in a cold run; the admission controller about half a minute
-#    after the CLI, most packages shared); MESHGATE_KYVERNO_ORACLE=0 skips it (the test then
-#    passes without checking, and says so);
-# 2. cargo fmt --check, cargo clippy --all-targets -D warnings, the CRD manifests and the Helm
-#    chart are current;
-# 3. cargo test --workspace: unit tests, the end-to-end tests against the real control plane, and
-#    real_node and real_istio on a real node (it builds meshgate's static binaries once per
-#    source state); then the demo's test (`--features demo`: no ERROR or WARN in its run).
+# The builds one at a time, the tests side by side (tools/lib/jobs.sh):
+# 1. in turn: the Debian packages the tests need when missing (tools/packages.sh,
+#    tools/node/packages.sh; root); the default control plane (etcd, kube-apiserver,
+#    kube-scheduler of Kubernetes 1.36, tools/controlplane/build.sh, built once from the Go module
+#    proxy and cached outside the clone); cargo fmt --check; cargo clippy --all-targets -D warnings;
+#    the tests, built once (`cargo test --no-run`, with the demo's harness, so that meshgate is
+#    compiled once for the tests and the demo; static, so that the same binaries go into the real
+#    node's images); the CRD manifests and the Helm chart's generated data are current (the binary
+#    just built);
+# 2. then every test binary as a job, while the remaining builds run one at a time beside them at
+#    a lower CPU priority (each test waits only for what it uses):
+#    - the real node's kubelet, kube-controller-manager and kube-proxy (tools/node/build.sh);
+#    - Helm (tools/helm/build.sh), the real Istio (tools/istio/build.sh), the real Karpenter on
+#      KWOK (tools/karpenter/build.sh), yamlcheck (kubectl's YAML reader, tools/yamlcheck/build.sh),
+#      the Kyverno CLI for the kyverno_oracle test (tools/kyverno/build.sh;
+#      MESHGATE_KYVERNO_ORACLE=0 skips it, and the test then passes without checking, and says so;
+#      Kyverno's admission controller is built only by the kyverno_peers benchmark that uses it);
+#    - the version matrix: the core suites (MATRIX_SUITES below) on each other Kubernetes minor's
+#      control plane (1.34, 1.35, 1.37; MESHGATE_KUBE_MINOR=<minor> tools/controlplane/build.sh).
+#      MESHGATE_MATRIX="1.34" picks the cells, MESHGATE_MATRIX="" runs none;
+#    - other kubelets on the real node: a 1.34 kubelet under the 1.37 API server (the widest gap
+#      the skew policy allows), a 1.35 under 1.36 and a 1.37 under 1.37 (the default node runs
+#      1.36), each built once (MESHGATE_KUBELET_MINOR=<minor> tools/node/build.sh): the DRA gate's
+#      layer per kubelet, and whether the kubelet needs the node plugin's :authority rewrite.
+#      MESHGATE_SKEW="1.37:1.34" picks the cells, "" runs none.
+#    Which tests need the host to themselves is said in one place: NODE_TESTS and HOST_TESTS
+#    below. MESHGATE_TEST_JOBS (default 3) test binaries run at once.
 #
-# 4. the version matrix: the core suites (MATRIX_SUITES below) on each other Kubernetes minor's
-#    control plane (1.34, 1.35, 1.37; 1.36 is the default above), built once each
-#    (MESHGATE_KUBE_MINOR=<minor> tools/controlplane/build.sh, about 3 min cold each after the
-#    default's build, on 2 cores). MESHGATE_MATRIX="1.34" picks the cells, MESHGATE_MATRIX=""
-#    runs none;
-# 5. other kubelets on the real node: a 1.34 kubelet under the 1.37 API server (the widest gap
-#    the skew policy allows), a 1.35 under 1.36 and a 1.37 under 1.37 (the default node runs
-#    1.36), each built once (MESHGATE_KUBELET_MINOR=<minor> tools/node/build.sh, 30-45 s each
-#    here once the control planes' Go builds are cached): the DRA gate's layer per kubelet, and
-#    whether the kubelet needs the node plugin's :authority rewrite. MESHGATE_SKEW="1.37:1.34"
-#    picks the cells, "" runs none.
+# Each step prints its time and the share of the machine's CPU time that was idle during it; the
+# end, the total against the budget of a cold run (BUDGET_S). A cold run: tools/clean-caches.sh
+# empties every cache this script fills (Go's module and build caches, Cargo's registry, meshgate's).
 #
-# Env: MESHGATE_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate) holds the control plane,
-# the node binaries, yamlcheck, helm, the static test binaries (static-target) and, unless CARGO_TARGET_DIR is set,
-# the Cargo build directory, so that a new clone reuses them.
+# Env: MESHGATE_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/meshgate) holds the control planes,
+# the node binaries, the tools, the jobs' logs (test-logs) and, unless CARGO_TARGET_DIR is set, the
+# Cargo build directory, so that a new clone reuses them.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 matrix=${MESHGATE_MATRIX-1.34 1.35 1.37}
@@ -53,59 +49,31 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 # No incremental compilation data in the shared cache: a test run gains nothing from it, and it
 # grows by gigabytes per run (a full disk puts the real node under disk pressure).
 export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
-# Each step's time is printed when the next begins (and the last's, with the total, at exit):
-# the cold and warm times of every cell of the version matrix.
-step_name="" step_started=$SECONDS
-step_time() { [ -z "$step_name" ] || printf '(%s: %d s)\n' "$step_name" $((SECONDS - step_started)); }
-step() { step_time; step_name=$* step_started=$SECONDS; printf '\n== %s ==\n' "$*"; }
-trap 'status=$?; step_time; printf "== tools/test.sh: %d s, exit %d ==\n" "$SECONDS" "$status"' EXIT
+# A cold run's budget (issue: a cold CI run within 60 of CI's 90 minutes).
+BUDGET_S=3600
 
-step "Debian packages (iptables for the network-namespace tests)"
+# Each step's time and the idle share of the machine's CPU time during it are printed when the
+# next begins (and the last's, with the total, at exit).
+cpu() { local _ u n s i w q sq st; read -r _ u n s i w q sq st _ </proc/stat; echo "$((i + w)) $((u + n + s + i + w + q + sq + st))"; }
+step_name="" step_started=$SECONDS step_cpu=$(cpu)
+step_time() {
+  [ -n "$step_name" ] || return 0
+  local i0 t0 i1 t1
+  read -r i0 t0 <<<"$step_cpu"
+  read -r i1 t1 <<<"$(cpu)"
+  printf '(%s: %d s, CPU idle %d%%)\n' "$step_name" $((SECONDS - step_started)) $(((i1 - i0) * 100 / (t1 - t0 + 1)))
+}
+step() { step_time; step_name=$* step_started=$SECONDS step_cpu=$(cpu); printf '\n== %s ==\n' "$*"; }
+trap 'status=$?; step_time; printf "== tools/test.sh: %d s (a cold run'"'"'s budget: %d s), exit %d ==\n" "$SECONDS" "$BUDGET_S" "$status"' EXIT
+
+step "Debian packages (iptables for the network-namespace tests; the real node's)"
 tools/packages.sh
+tools/node/packages.sh
 
 step "control plane (etcd, kube-apiserver, kube-scheduler)"
 MESHGATE_CONTROLPLANE_BIN=$(tools/controlplane/build.sh)
 export MESHGATE_CONTROLPLANE_BIN
 ls -l "$MESHGATE_CONTROLPLANE_BIN"
-
-step "real node (containerd, runc, CNI plugins; kubelet, kube-controller-manager, kube-proxy)"
-tools/node/packages.sh
-MESHGATE_NODE_BIN=$(tools/node/build.sh)
-export MESHGATE_NODE_BIN
-ls -l "$MESHGATE_NODE_BIN"
-
-step "yamlcheck (kubectl's YAML reader, for the yaml_readback test)"
-MESHGATE_YAMLCHECK=$(tools/yamlcheck/build.sh)
-export MESHGATE_YAMLCHECK
-
-step "helm (for the helm and real_istio tests)"
-MESHGATE_HELM=$(tools/helm/build.sh)
-export MESHGATE_HELM
-
-step "Istio (istiod, pilot-agent, istio-cni; for the real_istio test)"
-MESHGATE_ISTIO=$(tools/istio/build.sh)
-export MESHGATE_ISTIO
-cat "$MESHGATE_ISTIO/version"
-
-step "Karpenter and KWOK (for the karpenter test)"
-MESHGATE_KARPENTER=$(tools/karpenter/build.sh)
-export MESHGATE_KARPENTER
-cat "$MESHGATE_KARPENTER/version"
-
-step "Kyverno CLI and admission controller (the kyverno_oracle test, the kyverno_peers bench; MESHGATE_KYVERNO_ORACLE=0 skips it)"
-# Measured in a cold CI run at commit bf55032 (2026-12-02, 2 cores): 248 s after the control
-# plane's and Istio's Go builds, so that the whole run took about 43 of its 90 minutes.
-if [ "${MESHGATE_KYVERNO_ORACLE:-1}" != 0 ]; then
-  MESHGATE_KYVERNO=$(tools/kyverno/build.sh)
-elif MESHGATE_KYVERNO=$(tools/kyverno/build.sh --cached); then
-  :
-else
-  MESHGATE_KYVERNO=
-  export MESHGATE_KYVERNO_OPTIONAL=1
-  echo "not built (MESHGATE_KYVERNO_ORACLE=0): kyverno_oracle passes without checking"
-fi
-export MESHGATE_KYVERNO
-[ -z "$MESHGATE_KYVERNO" ] || "$MESHGATE_KYVERNO" version
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -113,38 +81,156 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
-step "generated CRD manifests are current"
-cargo run --quiet --locked -p meshgate -- crds --check deploy/crds
+step "build the tests (cargo test --no-run), static: their binaries are the real node's images' too"
+# One build serves the tests, the demo's test (meshgate with the demo's harness, compiled once) and
+# the real node's images: static executables (glibc, static PIE), the target and flags of
+# meshgate-testenv's image.rs (TARGET, STATIC_RUSTFLAGS), which takes them from MESHGATE_STATIC_BIN
+# instead of building its own (release) set; the images hold debug builds then.
+static_target=x86_64-unknown-linux-gnu
+static_flags="-C target-feature=+crt-static"
+tests_list=$cache/test-binaries.tsv
+# Every test executable, one line each: package, target kind, target name, path, package dir.
+RUSTFLAGS=$static_flags cargo test --workspace --locked --features meshgate/demo --target $static_target \
+  --no-run --message-format=json-render-diagnostics |
+  jq -r 'select(.reason == "compiler-artifact" and .executable != null and .profile.test)
+    | (.manifest_path | rtrimstr("/Cargo.toml")) as $dir
+    | [($dir | split("/") | last), .target.kind[0], .target.name, .executable, $dir] | @tsv' >"$tests_list"
+# The images' pause and app (meshgate-testbins has no tests/, so the test build has not built them).
+RUSTFLAGS=$static_flags cargo build --locked --target $static_target -p meshgate-testbins --bins
+export MESHGATE_STATIC_BIN=$CARGO_TARGET_DIR/$static_target/debug
+echo "$(wc -l <"$tests_list") test executables; the images' binaries in $MESHGATE_STATIC_BIN"
 
-step "the Helm chart's generated data (CRDs, mesh profiles, native gate) is current"
-cargo run --quiet --locked -p meshgate -- chart --check deploy/helm/meshgate
+step "generated CRD manifests and the Helm chart's generated data are current"
+"$MESHGATE_STATIC_BIN/meshgate" crds --check deploy/crds
+"$MESHGATE_STATIC_BIN/meshgate" chart --check deploy/helm/meshgate
 
-step "cargo test --workspace"
-# The end-to-end test binaries each start their own control plane; two at a time fit 2 cores.
-cargo test --workspace --locked -- --test-threads 4
+# run_test PACKAGE KIND TARGET [ARGS...]: one test executable of the list, as `cargo test` runs it
+# (in its package's directory, with Cargo's run-time variables).
+run_test() {
+  local pkg=$1 kind=$2 target=$3 exe dir
+  shift 3
+  IFS=$'\t' read -r _ _ _ exe dir < <(awk -F'\t' -v p="$pkg" -v k="$kind" -v t="$target" \
+    '$1 == p && $2 == k && $3 == t' "$tests_list")
+  [ -n "${exe:-}" ] || { echo "run_test: no test executable $pkg $kind $target in $tests_list" >&2; return 1; }
+  echo "$exe $*"
+  cd "$dir" && CARGO=$(command -v cargo) CARGO_MANIFEST_DIR=$dir CARGO_MANIFEST_PATH=$dir/Cargo.toml \
+    CARGO_PKG_NAME=$pkg exec "$exe" "$@"
+}
 
-step "meshgate demo: its story, and no ERROR or WARN line (cargo test --features demo --test demo)"
-cargo test --locked -p meshgate --features demo --test demo
+step "the tests side by side, the remaining builds beside them"
+# shellcheck source=lib/jobs.sh
+source tools/lib/jobs.sh
+JOBS_LOG=$cache/test-logs
+rm -rf "$JOBS_LOG"
+JOBS_TESTS=${MESHGATE_TEST_JOBS:-3}
 
+# Who needs the host. The one place that says it:
+# the real node (a kubelet, containerd, the host's iptables, cgroups and CNI; its teardown compares
+# the host with before and looks for its daemons by name): one at a time, nothing of HOST_TESTS
+# beside it;
+NODE_TESTS=(meshgate/real_node meshgate/real_istio meshgate/demo)
+# tests that change what a node's teardown compares: network namespaces of their own
+# (the netns tests), or a process a node also runs (the karpenter test's kube-controller-manager,
+# meshgate-wait's CLI test): side by side with each other, never beside a node.
+HOST_TESTS=(meshgate/karpenter meshgate-standins/cni_netns meshgate-standins/node_proxy_netns
+  meshgate-wait/redirect_netns meshgate-wait/cli)
+# What each test uses of the builds (every test uses the default control plane, built above).
+declare -A USES=(
+  [meshgate/real_node]=node,helm
+  [meshgate/real_istio]=node,helm,istio
+  [meshgate/demo]=node,helm,istio,karpenter
+  [meshgate/karpenter]=node,karpenter
+  [meshgate/helm]=helm
+  [meshgate/yaml_readback]=yamlcheck
+  [meshgate/kyverno_oracle]=kyverno
+)
+host_of() {
+  local t
+  for t in "${NODE_TESTS[@]}"; do [ "$t" = "$1" ] && { echo node; return; }; done
+  for t in "${HOST_TESTS[@]}"; do [ "$t" = "$1" ] && { echo host; return; }; done
+  echo -
+}
+
+# The builds, in the order the tests want them: the real node's first (its tests are the longest
+# chain; Karpenter's test may not run beside them, so it goes before).
+build node MESHGATE_NODE_BIN - -- tools/node/build.sh
+build helm MESHGATE_HELM - -- tools/helm/build.sh
+build karpenter MESHGATE_KARPENTER - -- tools/karpenter/build.sh
+build istio MESHGATE_ISTIO - -- tools/istio/build.sh
+build yamlcheck MESHGATE_YAMLCHECK - -- tools/yamlcheck/build.sh
+if [ "${MESHGATE_KYVERNO_ORACLE:-1}" != 0 ]; then
+  build kyverno MESHGATE_KYVERNO - -- tools/kyverno/build.sh
+  USES[meshgate/kyverno_oracle]=kyverno
+elif tools/kyverno/build.sh --cached >/dev/null; then
+  build kyverno MESHGATE_KYVERNO - -- tools/kyverno/build.sh --cached
+else
+  echo "Kyverno CLI not built (MESHGATE_KYVERNO_ORACLE=0): kyverno_oracle passes without checking"
+  export MESHGATE_KYVERNO_OPTIONAL=1
+  unset "USES[meshgate/kyverno_oracle]"
+fi
+minors=$(for c in $matrix; do echo "$c"; done; for c in $skew; do echo "${c%%:*}"; done)
+for minor in $(echo "$minors" | sort -u); do
+  [ "$minor" = 1.36 ] || build "controlplane-$minor" MESHGATE_CONTROLPLANE_BIN - -- \
+    env MESHGATE_KUBE_MINOR="$minor" tools/controlplane/build.sh
+done
+for kubelet in $(for c in $skew; do echo "${c##*:}"; done | sort -u); do
+  build "kubelet-$kubelet" MESHGATE_KUBELET_BIN - -- env MESHGATE_KUBELET_MINOR="$kubelet" tools/node/build.sh
+done
+plane() { [ "$1" = 1.36 ] && echo - || echo "controlplane-$1"; }
+# after A B ...: the job names of its arguments (each a comma-separated list, or "-"), joined.
+after() {
+  local a p out=()
+  for a in "$@"; do
+    IFS=, read -ra parts <<<"$a"
+    for p in "${parts[@]}"; do [ -z "$p" ] || [ "$p" = - ] || out+=("$p"); done
+  done
+  local IFS=,
+  echo "${out[*]:--}"
+}
+
+# The job of each test executable: PACKAGE/TARGET for a tests/ file, PACKAGE/KIND:TARGET for the
+# unit tests of a library or binary. The node's tests first (the longest chain), then the host's,
+# then the rest.
+declare -A run_of=()
+test_names=()
+while IFS=$'\t' read -r pkg kind name _ _; do
+  case $kind in
+    test) n="$pkg/$name" ;;
+    *) n="$pkg/$kind:$name" ;;
+  esac
+  test_names+=("$n")
+  run_of[$n]="$pkg $kind $name"
+done <"$tests_list"
+for t in "${NODE_TESTS[@]}" "${HOST_TESTS[@]}"; do
+  [ -n "${run_of[$t]:-}" ] || { echo "test.sh: $t (NODE_TESTS, HOST_TESTS) is not a test executable" >&2; exit 1; }
+  # Four tests at a time within a binary, as `cargo test --workspace -- --test-threads 4` ran them;
+  # the demo's with libtest's default, as its own `cargo test` step ran it.
+  threads=(--test-threads 4)
+  [ "$t" != meshgate/demo ] || threads=()
+  # shellcheck disable=SC2086
+  test_job "$t" "$(host_of "$t")" "${USES[$t]:--}" -- run_test ${run_of[$t]} "${threads[@]}"
+done
+for cell in $skew; do
+  api=${cell%%:*} kubelet=${cell##*:}
+  test_job "Kubernetes $api, kubelet $kubelet: meshgate/real_node dra_gate_guards_pods_by_the_layer" node \
+    "$(after node,helm "$(plane "$api")" "kubelet-$kubelet")" -- \
+    run_test meshgate test real_node dra_gate_guards_pods_by_the_layer
+done
+for n in "${test_names[@]}"; do
+  [ "$(host_of "$n")" = - ] || continue
+  # shellcheck disable=SC2086
+  test_job "$n" - "${USES[$n]:--}" -- run_test ${run_of[$n]} --test-threads 4
+done
 # The core suites, which read the cluster's version instead of assuming the default's: on 1.34
 # and 1.35 the test environment turns the MutatingAdmissionPolicy beta on (the policy path meshgate
 # takes there; their defaults, no policy API, are covered by policy_enforcement and install).
-MATRIX_SUITES=(--test install --test node_gate --test node_gate_safety --test init_gate
-  --test policies_native --test check --test uninstall --test policy_enforcement --test helm)
+MATRIX_SUITES=(install node_gate node_gate_safety init_gate policies_native check uninstall
+  policy_enforcement helm)
 for minor in $matrix; do
-  step "Kubernetes $minor: the core suites (${MATRIX_SUITES[*]})"
-  MESHGATE_CONTROLPLANE_BIN=$(MESHGATE_KUBE_MINOR=$minor tools/controlplane/build.sh) \
-    cargo test --locked -p meshgate "${MATRIX_SUITES[@]}"
+  for suite in "${MATRIX_SUITES[@]}"; do
+    test_job "Kubernetes $minor: meshgate/$suite" - "$(after "$(plane "$minor")" "${USES[meshgate/$suite]:--}")" -- \
+      run_test meshgate test "$suite"
+  done
 done
-
-# Other kubelets on the real node: each cell is <API server minor>:<kubelet minor> (the kubelet
-# built once by MESHGATE_KUBELET_MINOR=<minor> tools/node/build.sh, the rest of the node the
-# default's): the DRA gate guards pods by the layer that kubelet supports, and the kubelet's
-# registration client needs the node plugin's :authority rewrite.
-for cell in $skew; do
-  api=${cell%%:*} kubelet=${cell##*:}
-  step "Kubernetes $api with a $kubelet kubelet: the DRA gate on the real node"
-  MESHGATE_CONTROLPLANE_BIN=$(MESHGATE_KUBE_MINOR=$api tools/controlplane/build.sh) \
-  MESHGATE_KUBELET_BIN=$(MESHGATE_KUBELET_MINOR=$kubelet tools/node/build.sh) \
-    cargo test --locked -p meshgate --test real_node dra_gate_guards_pods_by_the_layer
-done
+run_jobs
+echo "tools/test.sh: $JOBS_PASSED passed, $JOBS_FAILED failed, $JOBS_IGNORED ignored"
