@@ -13,7 +13,7 @@
 #    node's images); the CRD manifests and the Helm chart's generated data are current (the binary
 #    just built);
 # 2. then every test binary as a job, while the remaining builds run one at a time beside them at
-#    a lower CPU priority (each test waits only for what it uses):
+#    the lowest CPU priority (each test waits only for what it uses):
 #    - the real node's kubelet, kube-controller-manager and kube-proxy (tools/node/build.sh);
 #    - Helm (tools/helm/build.sh), the real Istio (tools/istio/build.sh), the real Karpenter on
 #      KWOK (tools/karpenter/build.sh), yamlcheck (kubectl's YAML reader, tools/yamlcheck/build.sh),
@@ -158,9 +158,23 @@ build helm MESHGATE_HELM - -- tools/helm/build.sh
 build karpenter MESHGATE_KARPENTER - -- tools/karpenter/build.sh
 build istio MESHGATE_ISTIO - -- tools/istio/build.sh
 build yamlcheck MESHGATE_YAMLCHECK - -- tools/yamlcheck/build.sh
+# The other minors' control planes and kubelets, each as soon as a cell can use it (a skew cell's
+# pair together), in the order of the cells.
+declare -A planned=()
+plan() {
+  [ -z "${planned[$1-$2]:-}" ] || return 0
+  planned[$1-$2]=1
+  case $1 in
+    controlplane) [ "$2" = 1.36 ] || build "controlplane-$2" MESHGATE_CONTROLPLANE_BIN - -- \
+      env MESHGATE_KUBE_MINOR="$2" tools/controlplane/build.sh ;;
+    kubelet) build "kubelet-$2" MESHGATE_KUBELET_BIN - -- env MESHGATE_KUBELET_MINOR="$2" tools/node/build.sh ;;
+  esac
+}
+for cell in $skew; do plan controlplane "${cell%%:*}"; plan kubelet "${cell##*:}"; done
+for minor in $matrix; do plan controlplane "$minor"; done
+# The Kyverno CLI last: one short test waits for it.
 if [ "${MESHGATE_KYVERNO_ORACLE:-1}" != 0 ]; then
   build kyverno MESHGATE_KYVERNO - -- tools/kyverno/build.sh
-  USES[meshgate/kyverno_oracle]=kyverno
 elif tools/kyverno/build.sh --cached >/dev/null; then
   build kyverno MESHGATE_KYVERNO - -- tools/kyverno/build.sh --cached
 else
@@ -168,14 +182,6 @@ else
   export MESHGATE_KYVERNO_OPTIONAL=1
   unset "USES[meshgate/kyverno_oracle]"
 fi
-minors=$(for c in $matrix; do echo "$c"; done; for c in $skew; do echo "${c%%:*}"; done)
-for minor in $(echo "$minors" | sort -u); do
-  [ "$minor" = 1.36 ] || build "controlplane-$minor" MESHGATE_CONTROLPLANE_BIN - -- \
-    env MESHGATE_KUBE_MINOR="$minor" tools/controlplane/build.sh
-done
-for kubelet in $(for c in $skew; do echo "${c##*:}"; done | sort -u); do
-  build "kubelet-$kubelet" MESHGATE_KUBELET_BIN - -- env MESHGATE_KUBELET_MINOR="$kubelet" tools/node/build.sh
-done
 plane() { [ "$1" = 1.36 ] && echo - || echo "controlplane-$1"; }
 # after A B ...: the job names of its arguments (each a comma-separated list, or "-"), joined.
 after() {

@@ -1,26 +1,26 @@
 # A small job scheduler for tools/test.sh (sourced): the builds one at a time, the tests side by
 # side, and the tests that need the host kept apart.
 #
-#   build NAME VAR AFTER -- CMD...   a build: one at a time, at a lower CPU priority (nice) than the
-#                                    tests; the last line CMD prints is exported as VAR to every job
-#                                    that names NAME in its AFTER (VAR "-": nothing exported)
-#   test NAME HOST AFTER -- CMD...   a test: at most $JOBS_TESTS at once. HOST says what of the host
-#                                    it needs:
-#                                      node  the host to itself (a real node: one kubelet, containerd,
-#                                            the host's iptables, cgroups and CNI; its teardown
-#                                            compares the host with before): no other node or
-#                                            host job runs beside it
-#                                      host  changes what a node's teardown compares (network
-#                                            namespaces, processes a node also runs): may run
-#                                            beside other host jobs, never beside a node job
-#                                      -     a control plane of its own on free ports: anything
+#   build NAME VAR AFTER -- CMD...      a build: one at a time, at the lowest CPU priority
+#                                       (nice 19), below the tests; the last line CMD prints is
+#                                       exported as VAR to every job that names NAME in its AFTER
+#                                       (VAR "-": nothing exported)
+#   test_job NAME HOST AFTER -- CMD...  a test: at most $JOBS_TESTS at once. HOST says what of the
+#                                       host it needs:
+#     node  the host to itself (a real node: one kubelet, containerd, the host's iptables, cgroups
+#           and CNI; its teardown compares the host with before): no other node or host job runs
+#           beside it
+#     host  changes what a node's teardown compares (network namespaces, processes a node also
+#           runs): may run beside other host jobs, never beside a node job
+#     -     a control plane of its own on free ports: anything
 #   AFTER: the jobs (comma-separated) that must pass first, or "-".
 #   run_jobs: runs every job, in the order declared as far as AFTER and HOST allow (a node job
 #   waiting for the host holds back the host jobs declared after it); prints a line as each
 #   ends, and the log of each that failed; returns 1 when any failed or could not run.
 #
-# Each job's output goes to $JOBS_LOG/<name>.log (a build's stdout to <name>.log.out). A test job's libtest summaries ("test result:
-# ok. N passed; M failed; K ignored") are added up into JOBS_PASSED, JOBS_FAILED, JOBS_IGNORED.
+# Each job's output goes to $JOBS_LOG/<name>.log (a build's stdout to <name>.log.out). A test
+# job's libtest summaries ("test result: ok. N passed; M failed; K ignored") are added up into
+# JOBS_PASSED, JOBS_FAILED, JOBS_IGNORED.
 
 J_NAME=() J_KIND=() J_HOST=() J_AFTER=() J_VAR=() J_CMD=()
 JOBS_TESTS=${JOBS_TESTS:-3}
@@ -109,7 +109,7 @@ run_jobs() {
         done
       fi
       local nice=()
-      [ "${J_KIND[i]}" = build ] && nice=(nice -n 10)
+      [ "${J_KIND[i]}" = build ] && nice=(nice -n 19)
       local log
       log=$(_log_of "${J_NAME[i]}")
       (
