@@ -532,7 +532,7 @@ async fn a_crashed_test_process_leaves_the_host_to_the_sweeper() {
     wait_for("the node's daemons to die", Duration::from_secs(10), || {
         let gone = ["kubelet", "containerd", "kube-controller", "kube-proxy"]
             .iter()
-            .all(|n| host::pids_named(n).is_empty());
+            .all(|n| node_pids(n, &run_dir).is_empty());
         async move { gone }
     })
     .await;

@@ -31,6 +31,20 @@ pub const NODE_PROCESSES: [&str; 12] = [
     "mesh-proxy",
 ];
 
+/// The processes named `name` that are this node's: by name, except kube-controller-manager,
+/// which tests beside the node run too (the Karpenter harness; `tools/test.sh` runs them side by
+/// side): the node's own is the one started with the node's run directory in its command line.
+pub fn node_pids(name: &str, run_dir: &Path) -> Vec<u32> {
+    let pids = host::pids_named(name);
+    if name != "kube-controller" {
+        return pids;
+    }
+    let run_dir = run_dir.to_string_lossy();
+    pids.into_iter()
+        .filter(|p| host::cmdline(*p).contains(&*run_dir))
+        .collect()
+}
+
 /// Whether the host can run a node; panics saying what is missing unless skipping is asked for.
 pub fn can_run() -> bool {
     match meshgate_testenv::node::prerequisites() {
@@ -54,7 +68,7 @@ pub fn assert_host_restored(before: &HostSnapshot, run_dir: &Path) {
         differences.join("\n")
     );
     for name in NODE_PROCESSES {
-        let left = host::pids_named(name);
+        let left = node_pids(name, run_dir);
         assert!(left.is_empty(), "{name} processes left: {left:?}");
     }
     let left = host::pids_with_cmdline(&run_dir.to_string_lossy());
