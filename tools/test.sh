@@ -130,9 +130,10 @@ JOBS_TESTS=${MESHGATE_TEST_JOBS:-3}
 # beside it;
 NODE_TESTS=(meshgate/real_node meshgate/real_istio meshgate/demo)
 # tests that change what a node's teardown compares: network namespaces of their own
-# (the netns tests), or a process a node also runs (the karpenter test's kube-controller-manager,
-# meshgate-wait's CLI test): side by side with each other, never beside a node.
-HOST_TESTS=(meshgate/karpenter meshgate-standins/cni_netns meshgate-standins/node_proxy_netns
+# (the netns tests), or a process a node also runs, found by name (meshgate-wait's CLI test): side
+# by side with each other, never beside a node. (The Karpenter test runs kube-controller-manager
+# too: a node's teardown tells its own by its run directory, so that test may run beside one.)
+HOST_TESTS=(meshgate-standins/cni_netns meshgate-standins/node_proxy_netns
   meshgate-wait/redirect_netns meshgate-wait/cli)
 # What each test uses of the builds (every test uses the default control plane, built above).
 declare -A USES=(
@@ -152,7 +153,7 @@ host_of() {
 }
 
 # The builds, in the order the tests want them: the real node's first (its tests are the longest
-# chain; Karpenter's test may not run beside them, so it goes before).
+# chain).
 build node MESHGATE_NODE_BIN - -- tools/node/build.sh
 build helm MESHGATE_HELM - -- tools/helm/build.sh
 build karpenter MESHGATE_KARPENTER - -- tools/karpenter/build.sh
@@ -195,8 +196,7 @@ after() {
 }
 
 # The job of each test executable: PACKAGE/TARGET for a tests/ file, PACKAGE/KIND:TARGET for the
-# unit tests of a library or binary. The node's tests first (the longest chain), then the host's,
-# then the rest.
+# unit tests of a library or binary.
 declare -A run_of=()
 test_names=()
 while IFS=$'\t' read -r pkg kind name _ _; do
@@ -222,8 +222,10 @@ for cell in $skew; do
     "$(after node,helm "$(plane "$api")" "kubelet-$kubelet")" -- \
     run_test meshgate test real_node dra_gate_guards_pods_by_the_layer
 done
-for n in "${test_names[@]}"; do
-  [ "$(host_of "$n")" = - ] || continue
+declare -A queued=()
+for n in meshgate/karpenter "${test_names[@]}"; do
+  [ "$(host_of "$n")" = - ] && [ -n "${run_of[$n]:-}" ] && [ -z "${queued[$n]:-}" ] || continue
+  queued[$n]=1
   # shellcheck disable=SC2086
   test_job "$n" - "${USES[$n]:--}" -- run_test ${run_of[$n]} --test-threads 4
 done
