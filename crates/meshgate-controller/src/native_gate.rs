@@ -300,10 +300,20 @@ async fn report(recorder: &crate::events::Events, s: &Settings, was: Enforced, n
         name: Some(s.configuration.clone()),
         ..Default::default()
     };
-    if let Err(e) = recorder
-        .publish(type_, "Prove", reason, &note, &regarding)
-        .await
-    {
-        tracing::debug!(error = %e, "event not recorded");
+    // The finding is reported once: a write refused by a passing fault (the API server just
+    // restarted, as when its admission plugins change) is tried again, three times in all.
+    for attempt in 1..=3u32 {
+        match recorder
+            .publish(type_, "Prove", reason, &note, &regarding)
+            .await
+        {
+            Ok(()) => return,
+            Err(e) if attempt < 3 => {
+                tracing::debug!(error = %e, attempt, "event not recorded; trying again");
+                tokio::time::sleep(std::time::Duration::from_millis(500 * u64::from(attempt)))
+                    .await;
+            }
+            Err(e) => tracing::warn!(error = %e, reason, "event not recorded"),
+        }
     }
 }
