@@ -240,5 +240,8 @@ for minor in $matrix; do
       run_test meshgate test "$suite"
   done
 done
-run_jobs
+jobs_status=0
+run_jobs || jobs_status=$?
+# The closing count, also when a job failed.
 echo "tools/test.sh: $JOBS_PASSED passed, $JOBS_FAILED failed, $JOBS_IGNORED ignored"
+exit $jobs_status
