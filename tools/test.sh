@@ -242,6 +242,6 @@ for minor in $matrix; do
 done
 jobs_status=0
 run_jobs || jobs_status=$?
-# The closing count, also when a job failed.
-echo "tools/test.sh: $JOBS_PASSED passed, $JOBS_FAILED failed, $JOBS_IGNORED ignored"
+# The closing count, also when a job failed (skipped: libtest's ignored tests).
+echo "tests: $JOBS_PASSED passed, $JOBS_FAILED failed, $JOBS_IGNORED skipped"
 exit $jobs_status
