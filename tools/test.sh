@@ -130,10 +130,11 @@ JOBS_TESTS=${MESHGATE_TEST_JOBS:-3}
 # beside it;
 NODE_TESTS=(meshgate/real_node meshgate/real_istio meshgate/demo)
 # tests that change what a node's teardown compares: network namespaces of their own
-# (the netns tests), or a process a node also runs, found by name (meshgate-wait's CLI test): side
-# by side with each other, never beside a node. (The Karpenter test runs kube-controller-manager
-# too: a node's teardown tells its own by its run directory, so that test may run beside one.)
-HOST_TESTS=(meshgate-standins/cni_netns meshgate-standins/node_proxy_netns
+# (the netns tests), or a process a node also runs, found by name (meshgate-wait's CLI test), and
+# the Karpenter test, whose timing-dependent assertions (Karpenter packs the same pods into the
+# same NodeClaims with meshgate as without) failed beside a real node's load (two 4-CPU nodes
+# against one 8-CPU node, 2026-12-07): side by side with each other, never beside a node.
+HOST_TESTS=(meshgate/karpenter meshgate-standins/cni_netns meshgate-standins/node_proxy_netns
   meshgate-wait/redirect_netns meshgate-wait/cli)
 # What each test uses of the builds (every test uses the default control plane, built above).
 declare -A USES=(
@@ -222,10 +223,8 @@ for cell in $skew; do
     "$(after node,helm "$(plane "$api")" "kubelet-$kubelet")" -- \
     run_test meshgate test real_node dra_gate_guards_pods_by_the_layer
 done
-declare -A queued=()
-for n in meshgate/karpenter "${test_names[@]}"; do
-  [ "$(host_of "$n")" = - ] && [ -n "${run_of[$n]:-}" ] && [ -z "${queued[$n]:-}" ] || continue
-  queued[$n]=1
+for n in "${test_names[@]}"; do
+  [ "$(host_of "$n")" = - ] || continue
   # shellcheck disable=SC2086
   test_job "$n" - "${USES[$n]:--}" -- run_test ${run_of[$n]} --test-threads 4
 done
