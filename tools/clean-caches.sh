@@ -28,8 +28,8 @@ if [ "${1:-}" != --yes ]; then
   echo "clean-caches.sh: nothing removed; --yes removes the paths above"
   exit 0
 fi
-# The Go module cache is read-only by design: `go clean -modcache` is how Go removes it.
-command -v go >/dev/null 2>&1 && go clean -modcache && go clean -cache
-# The Go toolchains that GOTOOLCHAIN downloaded (Karpenter's) live in the module cache too.
+# The Go module cache is read-only by design: `go clean -modcache` is how Go removes it (with
+# the toolchains GOTOOLCHAIN downloaded, Karpenter's, which live there too).
+if command -v go >/dev/null 2>&1; then go clean -modcache && go clean -cache; fi
 rm -rf "${paths[@]}"
 echo "clean-caches.sh: removed; the next tools/test.sh is cold"
